@@ -1,0 +1,356 @@
+"""Node trace format v1: the one place where tables, columns, units and root attributes are defined.
+
+The writer creates exactly these tables, the reader checks them, docs/trace-format.md describes
+them, and mpi_merge/ reads them through collector.reader. Every table is a 1-D chunked, compressed
+HDF5 dataset of a compound type, one row per record, at /<group>/<table>. Times are CLOCK_MONOTONIC
+nanoseconds of the node (column names ending in `_ns`); /clock/pairs maps them to the node's
+CLOCK_REALTIME. A metric that could not be read is NaN in its column and the reason is a row in
+/diagnostics/missing: never a zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_NAME = "slurm-gpuprof.node"
+SCHEMA_VERSION = 1
+
+# Root attributes every node file carries (name -> meaning). Those marked at seal are absent from a
+# file whose collector died; the reader reports such a file as partial.
+ROOT_ATTRS: dict[str, str] = {
+    "schema": "always 'slurm-gpuprof.node'",
+    "schema_version": "integer; readers reject a newer major version",
+    "job_id": "Slurm job id (string; array jobs as '<array>_<task>')",
+    "node": "Slurm node name (SLURMD_NODENAME)",
+    "hostname": "the host's name (several virtual nodes may share one host)",
+    "boot_id": "/proc/sys/kernel/random/boot_id: monotonic times compare only within one boot",
+    "collector_version": "version of slurm-gpuprof that wrote the file",
+    "modes": "comma list of the job's --profile-gpu modes",
+    "rates_json": "JSON object: source -> sampling rate in Hz",
+    "config_json": "JSON of the effective collector configuration",
+    "start_monotonic_ns": "collector start, CLOCK_MONOTONIC ns",
+    "start_realtime_ns": "collector start, CLOCK_REALTIME ns since the epoch",
+    "synthetic": "true only for files written by the synthetic generator (mpi_merge.synthetic)",
+    "sealed": "(at seal) true once the final flush completed",
+    "end_monotonic_ns": "(at seal) collector end, CLOCK_MONOTONIC ns",
+    "end_realtime_ns": "(at seal) collector end, CLOCK_REALTIME ns",
+    "drops_json": "(at seal) JSON object: source -> records dropped because the writer fell behind",
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str  # numpy dtype string
+    unit: str  # '' for identifiers and enums
+    doc: str
+
+
+@dataclass(frozen=True)
+class Table:
+    group: str
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+    # enum columns: column name -> list of names (stored as a dataset attribute "<col>_names")
+    enums: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return f"/{self.group}/{self.name}"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype([(c.name, c.dtype) for c in self.columns])
+
+    def empty(self, n: int = 0) -> np.ndarray:
+        return np.zeros(n, dtype=self.dtype)
+
+
+def C(name: str, dtype: str, unit: str, doc: str) -> Column:
+    return Column(name, dtype, unit, doc)
+
+
+T_NS = C("t_ns", "<u8", "ns", "CLOCK_MONOTONIC time of the sample")
+
+# --- clock -------------------------------------------------------------------------------------
+CLOCK_PAIRS = Table(
+    "clock",
+    "pairs",
+    "(monotonic, realtime) pairs at start, every clock_interval_s and at seal",
+    (
+        C("monotonic_ns", "<u8", "ns", "CLOCK_MONOTONIC"),
+        C("realtime_ns", "<i8", "ns", "CLOCK_REALTIME, since the epoch"),
+        C("uncertainty_ns", "<u4", "ns", "half the time between the two clock reads"),
+    ),
+)
+
+# --- diagnostics -------------------------------------------------------------------------------
+DIAG_ERRORS = Table(
+    "diagnostics",
+    "errors",
+    "errors of sources and of the writer, in order; a source that failed says why here",
+    (T_NS, C("source", "S32", "", "source name"), C("message", "S240", "", "what went wrong")),
+)
+DIAG_MISSING = Table(
+    "diagnostics",
+    "missing",
+    "metrics a device or process does not provide (their columns hold NaN), with the reason",
+    (
+        T_NS,
+        C("source", "S32", "", "source name"),
+        C("device", "<i4", "", "GPU index, or -1 for the node"),
+        C("metric", "S32", "", "column name"),
+        C("reason", "S96", "", "e.g. NVML_ERROR_NOT_SUPPORTED"),
+    ),
+)
+DIAG_DROPS = Table(
+    "diagnostics",
+    "drops",
+    "running total of records dropped per source (oldest first) because the writer fell behind",
+    (T_NS, C("source", "S32", "", "source name"), C("dropped_total", "<u8", "records", "since start")),
+)
+
+# --- processes ----------------------------------------------------------------------------------
+PROCESS_EVENTS = Table(
+    "processes",
+    "events",
+    "the job's processes as the collector saw them appear and go",
+    (
+        T_NS,
+        C("pid", "<u4", "", "process id"),
+        C("ppid", "<u4", "", "parent process id"),
+        C("event", "u1", "", "0 = appeared, 1 = gone"),
+        C("comm", "S16", "", "/proc/PID/comm"),
+        C("cmdline", "S128", "", "start of /proc/PID/cmdline, NULs as spaces"),
+    ),
+    enums={"event": ("appeared", "gone")},
+)
+
+# --- host ---------------------------------------------------------------------------------------
+HOST_NODE = Table(
+    "host",
+    "node",
+    "node-wide CPU, memory and network",
+    (
+        T_NS,
+        C("cpu_busy", "<f4", "fraction", "all CPUs, busy time / elapsed since the previous sample"),
+        C("cpu_iowait", "<f4", "fraction", "iowait share since the previous sample"),
+        C("mem_used_bytes", "<u8", "bytes", "MemTotal - MemAvailable"),
+        C("mem_total_bytes", "<u8", "bytes", "MemTotal"),
+        C("net_rx_bytes", "<u8", "bytes", "sum over non-loopback interfaces, cumulative"),
+        C("net_tx_bytes", "<u8", "bytes", "sum over non-loopback interfaces, cumulative"),
+        C("load1", "<f4", "", "1-minute load average"),
+    ),
+)
+HOST_PROCS = Table(
+    "host",
+    "procs",
+    "per job process counters (cumulative; differentiate to get rates)",
+    (
+        T_NS,
+        C("pid", "<u4", "", "process id"),
+        C("cpu_time_ns", "<u8", "ns", "user + system CPU time"),
+        C("rss_bytes", "<u8", "bytes", "resident set size"),
+        C("num_threads", "<u4", "", "threads"),
+        C("voluntary_ctxsw", "<u8", "", "voluntary context switches, all threads"),
+        C("involuntary_ctxsw", "<u8", "", "involuntary context switches, all threads"),
+        C("read_bytes", "<u8", "bytes", "/proc/PID/io read_bytes (NaN-free: 0 only if the kernel says 0)"),
+        C("write_bytes", "<u8", "bytes", "/proc/PID/io write_bytes"),
+    ),
+)
+
+# --- GPU (NVML) ---------------------------------------------------------------------------------
+GPU_DEVICES = Table(
+    "gpu",
+    "devices",
+    "the GPUs this collector watches (one row each, written at start)",
+    (
+        C("index", "<i4", "", "NVML index"),
+        C("uuid", "S64", "", "GPU UUID"),
+        C("name", "S64", "", "product name"),
+        C("pci_bus_id", "S32", "", "PCI bus id"),
+        C("architecture", "<i4", "", "NVML architecture enum (9 = Hopper)"),
+        C("memory_total_bytes", "<u8", "bytes", "framebuffer size"),
+        C("gpm_supported", "u1", "", "1 if GPM metrics are sampled"),
+    ),
+)
+GPU_SAMPLES = Table(
+    "gpu",
+    "samples",
+    "per GPU device metrics; NaN = not available (reason in /diagnostics/missing)",
+    (
+        T_NS,
+        C("gpu", "<i4", "", "NVML index"),
+        C("util_gpu", "<f4", "percent", "nvmlDeviceGetUtilizationRates.gpu"),
+        C("util_mem", "<f4", "percent", "nvmlDeviceGetUtilizationRates.memory"),
+        C("mem_used_bytes", "<f8", "bytes", "framebuffer used"),
+        C("power_w", "<f4", "W", "power usage"),
+        C("temp_c", "<f4", "degC", "GPU temperature"),
+        C("sm_clock_mhz", "<f4", "MHz", "SM clock"),
+        C("mem_clock_mhz", "<f4", "MHz", "memory clock"),
+        C("pcie_tx_kbps", "<f4", "KB/s", "PCIe TX throughput"),
+        C("pcie_rx_kbps", "<f4", "KB/s", "PCIe RX throughput"),
+        C("nvlink_tx_kbps", "<f4", "KB/s", "NVLink TX, all links (rate from counters)"),
+        C("nvlink_rx_kbps", "<f4", "KB/s", "NVLink RX, all links (rate from counters)"),
+        C("throttle_reasons", "<f8", "bitmask", "nvmlDeviceGetCurrentClocksThrottleReasons (NaN if n/a)"),
+        C("ecc_sbe_total", "<f8", "count", "corrected ECC errors, volatile"),
+        C("ecc_dbe_total", "<f8", "count", "uncorrected ECC errors, volatile"),
+    ),
+)
+GPU_GPM = Table(
+    "gpu",
+    "gpm",
+    "GPM metrics (Hopper and newer), each over the interval between two GPM samples",
+    (
+        T_NS,
+        C("gpu", "<i4", "", "NVML index"),
+        C("interval_ns", "<u8", "ns", "interval the values cover"),
+        C("sm_activity", "<f4", "percent", "NVML_GPM_METRIC_SM_UTIL... SM activity"),
+        C("sm_occupancy", "<f4", "percent", "SM occupancy"),
+        C("tensor_activity", "<f4", "percent", "any tensor pipe active"),
+        C("dram_bw_util", "<f4", "percent", "DRAM bandwidth utilization"),
+    ),
+)
+GPU_PROCESSES = Table(
+    "gpu",
+    "processes",
+    "per job process GPU use",
+    (
+        T_NS,
+        C("gpu", "<i4", "", "NVML index"),
+        C("pid", "<u4", "", "process id"),
+        C("sm_util", "<f4", "percent", "process SM utilization (NaN if n/a)"),
+        C("mem_util", "<f4", "percent", "process memory utilization (NaN if n/a)"),
+        C("used_memory_bytes", "<f8", "bytes", "GPU memory used by the process"),
+    ),
+)
+GPU_EVENTS = Table(
+    "gpu",
+    "events",
+    "NVML events: XIDs, ECC errors, lost GPUs",
+    (
+        T_NS,
+        C("gpu", "<i4", "", "NVML index"),
+        C("kind", "u1", "", "event kind"),
+        C("value", "<u8", "", "XID number or error count"),
+    ),
+    enums={"kind": ("xid", "ecc_single_bit", "ecc_double_bit", "gpu_lost", "clock_change")},
+)
+
+# --- collectives (eBPF uprobes or the user-space fast path) -------------------------------------
+COLLECTIVE_OPS: tuple[str, ...] = (
+    # MPI collectives (blocking)
+    "MPI_Allreduce", "MPI_Reduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather", "MPI_Allgatherv",
+    "MPI_Alltoall", "MPI_Alltoallv", "MPI_Reduce_scatter", "MPI_Reduce_scatter_block", "MPI_Gather",
+    "MPI_Gatherv", "MPI_Scatter", "MPI_Scatterv", "MPI_Scan",
+    # MPI non-blocking collectives (their completion is a row with op MPI_Wait/MPI_Test*)
+    "MPI_Iallreduce", "MPI_Ireduce", "MPI_Ibcast", "MPI_Ibarrier", "MPI_Iallgather", "MPI_Ialltoall",
+    "MPI_Ireduce_scatter", "MPI_Igather", "MPI_Iscatter", "MPI_Iscan",
+    # MPI point to point and completions
+    "MPI_Send", "MPI_Recv", "MPI_Isend", "MPI_Irecv", "MPI_Sendrecv", "MPI_Wait", "MPI_Waitall",
+    "MPI_Test", "MPI_Testall",
+    # NCCL
+    "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclReduce", "ncclSend",
+    "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+)
+COMMUNICATOR_OPS: tuple[str, ...] = (
+    "MPI_Init", "MPI_Comm_split", "MPI_Comm_dup", "MPI_Comm_create", "MPI_Comm_free",
+    "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig", "ncclCommSplit",
+    "ncclCommDestroy", "ncclCommAbort",
+)
+
+COLLECTIVE_CALLS = Table(
+    "collectives",
+    "calls",
+    "one row per collective or point-to-point call of a job process",
+    (
+        C("t_enter_ns", "<u8", "ns", "CLOCK_MONOTONIC at function entry"),
+        C("t_exit_ns", "<u8", "ns", "CLOCK_MONOTONIC at return"),
+        C("pid", "<u4", "", "process id"),
+        C("tid", "<u4", "", "thread id"),
+        C("library", "u1", "", "which library"),
+        C("op", "u1", "", "index into op_names"),
+        C("comm_id", "<u8", "", "job-wide communicator id, identical on every rank of it"),
+        C("seq", "<u8", "", "0-based sequence number of this collective on comm_id (per rank)"),
+        C("comm_rank", "<i4", "", "caller's rank in the communicator"),
+        C("comm_size", "<i4", "", "communicator size"),
+        C("bytes", "<u8", "bytes", "count x datatype size (send side)"),
+        C("root_or_peer", "<i4", "", "root of rooted collectives, peer of point to point, else -1"),
+        C("tag", "<i4", "", "MPI tag of point to point, else -1"),
+        C("ret", "<i4", "", "return code of the call"),
+        C("path", "u1", "", "how it was captured"),
+        C("handle", "<u8", "", "communicator handle in the process (pointer or MPI_Comm value)"),
+    ),
+    enums={"library": ("mpi", "nccl"), "op": COLLECTIVE_OPS, "path": ("uprobe", "fastpath")},
+)
+COMMUNICATORS = Table(
+    "collectives",
+    "communicators",
+    "communicators created or freed by job processes, with their job-wide ids",
+    (
+        T_NS,
+        C("pid", "<u4", "", "process id"),
+        C("library", "u1", "", "which library"),
+        C("op", "u1", "", "index into op_names"),
+        C("comm_id", "<u8", "", "job-wide id"),
+        C("parent_id", "<u8", "", "job-wide id of the parent communicator, 0 if none"),
+        C("handle", "<u8", "", "handle in the process"),
+        C("comm_rank", "<i4", "", "rank of the process in it"),
+        C("comm_size", "<i4", "", "size"),
+    ),
+    enums={"library": ("mpi", "nccl"), "op": COMMUNICATOR_OPS},
+)
+
+# Tables of the eBPF sources (stacks, off-CPU, CUDA kernels) are appended here by bpf sources.
+BPF_TABLES: tuple[Table, ...] = ()
+
+ALL_TABLES: tuple[Table, ...] = (
+    CLOCK_PAIRS,
+    DIAG_ERRORS,
+    DIAG_MISSING,
+    DIAG_DROPS,
+    PROCESS_EVENTS,
+    HOST_NODE,
+    HOST_PROCS,
+    GPU_DEVICES,
+    GPU_SAMPLES,
+    GPU_GPM,
+    GPU_PROCESSES,
+    GPU_EVENTS,
+    COLLECTIVE_CALLS,
+    COMMUNICATORS,
+) + BPF_TABLES
+
+TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
+
+# Which tables each --profile-gpu mode brings (the always-on ones are in every file).
+ALWAYS = (CLOCK_PAIRS, DIAG_ERRORS, DIAG_MISSING, DIAG_DROPS, PROCESS_EVENTS)
+MODE_TABLES: dict[str, tuple[Table, ...]] = {
+    "metrics": (HOST_NODE, HOST_PROCS, GPU_DEVICES, GPU_SAMPLES, GPU_GPM, GPU_PROCESSES, GPU_EVENTS),
+    "collectives": (COLLECTIVE_CALLS, COMMUNICATORS),
+    "stacks": (),
+    "kernels": (),
+}
+VALID_MODES = ("metrics", "stacks", "collectives", "kernels")
+DEFAULT_MODES = ("metrics", "stacks", "collectives")
+
+
+def parse_modes(value: str | None) -> tuple[str, ...]:
+    """The SPANK option's value -> canonical modes. Empty or None means the default set."""
+    if value is None or value.strip() == "":
+        return DEFAULT_MODES
+    items = value.split(",")
+    bad = [m for m in items if m not in VALID_MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad!r}; valid modes: {', '.join(VALID_MODES)}")
+    return tuple(m for m in VALID_MODES if m in items)
+
+
+def tables_for_modes(modes: tuple[str, ...]) -> tuple[Table, ...]:
+    out: list[Table] = list(ALWAYS)
+    for m in modes:
+        out.extend(t for t in MODE_TABLES[m] if t not in out)
+    return tuple(out)

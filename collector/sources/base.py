@@ -1,0 +1,68 @@
+"""The interface every collector source implements (NVML, /proc, eBPF, the fast-path drain).
+
+The daemon gives each source its own thread: it calls `start` once, then `sample` every
+`interval_s` seconds, and pushes what `sample` returns into that source's own bounded ring; the
+writer thread drains the rings. A source never blocks another: a slow or failing `sample` only
+delays its own thread. `SourceUnavailable` from `start` disables the source with the reason
+recorded in /diagnostics/errors; the other sources go on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import numpy as np
+
+from collector.schema import Table
+
+
+class SourceUnavailable(Exception):
+    """This source cannot run on this node or job (no GPU, no BPF, symbol missing...): say why."""
+
+
+@dataclass
+class SourceContext:
+    job_id: str
+    node: str
+    modes: tuple[str, ...]
+    config: dict[str, dict[str, Any]]
+    # The job's current process ids (kept up to date by the process tracker).
+    pids: Callable[[], frozenset[int]]
+    # The job's cgroup directories (one per controller that has one), empty when none is known.
+    cgroup_dirs: Callable[[], tuple[str, ...]]
+    # Record an error row for this source in /diagnostics/errors (never raises).
+    report_error: Callable[[str, str], None]
+    # Record a metric that is not available: (source, device, metric, reason).
+    report_missing: Callable[[str, int, str, str], None]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Batch = tuple[Table, np.ndarray]
+
+
+class Source(ABC):
+    name: str = "source"
+    tables: tuple[Table, ...] = ()
+    interval_s: float = 1.0
+
+    @abstractmethod
+    def start(self, ctx: SourceContext) -> None:
+        """Open what the source needs; raise SourceUnavailable(reason) when it cannot run."""
+
+    @abstractmethod
+    def sample(self, now_ns: int) -> Iterable[Batch]:
+        """Read once; return rows per table. Called on the source's own thread."""
+
+    def stop(self) -> None:
+        """Release resources. Called once, after the last sample."""
+
+    def final(self, now_ns: int) -> Iterable[Batch]:
+        """Last rows at seal (drain kernel maps, rings). Default: one more sample."""
+        return self.sample(now_ns)
+
+    def at_seal(self, f: h5py.File) -> None:
+        """Write what is only known at the end (string tables, symbols) into the closed-SWMR file."""

@@ -1,0 +1,180 @@
+"""Writes a node trace (schema in collector/schema.py, description in docs/trace-format.md).
+
+Crash safety: every table is created at start, then the file switches to SWMR mode. From then on
+the writer only appends rows and flushes; HDF5's SWMR ordering keeps the file readable after each
+flush, so a collector killed mid-job leaves a file holding everything up to its last flush (open it
+with `h5py.File(path, "r", swmr=True)`, or let `gpuprof epilog` recover it into a plain file).
+Attributes cannot change under SWMR, so what is known only at the end (end times, drop totals,
+`sealed`) is written at seal, after the SWMR session is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from collector import schema
+from collector.schema import Table
+from slurm_hooks import __version__
+from slurm_hooks.errors import TraceFormatError
+
+CHUNK_ROWS = 4096
+
+
+@dataclass
+class NodeMeta:
+    job_id: str
+    node: str
+    modes: tuple[str, ...]
+    rates: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    synthetic: bool = False
+    hostname: str = field(default_factory=lambda: os.uname().nodename)
+    boot_id: str = field(default_factory=lambda: read_boot_id())
+
+
+def read_boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+def compression_kwargs(name: str) -> dict[str, Any]:
+    """HDF5 filter settings; docs/trace-format.md has the measurements behind the default."""
+    if name == "gzip":
+        return {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+    if name == "lzf":
+        return {"compression": "lzf", "shuffle": True}
+    if name == "none":
+        return {}
+    raise ValueError(f"unknown compression {name!r}: use gzip, lzf or none")
+
+
+class NodeTraceWriter:
+    """Append-only writer of one node file. Not thread-safe: the collector's writer thread owns it."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: NodeMeta,
+        tables: Iterable[Table],
+        *,
+        compression: str = "gzip",
+        start_monotonic_ns: int | None = None,
+        start_realtime_ns: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.tables = {t.path: t for t in tables}
+        self._rows = {p: 0 for p in self.tables}
+        self._sealed = False
+        filters = compression_kwargs(compression)
+        f = h5py.File(self.path, "w", libver="latest")
+        try:
+            f.attrs["schema"] = schema.SCHEMA_NAME
+            f.attrs["schema_version"] = schema.SCHEMA_VERSION
+            f.attrs["job_id"] = meta.job_id
+            f.attrs["node"] = meta.node
+            f.attrs["hostname"] = meta.hostname
+            f.attrs["boot_id"] = meta.boot_id
+            f.attrs["collector_version"] = __version__
+            f.attrs["modes"] = ",".join(meta.modes)
+            f.attrs["rates_json"] = json.dumps(meta.rates, sort_keys=True)
+            f.attrs["config_json"] = json.dumps(meta.config, sort_keys=True)
+            f.attrs["start_monotonic_ns"] = np.uint64(
+                time.clock_gettime_ns(time.CLOCK_MONOTONIC) if start_monotonic_ns is None else start_monotonic_ns
+            )
+            f.attrs["start_realtime_ns"] = np.int64(
+                time.clock_gettime_ns(time.CLOCK_REALTIME) if start_realtime_ns is None else start_realtime_ns
+            )
+            f.attrs["synthetic"] = bool(meta.synthetic)
+            f.attrs["compression"] = compression
+            for t in self.tables.values():
+                ds = f.create_dataset(
+                    t.path, shape=(0,), maxshape=(None,), dtype=t.dtype, chunks=(CHUNK_ROWS,), **filters
+                )
+                ds.attrs["doc"] = t.doc
+                for c in t.columns:
+                    ds.attrs[f"unit:{c.name}"] = c.unit
+                for col, names in t.enums.items():
+                    ds.attrs[f"{col}_names"] = np.array(names, dtype=h5py.string_dtype())
+            f.swmr_mode = True
+        except BaseException:
+            f.close()
+            raise
+        self._file: h5py.File | None = f
+
+    def append(self, table_path: str, rows: np.ndarray) -> None:
+        """Append rows (a structured array of the table's dtype) to a table."""
+        if self._file is None:
+            raise TraceFormatError(f"{self.path}: append to {table_path} after seal")
+        if len(rows) == 0:
+            return
+        t = self.tables.get(table_path)
+        if t is None:
+            raise TraceFormatError(f"{self.path}: table {table_path} is not in this file's modes")
+        if rows.dtype != t.dtype:
+            rows = rows.astype(t.dtype)
+        ds = self._file[table_path]
+        n = self._rows[table_path]
+        ds.resize((n + len(rows),))
+        ds[n:] = rows
+        self._rows[table_path] = n + len(rows)
+
+    def rows(self, table_path: str) -> int:
+        return self._rows[table_path]
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def seal(
+        self,
+        *,
+        drops: dict[str, int],
+        extra: Callable[[h5py.File], None] | None = None,
+    ) -> None:
+        """Final flush, close the SWMR session, then write the end attributes and `extra` data
+        (string tables that are only known at the end, e.g. symbolized stacks)."""
+        if self._file is None:
+            return
+        self._file.flush()
+        self._file.close()
+        self._file = None
+        with h5py.File(self.path, "r+") as f:
+            if extra is not None:
+                extra(f)
+            f.attrs["end_monotonic_ns"] = np.uint64(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+            f.attrs["end_realtime_ns"] = np.int64(time.clock_gettime_ns(time.CLOCK_REALTIME))
+            f.attrs["drops_json"] = json.dumps(drops, sort_keys=True)
+            f.attrs["sealed"] = True
+        self._sealed = True
+
+    def close_unsealed(self) -> None:
+        """Close without sealing (the file stays readable as partial)."""
+        if self._file is not None:
+            self._file.flush()
+            self._file.close()
+            self._file = None
+
+
+def recover(src: str | os.PathLike[str], dst: str | os.PathLike[str], reason: str) -> None:
+    """Copy what an unsealed node file holds (a dead collector's) into a plain, closed file that any
+    HDF5 tool opens, marked partial with the reason. The source is left as it was."""
+    try:
+        fin = h5py.File(src, "r", swmr=True)
+    except OSError as e:
+        raise TraceFormatError(f"{src}: cannot open unsealed node file to recover it: {e}") from None
+    with fin, h5py.File(dst, "w", libver="latest") as fout:
+        for k, v in fin.attrs.items():
+            fout.attrs[k] = v
+        for name in fin:
+            fin.copy(fin[name], fout, name=name)
+        fout.attrs["sealed"] = False
+        fout.attrs["partial_reason"] = reason

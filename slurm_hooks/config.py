@@ -1,0 +1,183 @@
+"""The suite's one config file (TOML): schema, defaults, lookup order, validation.
+
+Lookup order (docs/config.md):
+  1. the path given on the command line (`gpuprof --config FILE`),
+  2. $GPUPROF_CONFIG,
+  3. /etc/gpuprof/gpuprof.toml when it exists,
+  4. the built-in defaults below (identical to the shipped etc/gpuprof.toml; a test checks it).
+A path named in 1 or 2 must exist: a missing file there is an error, not a silent fallback.
+Unknown sections or keys and wrong types are rejected with the key named.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_hooks import environment
+from slurm_hooks.errors import ConfigError
+
+SITE_CONFIG = Path("/etc/gpuprof/gpuprof.toml")
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type | tuple[type, ...]
+    default: Any
+    doc: str
+
+
+# section -> key -> Key. Sections named "a.b" are TOML sub-tables.
+SCHEMA: dict[str, dict[str, Key]] = {
+    "paths": {
+        "state_dir": Key(str, "/var/lib/gpuprof", "root-only directory for hook state, sockets, node files"),
+        "log_file": Key(str, "", "extra log file for hooks and collector ('' = syslog and stderr only)"),
+    },
+    "hooks": {
+        "output_dir_template": Key(
+            str,
+            "{stdout_dir}/{stdout_stem}.gpuprof.d",
+            "where the epilog places <node>.h5; fields: stdout_dir, stdout_stem, work_dir, job_id, user",
+        ),
+        "collector_ready_timeout_s": Key((int, float), 2.0, "prolog waits this long for the collector"),
+        "seal_timeout_s": Key((int, float), 10.0, "epilog waits this long for the collector to seal"),
+        "collector_nice": Key(int, 10, "nice value of the collector (low priority)"),
+        "collector_python": Key(str, "", "python that runs the collector ('' = the one running the hook)"),
+    },
+    "dcgm": {
+        "enabled": Key(bool, True, "pause DCGM profiling while profiled jobs run"),
+        "dcgmi": Key(str, "/usr/bin/dcgmi", "path of the dcgmi command"),
+        "timeout_s": Key((int, float), 5.0, "timeout of one dcgmi call"),
+    },
+    "collector": {
+        "memory_limit_mb": Key(int, 64, "cap on all sources' in-memory rings together"),
+        "flush_interval_s": Key((int, float), 2.0, "writer flushes at least this often (<= 5 s)"),
+        "clock_interval_s": Key((int, float), 1.0, "(monotonic, realtime) pair every N s"),
+        "process_scan_interval_s": Key((int, float), 1.0, "how often new job processes are picked up"),
+        "compression": Key(str, "gzip", "HDF5 filter: gzip, lzf or none (docs/trace-format.md)"),
+    },
+    "sources.nvml": {
+        "rate_hz": Key((int, float), 10.0, "GPU metric sampling rate"),
+        "gpus": Key(str, "job", "'job' = only the job's GPUs (by UUID), 'all' = every GPU of the node"),
+        "call_timeout_s": Key((int, float), 0.5, "timeout of one NVML call"),
+        "gpm": Key(bool, True, "sample GPM metrics on Hopper and newer"),
+    },
+    "sources.host": {
+        "rate_hz": Key((int, float), 10.0, "host and per-process metric sampling rate"),
+    },
+    "sources.stacks": {
+        "rate_hz": Key(int, 99, "CPU stack sampling rate"),
+    },
+    "sources.collectives": {
+        "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),
+        "nccl_path": Key(str, "auto", "auto, uprobe or fastpath (interposer)"),
+        "ring_pages": Key(int, 256, "BPF ring buffer pages per CPU"),
+    },
+    "sources.offcpu": {
+        "flush_interval_s": Key((int, float), 1.0, "off-CPU kernel maps are drained this often"),
+    },
+    "merge": {
+        "reference_node": Key(str, "", "node whose clock is the reference ('' = first in sort order)"),
+        "mpirun": Key(str, "mpirun", "launcher used by the automatic merge at job end"),
+        "auto": Key(bool, True, "merge automatically at job end"),
+    },
+}
+
+
+def defaults() -> dict[str, dict[str, Any]]:
+    return {sec: {k: copy.copy(v.default) for k, v in keys.items()} for sec, keys in SCHEMA.items()}
+
+
+def _flatten(doc: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
+    """TOML nested tables -> {"sources.nvml": {...}} with unknown names rejected."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def walk(table: dict[str, Any], prefix: str) -> None:
+        for name, value in table.items():
+            dotted = f"{prefix}.{name}" if prefix else name
+            if dotted in SCHEMA:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{origin}: [{dotted}] must be a table")
+                values = {k: v for k, v in value.items() if not isinstance(v, dict)}
+                out[dotted] = values
+                walk({k: v for k, v in value.items() if isinstance(v, dict)}, dotted)
+            elif isinstance(value, dict) and any(s.startswith(dotted + ".") for s in SCHEMA):
+                walk(value, dotted)
+            else:
+                raise ConfigError(f"{origin}: unknown key or section '{dotted}'")
+
+    walk(doc, "")
+    return out
+
+
+def validate(doc: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
+    """Merge a parsed TOML document over the defaults; reject unknown keys and wrong types."""
+    merged = defaults()
+    for section, values in _flatten(doc, origin).items():
+        for key, value in values.items():
+            spec = SCHEMA[section].get(key)
+            if spec is None:
+                raise ConfigError(f"{origin}: unknown key '{section}.{key}'")
+            # bool is an int in Python; a number key must not accept true/false.
+            if isinstance(value, bool) and spec.type is not bool:
+                raise ConfigError(f"{origin}: '{section}.{key}' must be {_type_name(spec.type)}, got a boolean")
+            if not isinstance(value, spec.type):
+                raise ConfigError(
+                    f"{origin}: '{section}.{key}' must be {_type_name(spec.type)}, got {type(value).__name__}"
+                )
+            merged[section][key] = value
+    return merged
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    if isinstance(t, tuple):
+        return "a number" if set(t) == {int, float} else " or ".join(x.__name__ for x in t)
+    return {str: "a string", bool: "true or false", int: "an integer", float: "a number"}[t]
+
+
+def config_path(explicit: str | None = None) -> Path | None:
+    """The file to read, by the documented lookup order; None means built-in defaults."""
+    named = explicit or environment.get(environment.GPUPROF_CONFIG)
+    if named:
+        return Path(named)
+    return SITE_CONFIG if SITE_CONFIG.exists() else None
+
+
+def load(explicit: str | None = None) -> dict[str, dict[str, Any]]:
+    path = config_path(explicit)
+    if path is None:
+        return defaults()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return validate(doc, str(path))
+
+
+def render_defaults() -> str:
+    """The shipped etc/gpuprof.toml: every key with its default and what it means."""
+    lines = ["# slurm-gpuprof configuration. Every key, with its default. Lookup order: docs/config.md", ""]
+    for section, keys in SCHEMA.items():
+        lines.append(f"[{section}]")
+        for key, spec in keys.items():
+            lines.append(f"# {spec.doc}")
+            lines.append(f"{key} = {_toml_value(spec.default)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
