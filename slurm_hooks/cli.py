@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "task-prolog": ("slurm_hooks.commands", "task_prolog"),
     "doctor": ("slurm_hooks.commands", "doctor"),
     "config": ("slurm_hooks.commands", "config_cmd"),
+    "dcgm": ("slurm_hooks.commands", "dcgm"),
     "collect": ("collector.cli", "collect"),
     "inspect": ("collector.cli", "inspect"),
 }

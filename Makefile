@@ -1,0 +1,42 @@
+# slurm-gpuprof. The README's two commands are `make demo` and `make test`; each does its own set-up.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup build cluster cluster-down test demo bench lint clean
+
+# Everything the suite needs on a fresh Debian 12/13 machine, as root (idempotent).
+setup:
+	etc/dev/setup.sh
+
+# C parts: the SPANK plugin and the fast-path interposers (setup builds them too).
+build:
+	$(MAKE) -C slurm_hooks/spank
+	@if [ -f bpf/fastpath/Makefile ]; then $(MAKE) -C bpf/fastpath; fi
+
+# A local Slurm cluster: slurmctld + node[1-4], all state under .cluster/.
+cluster: setup
+	etc/dev/cluster-up.sh
+
+cluster-down:
+	etc/dev/cluster-down.sh
+
+# The test suite, including the local cluster end to end through real sbatch.
+test: cluster
+	set -o pipefail; $(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# The main job end to end: cluster up, a real 4-node MPI job under sbatch --profile-gpu, its results.
+demo: cluster
+	etc/dev/demo.sh
+
+# Figures: one JSON object per line.
+bench: cluster
+	etc/dev/bench.sh
+
+lint:
+	$(VENV)/bin/ruff check slurm_hooks collector mpi_merge tests
+	$(VENV)/bin/mypy slurm_hooks collector mpi_merge
+
+clean: cluster-down
+	rm -rf .cluster build *.egg-info

@@ -1,0 +1,116 @@
+"""`gpuprof doctor`: is this node ready to profile? Each check says ok or missing, and the fix."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_hooks import config as config_mod
+from slurm_hooks import environment as env
+from slurm_hooks.errors import ConfigError
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str
+    required: bool = True
+
+
+def _cmd(args: list[str], timeout: float = 5.0) -> tuple[bool, str]:
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, check=False, timeout=timeout)
+    except FileNotFoundError:
+        return False, f"{args[0]} not found"
+    except subprocess.TimeoutExpired:
+        return False, f"{' '.join(args)} timed out"
+    out = (p.stdout or p.stderr).strip().splitlines()
+    return p.returncode == 0, out[0] if out else f"exit {p.returncode}"
+
+
+def _slurm_conf_value(key: str) -> str | None:
+    ok, _ = _cmd(["scontrol", "--version"])
+    if not ok:
+        return None
+    try:
+        p = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=False, timeout=5)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    for line in p.stdout.splitlines():
+        k, _, v = line.partition("=")
+        if k.strip() == key:
+            return v.strip()
+    return None
+
+
+def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | None]:
+    checks: list[Check] = []
+    cfg: dict[str, Any] | None = None
+    try:
+        cfg = config_mod.load(config_path)
+        src = config_mod.config_path(config_path)
+        checks.append(Check("config", True, f"{src or 'built-in defaults'} valid", ""))
+    except ConfigError as e:
+        checks.append(Check("config", False, str(e), "fix the named key or file (docs/config.md)"))
+
+    ok, detail = _cmd(["scontrol", "--version"])
+    checks.append(Check("slurm", ok, detail, "apt-get install slurm-wlm (and set SLURM_CONF if not /etc/slurm)"))
+    plugstack = _slurm_conf_value("PlugStackConfig") if ok else None
+    if plugstack:
+        text = Path(plugstack).read_text() if Path(plugstack).exists() else ""
+        so = [ln.split()[1] for ln in text.splitlines() if "gpuprof_spank" in ln and len(ln.split()) > 1]
+        found = bool(so) and Path(so[0]).exists()
+        checks.append(Check("plugstack", bool(so), f"{plugstack}: {'lists gpuprof_spank' if so else 'no gpuprof line'}",
+                            "add the line of etc/plugstack.conf to it (docs/slurm.md)"))
+        checks.append(Check("spank-plugin", found, so[0] if so else "not configured",
+                            "make -C slurm_hooks/spank and point plugstack.conf at the .so"))
+    else:
+        checks.append(Check("plugstack", False, "PlugStackConfig not set in slurm.conf",
+                            "set PlugStackConfig= in slurm.conf (sbatch reads it only then)"))
+    ok_sb, help_text = False, ""
+    try:
+        p = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, check=False, timeout=5)
+        help_text = p.stdout
+        ok_sb = "--profile-gpu" in help_text
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        pass
+    checks.append(Check("sbatch-option", ok_sb, "sbatch --help lists --profile-gpu" if ok_sb else "option missing",
+                        "check plugstack.conf and the plugin path"))
+
+    ok, detail = _cmd(["munge", "-n"])
+    checks.append(Check("munge", ok, "credential created" if ok else detail, "start munged (systemctl start munge)"))
+
+    from collector.bpf_support import bpf_doctor
+
+    for name, ok, fix in bpf_doctor():
+        checks.append(Check(name, ok, "ok" if ok else "unavailable", fix, required=False))
+
+    nvml = ctypes.util.find_library("nvidia-ml") or env.get(env.GPUPROF_NVML_LIBRARY)
+    checks.append(Check("nvml", bool(nvml), nvml or "libnvidia-ml not found",
+                        "install the NVIDIA driver (GPU metrics are skipped without it)", required=False))
+    dcgmi = cfg["dcgm"]["dcgmi"] if cfg else "/usr/bin/dcgmi"
+    has_dcgmi = os.access(dcgmi, os.X_OK)
+    checks.append(Check("dcgmi", has_dcgmi, dcgmi if has_dcgmi else f"{dcgmi} not found (DCGM lock is a no-op)",
+                        "install DCGM or set dcgm.dcgmi; without it nothing conflicts with the profiler",
+                        required=False))
+    mpirun = shutil.which("mpirun")
+    checks.append(Check("mpi", bool(mpirun), mpirun or "mpirun not found",
+                        "apt-get install openmpi-bin (the merge runs under MPI)"))
+    try:
+        import h5py
+
+        checks.append(Check("hdf5", True, f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}", ""))
+    except ImportError as e:
+        checks.append(Check("hdf5", False, str(e), "pip install h5py"))
+    if cfg:
+        sd = Path(cfg["paths"]["state_dir"])
+        writable = os.access(sd if sd.exists() else sd.parent, os.W_OK)
+        checks.append(Check("state-dir", writable, str(sd), "run the hooks as root or change paths.state_dir"))
+    return checks, cfg

@@ -1,0 +1,204 @@
+"""Where results go, and how they get there safely.
+
+- Slurm filename patterns (%j %x %u %N %A %a ...) expanded ourselves: the prolog and epilog see the
+  job's StdOut unexpanded on 22.05.
+- The node file of a job whose stdout is slurm-123.out goes to slurm-123.gpuprof.d/<node>.h5; the
+  merged job file and reports to slurm-123.gpuprof.{h5,txt,json,html}.
+- Files land where the job's user can write, so they are written *as that user* (a forked child
+  that dropped root) and never through a symlink in the last two components.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm_hooks.errors import GpuprofError
+
+
+class PlacementError(GpuprofError):
+    """A result could not be placed for the job's user; the message names the path."""
+
+
+@dataclass(frozen=True)
+class PatternContext:
+    job_id: str
+    job_name: str
+    user: str
+    first_node: str
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+
+
+_PATTERN = re.compile(r"%(\d*)([%AajJNnstux])")
+
+
+def expand_stdout_pattern(pattern: str, ctx: PatternContext) -> str:
+    """Expand Slurm's filename pattern as sbatch documents it for the batch step's output.
+
+    %A/%a fall back to %j and "4294967294" (NO_VAL) the way Slurm does for non-array jobs.
+    A number after % pads with zeros (%5j)."""
+
+    def value(letter: str) -> str:
+        match letter:
+            case "%":
+                return "%"
+            case "j" | "J":
+                return ctx.job_id if letter == "j" else f"{ctx.job_id}.batch"
+            case "A":
+                return ctx.array_job_id or ctx.job_id
+            case "a":
+                return ctx.array_task_id if ctx.array_task_id is not None else "4294967294"
+            case "x":
+                return ctx.job_name
+            case "u":
+                return ctx.user
+            case "N":
+                return ctx.first_node
+            case "n" | "t":
+                return "0"
+            case "s":
+                return "batch"
+        raise AssertionError(letter)
+
+    def repl(m: re.Match[str]) -> str:
+        width, letter = m.group(1), m.group(2)
+        v = value(letter)
+        if width and letter != "%" and v.isdigit():
+            v = v.zfill(int(width))
+        return v
+
+    return _PATTERN.sub(repl, pattern)
+
+
+def default_stdout(work_dir: str, array: bool) -> str:
+    return os.path.join(work_dir, "slurm-%A_%a.out" if array else "slurm-%j.out")
+
+
+def stdout_stem(stdout_path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(directory, stem): /w/slurm-123.out -> (/w, 'slurm-123')."""
+    p = Path(stdout_path)
+    stem = p.name[: -len(p.suffix)] if p.suffix else p.name
+    return p.parent, stem
+
+
+def node_dir_for_stdout(stdout_path: str | os.PathLike[str], template: str = "{stdout_dir}/{stdout_stem}.gpuprof.d",
+                        **fields: str) -> Path:
+    d, stem = stdout_stem(stdout_path)
+    return Path(template.format(stdout_dir=str(d), stdout_stem=stem, **fields))
+
+
+def job_result_paths(stdout_path: str | os.PathLike[str]) -> dict[str, Path]:
+    """The merged job file and the reports, next to the job's stdout."""
+    d, stem = stdout_stem(stdout_path)
+    return {ext: d / f"{stem}.gpuprof.{ext}" for ext in ("h5", "txt", "json", "html")}
+
+
+# --- writing as the job's user -------------------------------------------------------------------
+
+def _open_dir_nofollow(parent_fd: int, name: str, create: bool) -> int:
+    if create:
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except NotADirectoryError:
+        # O_NOFOLLOW|O_DIRECTORY on a symlink says ENOTDIR; tell the operator what it really is.
+        if stat.S_ISLNK(os.lstat(name, dir_fd=parent_fd).st_mode):
+            raise OSError(errno.ELOOP, "is a symlink", name) from None
+        raise
+
+
+def _copy_into(src_fd: int, dest_dir: Path, file_name: str, subdir: str | None) -> None:
+    """In the (already unprivileged) child: dest_dir[/subdir]/file_name, atomically, no symlinks
+    followed in subdir or file_name. dest_dir itself is resolved with the user's own rights."""
+    dfd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if subdir is not None:
+            sub = _open_dir_nofollow(dfd, subdir, create=True)
+            os.close(dfd)
+            dfd = sub
+        tmp = f".{file_name}.tmp.{os.getpid()}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+        try:
+            os.lseek(src_fd, 0, os.SEEK_SET)
+            while True:
+                chunk = os.read(src_fd, 1 << 20)
+                if not chunk:
+                    break
+                os.write(out, chunk)
+            os.fsync(out)
+        finally:
+            os.close(out)
+        # rename() replaces a symlink at the target name itself; it never writes through it.
+        os.rename(tmp, file_name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def place_as_user(src: Path, dest_dir: Path, file_name: str, *, uid: int, gid: int,
+                  subdir: str | None = None) -> Path:
+    """Copy src (readable by root) to dest_dir[/subdir]/file_name, written by uid:gid.
+
+    The source is opened by root before the fork; the child drops to the user, so the user's own
+    permissions decide what may be written, and a symlink planted at subdir or file_name is never
+    followed. Raises PlacementError naming the path."""
+    target = dest_dir / subdir / file_name if subdir else dest_dir / file_name
+    src_fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 0
+            try:
+                os.close(r)
+                if os.getuid() == 0 and uid != 0:
+                    import pwd
+
+                    try:
+                        name = pwd.getpwuid(uid).pw_name
+                        groups = os.getgrouplist(name, gid)
+                    except KeyError:
+                        groups = [gid]
+                    os.setgroups(groups)
+                    os.setgid(gid)
+                    os.setuid(uid)
+                _copy_into(src_fd, dest_dir, file_name, subdir)
+            except OSError as e:
+                code = 1
+                msg = f"{e.filename or target}: {e.strerror or e}"
+                if e.errno == errno.ELOOP:
+                    msg = f"{target}: refusing to write through a symlink"
+                os.write(w, msg.encode()[:4000])
+            finally:
+                os._exit(code)
+        os.close(w)
+        w = -1
+        _, status = os.waitpid(pid, 0)
+        err = os.read(r, 4096).decode(errors="replace")
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise PlacementError(f"cannot place {target} as uid {uid}: {err or 'child failed'}")
+        return target
+    finally:
+        os.close(r)
+        if w != -1:
+            os.close(w)
+        os.close(src_fd)
+
+
+def make_private_dir(path: Path) -> Path:
+    """A root-only directory (0700); refuses an existing one that is a symlink or not ours."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PlacementError(f"{path}: state directory is not a plain directory")
+    if st.st_uid != os.getuid():
+        raise PlacementError(f"{path}: state directory owned by uid {st.st_uid}, not by us")
+    os.chmod(path, 0o700)
+    return path
