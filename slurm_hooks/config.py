@@ -64,6 +64,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "gpus": Key(str, "job", "'job' = only the job's GPUs (by UUID), 'all' = every GPU of the node"),
         "call_timeout_s": Key((int, float), 0.5, "timeout of one NVML call"),
         "gpm": Key(bool, True, "sample GPM metrics on Hopper and newer"),
+        "process_interval_s": Key((int, float), 1.0, "per process GPU use (job processes only) every N s"),
     },
     "sources.host": {
         "rate_hz": Key((int, float), 10.0, "host and per-process metric sampling rate"),
@@ -82,7 +83,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "merge": {
         "reference_node": Key(str, "", "node whose clock is the reference ('' = first in sort order)"),
         "mpirun": Key(str, "mpirun", "launcher used by the automatic merge at job end"),
-        "auto": Key(bool, True, "merge automatically at job end"),
+        "auto": Key(bool, True, "merge automatically at job end (EpilogSlurmctld submits a merge job)"),
+        "max_ranks": Key(int, 4, "MPI ranks of the automatic merge (at most one per node file)"),
+        "time_limit_min": Key(int, 30, "time limit of the automatic merge job, minutes"),
     },
 }
 

@@ -264,22 +264,23 @@ def _job_for_placement(job_id: str, log: logging.Logger) -> JobInfo:
         return from_hook_environment()
 
 
+def _process_alive(pid: int) -> bool:
+    """True while pid runs; a zombie (exited, not yet reaped by init) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _stop_collector(pid: int | None, log: logging.Logger) -> None:
     if pid is None:
         return
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _process_alive(pid):
             return
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
+        time.sleep(0.02)
     log.warning("collector pid %d still running after seal: killing it", pid)
     try:
         os.kill(pid, 9)

@@ -6,14 +6,17 @@
  * before anything is queued and hands a canonical mode string to the hooks.
  *
  * MODES is a comma-separated list of: metrics, stacks, collectives, kernels.
- * No value means the default set "metrics,stacks,collectives".
+ * No value means the default set "metrics,stacks,collectives"; so do an empty
+ * value and the string "(null)" (how Slurm forwards "no value" to the job,
+ * where an srun reads it back).
  *
  * What the hooks see (verified on Slurm 22.05, Debian 12; see docs/slurm.md):
  *
  *   Prolog / Epilog / EpilogSlurmctld environment:
  *     SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu  the value exactly as given
- *         by the user after validation (Slurm forwards the raw argument; it is
- *         EMPTY when the option is given without a value). Treat "" as the
+ *         by the user after validation (Slurm forwards the raw argument, so
+ *         it is not canonicalised). Given without a value, Slurm 22.05 sets
+ *         it to the literal string "(null)"; treat "(null)" and "" as the
  *         default set.
  *     SPANK_GPUPROF_MODES  the canonical value (deduplicated, canonical order,
  *         default set filled in), set through spank_job_control_setenv() by
@@ -66,13 +69,21 @@ static void usage_error(const char *what)
  * Parse MODES into a bit mask. Returns 0 and sets *mask on success, -1 after
  * reporting the problem. Never echoes characters outside [a-z,].
  */
-static int parse_modes(const char *arg, int remote, unsigned int *mask)
+static int parse_modes(const char *arg, unsigned int *mask)
 {
 	size_t len, i, start;
 	unsigned int m = 0;
 	char msg[MAX_VALUE_LEN + 64];
 
-	if (arg == NULL) {
+	/*
+	 * No value: the callback gets NULL. Slurm 22.05 forwards that to the job
+	 * environment (and to the Prolog/Epilog) as the literal string "(null)",
+	 * and an srun inside the job reads the option back from that variable
+	 * (SLURM_SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu) with remote == 0.
+	 * So NULL, "(null)" and "" all mean the default set, in every context;
+	 * refusing them would make every srun inside a profiled job fail.
+	 */
+	if (arg == NULL || arg[0] == '\0' || strcmp(arg, "(null)") == 0) {
 		*mask = DEFAULT_MASK;
 		return 0;
 	}
@@ -80,17 +91,6 @@ static int parse_modes(const char *arg, int remote, unsigned int *mask)
 	if (len > MAX_VALUE_LEN) {
 		snprintf(msg, sizeof(msg), "longer than %d characters", MAX_VALUE_LEN);
 		usage_error(msg);
-		return -1;
-	}
-	if (len == 0) {
-		/* Slurm forwards "--profile-gpu" without a value as an empty
-		 * string to slurmstepd: that is the default set. On the command
-		 * line an explicit "--profile-gpu=" is refused. */
-		if (remote) {
-			*mask = DEFAULT_MASK;
-			return 0;
-		}
-		usage_error("empty value (omit '=' for the default set)");
 		return -1;
 	}
 	for (i = 0; i < len; i++) {
@@ -146,7 +146,8 @@ static int profile_gpu_cb(int val, const char *optarg, int remote)
 	unsigned int mask;
 
 	(void)val;
-	if (parse_modes(optarg, remote, &mask) < 0)
+	(void)remote;
+	if (parse_modes(optarg, &mask) < 0)
 		return -1;
 	selected_mask = mask;
 	option_seen = 1;

@@ -1,0 +1,135 @@
+"""The merge at job end, without touching the user's job script.
+
+Mechanism (docs/slurm.md, "Why a dependent merge job"): slurmctld's EpilogSlurmctld runs once per
+job when it ends, on the controller, with the job's user and the --profile-gpu option in its
+environment. It submits, as the job's user, a small job `gpuprof-merge-<id>` that depends on the
+profiled job (afterany). That job waits until every node's epilog has placed its trace (the node
+epilogs may still run when the dependency is released), then runs the MPI merge with up to
+`merge.max_ranks` ranks and writes `<stdout stem>.gpuprof.{h5,txt,json,html}` beside the job's
+output. Why not a final step of the batch script: the script is the user's and stays unmodified;
+why not the node epilog: it runs on one node and must stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slurm_hooks import environment as env
+from slurm_hooks.errors import GpuprofError, JobLookupError
+from slurm_hooks.job import JobInfo, job_source
+from slurm_hooks.paths import node_dir_for_stdout, stdout_stem
+
+
+def merge_job_command(job: JobInfo, cfg: dict[str, Any], python: str) -> list[str]:
+    """The sbatch command line that submits the merge job (run as the job's user)."""
+    node_dir = node_dir_for_stdout(job.stdout, cfg["hooks"]["output_dir_template"], work_dir=job.work_dir,
+                                   job_id=job.job_id, user=job.user)
+    ranks = max(1, min(int(cfg["merge"]["max_ranks"]), len(job.nodes) or 1))
+    body = shlex.join([python, "-m", "slurm_hooks.automerge", "run", "--job", job.job_id, "--dir", str(node_dir),
+                       "--stdout", job.stdout, "--nodes", ",".join(job.nodes), "--ranks", str(ranks),
+                       "--mpirun", cfg["merge"]["mpirun"]])
+    return [
+        "sbatch", "--parsable", f"--job-name=gpuprof-merge-{job.job_id}",
+        f"--dependency=afterany:{job.job_id}", "--nodes=1", f"--ntasks={ranks}", "--oversubscribe",
+        f"--chdir={job.work_dir}", f"--output={node_dir.parent}/{stdout_stem(job.stdout)[1]}.gpuprof-merge.log",
+        f"--time={int(cfg['merge']['time_limit_min'])}", f"--wrap={body}",
+    ]
+
+
+def submit(job_id: str, cfg: dict[str, Any]) -> str:
+    """Called by EpilogSlurmctld: submit the merge job as the job's user; returns its id."""
+    job = job_source().lookup(job_id)
+    cmd = merge_job_command(job, cfg, sys.executable)
+    if os.geteuid() == 0 and job.uid != 0:
+        cmd = ["runuser", "-u", job.user, "--", *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if p.returncode != 0:
+        raise GpuprofError(f"job {job_id}: merge job not submitted: {p.stderr.strip()}")
+    return p.stdout.strip()
+
+
+def wait_for_node_files(job_id: str, node_dir: Path, nodes: list[str], timeout_s: float) -> list[str]:
+    """Wait until every node's trace is placed, or the job has left COMPLETING and nothing new came
+    for a while, or the timeout; returns the nodes still missing (the merge reports them)."""
+    deadline = time.monotonic() + timeout_s
+    last_change, last_count = time.monotonic(), -1
+    while True:
+        missing = [n for n in nodes if not (node_dir / f"{n}.h5").exists()]
+        if not missing:
+            return []
+        if len(missing) != last_count:
+            last_count, last_change = len(missing), time.monotonic()
+        if time.monotonic() > deadline:
+            return missing
+        if time.monotonic() - last_change > 15 and not _completing(job_id):
+            return missing
+        time.sleep(0.5)
+
+
+def _completing(job_id: str) -> bool:
+    try:
+        return "COMPLETING" in job_source().lookup(job_id).state
+    except JobLookupError:
+        return False
+
+
+def run(job_id: str, node_dir: Path, stdout: str, nodes: list[str], ranks: int, mpirun: str = "mpirun") -> int:
+    """Body of the merge job."""
+    missing = wait_for_node_files(job_id, node_dir, nodes, timeout_s=300)
+    if missing:
+        print(f"gpuprof merge: job {job_id}: no trace from {', '.join(missing)} after waiting", flush=True)
+    d, stem = stdout_stem(stdout)
+    cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "mpi4py", "-m", "slurm_hooks.cli",
+           "merge", str(node_dir), "--output-stem", str(d / stem), "--expect-nodes", ",".join(nodes)]
+    environ = dict(os.environ)
+    if os.geteuid() == 0:
+        environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    print("gpuprof merge:", shlex.join(cmd), flush=True)
+    return subprocess.run(cmd, env=environ, check=False).returncode
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m slurm_hooks.automerge")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--job", required=True)
+    r.add_argument("--dir", required=True)
+    r.add_argument("--stdout", required=True)
+    r.add_argument("--nodes", required=True)
+    r.add_argument("--ranks", type=int, required=True)
+    r.add_argument("--mpirun", default="mpirun")
+    a = ap.parse_args(argv)
+    return run(a.job, Path(a.dir), a.stdout, [n for n in a.nodes.split(",") if n], a.ranks, a.mpirun)
+
+
+def epilog_slurmctld(config_path: str | None = None) -> int:
+    """EpilogSlurmctld: submit the merge job for a profiled job. Always returns 0."""
+    from slurm_hooks import config as config_mod
+    from slurm_hooks import log as log_mod
+
+    job_id = env.get(env.SLURM_JOB_ID) or "?"
+    log = log_mod.setup("epilog-slurmctld", job_id, "slurmctld")
+    if env.get(env.SPANK_OPTION_HOOK) is None:
+        return 0
+    try:
+        cfg = config_mod.load(config_path)
+        log = log_mod.setup("epilog-slurmctld", job_id, "slurmctld", cfg["paths"]["log_file"])
+        if not cfg["merge"]["auto"]:
+            return 0
+        merge_id = submit(job_id, cfg)
+        log.info("merge job %s submitted", merge_id)
+    except (GpuprofError, OSError, subprocess.SubprocessError) as e:
+        log.error("automatic merge not started: %s (run `mpirun gpuprof merge DIR` by hand)", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

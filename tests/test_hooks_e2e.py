@@ -1,0 +1,219 @@
+"""The Slurm suite end to end on the local cluster, through real sbatch: prolog starts a collector on
+every node, the epilog seals and places node files as the job's user, DCGM is paused exactly while
+profiled jobs run, and no failure of ours drains a node or fails a job."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import pytest
+
+from collector.reader import open_node_trace
+
+from .conftest import NODES, Cluster
+
+pytestmark = pytest.mark.slurm
+FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"
+
+
+@pytest.fixture
+def hook_config(cluster: Cluster, tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
+    """Rewrite the cluster's gpuprof.toml for one test (the hooks read it at every run); restore after."""
+    path = cluster.dir / "gpuprof.toml"
+    original = path.read_bytes()
+
+    def write(text: str) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    yield write
+    path.write_bytes(original)
+
+
+def base_config(cluster: Cluster, calls: Path, extra: str = "") -> str:
+    return (
+        f'[paths]\nstate_dir = "{cluster.dir}/state/gpuprof"\nlog_file = "{cluster.dir}/log/gpuprof-hooks.log"\n'
+        f'[dcgm]\ndcgmi = "{FAKE_DCGMI}"\n'
+        f"[merge]\nauto = false\n" + extra
+    )
+
+
+def dcgmi_calls(calls: Path) -> list[str]:
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def assert_nodes_idle(cluster: Cluster) -> None:
+    deadline = time.monotonic() + 30
+    states: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        states = cluster.node_states()
+        if all(states.get(n) == "idle" for n in NODES):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"nodes not idle: {states}")
+
+
+def wait_files(d: Path, names: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((d / n).exists() for n in names):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{d}: expected {names}, found {sorted(p.name for p in d.glob('*')) if d.exists() else 'no dir'}")
+
+
+@pytest.fixture
+def fake_dcgmi_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # The prolog's environment is Slurm's, not ours: the double logs to its default file then.
+    calls = Path("/tmp/gpuprof-fake-dcgmi.calls")
+    calls.unlink(missing_ok=True)
+    return calls
+
+
+def test_profiled_job_by_ordinary_user_gets_node_files(cluster: Cluster, test_user: str, user_tmpdir: Path,
+                                                       hook_config, fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N4", "--profile-gpu", "--wrap", "sleep 4"], user=test_user, cwd=user_tmpdir)
+    info = cluster.wait_job(job)
+    assert info["JobState"] == "COMPLETED"
+    node_dir = user_tmpdir / f"slurm-{job}.gpuprof.d"
+    wait_files(node_dir, [f"{n}.h5" for n in NODES])
+    pw = pwd.getpwnam(test_user)
+    for n in NODES:
+        f = node_dir / f"{n}.h5"
+        st = f.stat()
+        assert (st.st_uid, st.st_gid) == (pw.pw_uid, pw.pw_gid), f"{f} not owned by {test_user}"
+        trace = open_node_trace(f)
+        assert trace.sealed and trace.node == n and trace.job_id == job
+        assert trace.attrs["modes"] == "metrics,stacks,collectives"
+        assert len(trace.table("/clock/pairs")) >= 3  # start, each second, end
+        assert len(trace.table("/host/node")) > 0
+    assert node_dir.stat().st_uid == pw.pw_uid
+    assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause", "profile --resume"]
+    # the state directory is cleaned
+    assert not list((cluster.dir / "state" / "gpuprof" / "jobs").glob(f"{job}@*"))
+    assert_nodes_idle(cluster)
+
+
+def test_job_without_flag_costs_nothing(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                        fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N2", "--wrap", "true"], user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    time.sleep(1)
+    assert not (user_tmpdir / f"slurm-{job}.gpuprof.d").exists()
+    assert dcgmi_calls(fake_dcgmi_log) == []
+
+
+def test_modes_reach_prolog_and_task_prolog(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                            fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N1", "--profile-gpu=collectives,metrics", "--wrap", "srun env | grep ^GPUPROF_"],
+                         user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    out = (user_tmpdir / f"slurm-{job}.out").read_text()
+    assert "GPUPROF_MODES=metrics,collectives" in out
+    f = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    wait_files(f.parent, [f.name])
+    assert open_node_trace(f).attrs["modes"] == "metrics,collectives"
+
+
+def test_collector_killed_mid_job(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                  fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N2", "--profile-gpu", "--wrap", "sleep 8"], user=test_user, cwd=user_tmpdir)
+    state_root = cluster.dir / "state" / "gpuprof" / "jobs"
+    deadline = time.monotonic() + 30
+    pid = None
+    while time.monotonic() < deadline and pid is None:
+        f = state_root / f"{job}@node1" / "state.json"
+        if f.exists():
+            st = json.loads(f.read_text())
+            if st.get("collector_started"):
+                pid = st["collector_pid"]
+        time.sleep(0.2)
+    assert pid, "collector of node1 never recorded"
+    time.sleep(3)  # let it flush at least once
+    os.kill(pid, signal.SIGKILL)
+    info = cluster.wait_job(job)
+    assert info["JobState"] == "COMPLETED", "the job must not notice the collector's death"
+    node_dir = user_tmpdir / f"slurm-{job}.gpuprof.d"
+    wait_files(node_dir, ["node1.h5", "node2.h5"])
+    killed = open_node_trace(node_dir / "node1.h5")
+    assert not killed.sealed and killed.partial_reasons
+    assert len(killed.table("/clock/pairs")) >= 1
+    with h5py.File(node_dir / "node1.h5", "r") as f:  # a plain file any HDF5 tool opens
+        assert f.attrs["partial_reason"]
+    assert open_node_trace(node_dir / "node2.h5").sealed
+    assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause", "profile --resume"]
+    assert_nodes_idle(cluster)
+
+
+def test_two_profiled_jobs_share_a_node(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                        fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    a = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu", "--wrap", "sleep 6"],
+                       user=test_user, cwd=user_tmpdir)
+    time.sleep(2)
+    b = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu", "--wrap", "sleep 1"],
+                       user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(b)["JobState"] == "COMPLETED"
+    # b ended while a still runs: DCGM must still be paused
+    assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause"]
+    assert cluster.wait_job(a)["JobState"] == "COMPLETED"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(dcgmi_calls(fake_dcgmi_log)) < 2:
+        time.sleep(0.2)
+    assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause", "profile --resume"]
+
+
+def test_invalid_config_runs_job_unprofiled(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                            fake_dcgmi_log: Path) -> None:
+    hook_config("[paths]\nnot_a_key = 1\n")
+    job = cluster.sbatch(["-N2", "--profile-gpu", "--wrap", "true"], user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    assert_nodes_idle(cluster)
+    hook_config("[dcgm\n")  # not TOML
+    job = cluster.sbatch(["-N1", "--profile-gpu", "--wrap", "true"], user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    assert_nodes_idle(cluster)
+
+
+def test_collector_that_cannot_start(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                     fake_dcgmi_log: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log, '[hooks]\ncollector_python = "/nonexistent/python"\n'))
+    job = cluster.sbatch(["-N2", "--profile-gpu", "--wrap", "true"], user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    assert_nodes_idle(cluster)
+    assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause", "profile --resume"]
+    log = (cluster.dir / "log" / "gpuprof-hooks.log").read_text()
+    assert f"job={job}" in log and "collector" in log
+
+
+def test_stdout_dir_symlinked_to_root_place(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                            fake_dcgmi_log: Path, tmp_path: Path) -> None:
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    root_place = Path("/tmp") / f"gpuprof-rootonly-{os.getpid()}"
+    root_place.mkdir(mode=0o755, exist_ok=True)
+    try:
+        # The job's stdout goes to a user-writable dir; the node-file dir name is a symlink the user
+        # planted, pointing at a root-owned place.
+        (user_tmpdir / "out").mkdir()
+        os.chown(user_tmpdir / "out", pwd.getpwnam(test_user).pw_uid, -1)
+        job = cluster.sbatch(["-N1", "--profile-gpu", "-o", f"{user_tmpdir}/out/run.log", "--wrap", "sleep 2"],
+                             user=test_user, cwd=user_tmpdir)
+        (user_tmpdir / "out" / "run.gpuprof.d").symlink_to(root_place)
+        assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+        time.sleep(2)
+        assert list(root_place.iterdir()) == []
+        assert_nodes_idle(cluster)
+    finally:
+        root_place.rmdir()
