@@ -339,8 +339,9 @@ DEFAULT_MODES = ("metrics", "stacks", "collectives")
 
 
 def parse_modes(value: str | None) -> tuple[str, ...]:
-    """The SPANK option's value -> canonical modes. Empty or None means the default set."""
-    if value is None or value.strip() == "":
+    """The SPANK option's value -> canonical modes. Empty, None or Slurm's "(null)" (the option
+    given without a value) mean the default set."""
+    if value is None or value.strip() in ("", "(null)"):
         return DEFAULT_MODES
     items = value.split(",")
     bad = [m for m in items if m not in VALID_MODES]

@@ -11,10 +11,13 @@ GPUPROF_CONFIG = "GPUPROF_CONFIG"  # path of the TOML config (lookup order: docs
 GPUPROF_NVML_LIBRARY = "GPUPROF_NVML_LIBRARY"  # explicit libnvidia-ml.so path (tests load a double)
 GPUPROF_MODES = "GPUPROF_MODES"  # modes exported to the job by the TaskProlog
 
-# SPANK option as the Prolog/Epilog see it (plugin "gpuprof", option "profile-gpu").
-SPANK_OPTION_HOOK = "SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu"
-# The same option as the job's own processes (and the TaskProlog) see it.
-SPANK_OPTION_JOB = "SLURM_SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu"
+# The --profile-gpu option as Slurm forwards it, value as typed (plugin "gpuprof", option
+# "profile-gpu"); with no value Slurm forwards the literal string "(null)". Set only when given.
+SPANK_OPTION_HOOK = "SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu"  # Prolog, Epilog, EpilogSlurmctld
+SPANK_OPTION_JOB = "SLURM_SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu"  # the job, TaskProlog
+# The plugin's canonical copy (validated, de-duplicated, default filled in): read this first.
+SPANK_MODES_HOOK = "SPANK_GPUPROF_MODES"  # Prolog, Epilog, EpilogSlurmctld
+SPANK_MODES_JOB = "SLURM_SPANK_GPUPROF_MODES"  # the job, TaskProlog
 
 # Slurm's hook environment (Prolog, Epilog, TaskProlog).
 SLURM_JOB_ID = "SLURM_JOB_ID"
@@ -39,6 +42,20 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 def get(name: str) -> str | None:
     """The variable's value, or None when it is unset (never a made-up default)."""
     return os.environ.get(name)
+
+
+def profile_modes_hook() -> str | None:
+    """The job's --profile-gpu value in a Prolog/Epilog, or None when it did not ask for profiling."""
+    if get(SPANK_OPTION_HOOK) is None:
+        return None
+    return get(SPANK_MODES_HOOK) or get(SPANK_OPTION_HOOK)
+
+
+def profile_modes_job() -> str | None:
+    """The same, as the job's tasks and the TaskProlog see it."""
+    if get(SPANK_OPTION_JOB) is None and get(SPANK_OPTION_HOOK) is None:
+        return None
+    return get(SPANK_MODES_JOB) or get(SPANK_OPTION_JOB) or get(SPANK_OPTION_HOOK)
 
 
 def snapshot() -> dict[str, str]:

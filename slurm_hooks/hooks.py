@@ -120,7 +120,7 @@ def prolog(config_path: str | None = None) -> int:
 
 
 def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger) -> None:
-    raw_modes = env.get(env.SPANK_OPTION_HOOK)
+    raw_modes = env.profile_modes_hook()
     if raw_modes is None:
         return
     cfg = _load_config(config_path, log)
@@ -306,9 +306,7 @@ def task_prolog_lines(raw_modes: str | None, cfg: dict[str, Any]) -> list[str]:
 def task_prolog(config_path: str | None = None) -> int:
     job_id, node = _hook_context()
     log = log_mod.setup("task-prolog", job_id, node)
-    raw = env.get(env.SPANK_OPTION_JOB)
-    if raw is None:
-        raw = env.get(env.SPANK_OPTION_HOOK)
+    raw = env.profile_modes_job()
     try:
         cfg = config_mod.load(config_path)
         for line in task_prolog_lines(raw, cfg):

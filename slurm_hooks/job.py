@@ -191,5 +191,5 @@ def from_hook_environment() -> JobInfo:
         gpus=[g for g in (env.get(env.SLURM_JOB_GPUS) or "").split(",") if g],
         array_job_id=array_job,
         array_task_id=array_task,
-        spank_modes=env.get(env.SPANK_OPTION_HOOK),
+        spank_modes=env.profile_modes_hook(),
     )

@@ -17,7 +17,7 @@ import pytest
 
 from collector.reader import open_node_trace
 
-from .conftest import NODES, Cluster
+from conftest import NODES, Cluster
 
 pytestmark = pytest.mark.slurm
 FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 or 13 machine (as root) to build, run and test slurm-gpuprof:
+#   Debian packages (Slurm, munge, Open MPI, BCC, kernel headers, HDF5, tools), kernel headers
+#   linked for the running kernel, tracefs/debugfs mounted, cgroup v1 freezer checked, the SPANK
+#   plugin built, .venv created (with Debian's site packages, for `bcc`) and the project installed
+#   into it, and the unprivileged test user gpuprof-test.
+# Idempotent: every step checks first and does nothing when already done.
+#
+# Environment: GPUPROF_SKIP_APT=1 skips the package step (for machines prepared by hand).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+TEST_USER=gpuprof-test
+export DEBIAN_FRONTEND=noninteractive
+export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH"
+
+log() { echo "setup: $*"; }
+warn() { echo "setup: WARNING: $*" >&2; }
+die() { echo "setup: ERROR: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (installs packages, mounts tracefs, creates a user)"
+[ -r /etc/debian_version ] || die "not a Debian system"
+DEBIAN_VERSION="$(cut -d. -f1 /etc/debian_version)"
+case "$DEBIAN_VERSION" in
+    12|13) ;;
+    *) warn "Debian $(cat /etc/debian_version) is untested (12 and 13 are supported)" ;;
+esac
+
+# --- 1. Debian packages -------------------------------------------------------------------------
+REQUIRED_PKGS=(
+    slurm-wlm slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-hdf5-plugin
+    openmpi-bin libopenmpi-dev
+    bpfcc-tools python3-bpfcc linux-headers-amd64
+    python3-venv python3-dev libhdf5-dev build-essential
+    stress-ng procps util-linux ca-certificates
+)
+# Real MPI applications for demos, only when cheap: hpcc is ~1.3 MB installed. lammps is left
+# out (with its data and examples it is ~270 MB).
+OPTIONAL_PKGS=(hpcc)
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
+
+if [ "${GPUPROF_SKIP_APT:-0}" != 1 ]; then
+    missing=()
+    for p in "${REQUIRED_PKGS[@]}" "${OPTIONAL_PKGS[@]}"; do installed "$p" || missing+=("$p"); done
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "installing: ${missing[*]}"
+        apt-get update -qq
+        want=()
+        for p in "${missing[@]}"; do
+            if printf '%s\n' "${OPTIONAL_PKGS[@]}" | grep -qx "$p" && ! apt-cache show "$p" >/dev/null 2>&1; then
+                warn "optional package $p not available, skipped"
+                continue
+            fi
+            want+=("$p")
+        done
+        # policy-rc.d keeps postinst scripts from starting the system's slurmctld/slurmd/munge
+        # services: the test cluster runs its own daemons.
+        policy_created=0
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
+            policy_created=1
+        fi
+        apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null || {
+            [ $policy_created = 1 ] && rm -f /usr/sbin/policy-rc.d
+            die "apt-get install failed"
+        }
+        [ $policy_created = 1 ] && rm -f /usr/sbin/policy-rc.d
+    else
+        log "Debian packages present"
+    fi
+fi
+for b in slurmctld slurmd sbatch munged mpicc; do
+    command -v "$b" >/dev/null || die "$b missing after package installation"
+done
+
+# --- 2. kernel headers for the running kernel (BCC) ---------------------------------------------
+KREL="$(uname -r)"
+KDIR="/lib/modules/$KREL"
+HDR="$(find /usr/src -maxdepth 1 -name 'linux-headers-*-amd64' -type d 2>/dev/null | sort -V | tail -1)"
+if [ -n "$HDR" ]; then
+    COMMON="${HDR%-amd64}-common"
+    mkdir -p "$KDIR"
+    # Only replace symlinks (ours or Debian's), never a real headers tree.
+    if [ ! -e "$KDIR/build" ] || [ -L "$KDIR/build" ]; then
+        [ "$(readlink "$KDIR/build" 2>/dev/null)" = "$HDR" ] || { ln -sfn "$HDR" "$KDIR/build"; log "linked $KDIR/build -> $HDR"; }
+    fi
+    if [ -d "$COMMON" ] && { [ ! -e "$KDIR/source" ] || [ -L "$KDIR/source" ]; }; then
+        [ "$(readlink "$KDIR/source" 2>/dev/null)" = "$COMMON" ] || { ln -sfn "$COMMON" "$KDIR/source"; log "linked $KDIR/source -> $COMMON"; }
+    fi
+else
+    warn "no /usr/src/linux-headers-*-amd64: BCC programs will not compile"
+fi
+
+# --- 3. tracefs, debugfs ------------------------------------------------------------------------
+mount_if_needed() {  # FSTYPE DIR
+    if mountpoint -q "$2" 2>/dev/null; then return 0; fi
+    mkdir -p "$2" 2>/dev/null || true
+    if mount -t "$1" nodev "$2" 2>/dev/null; then log "mounted $1 at $2"; else warn "cannot mount $1 at $2"; fi
+}
+mount_if_needed debugfs /sys/kernel/debug
+mount_if_needed tracefs /sys/kernel/tracing
+
+# --- 4. cgroups: Slurm's proctrack/cgroup (cgroup/v1) needs the freezer controller --------------
+# These machines come with the v1 controllers mounted under a tmpfs /sys/fs/cgroup; the cluster
+# uses proctrack/cgroup then. On a pure cgroup v2 host nothing is changed and etc/dev/cluster-up.sh
+# falls back to proctrack/linuxproc.
+if [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ]; then
+    log "cgroup v2 only: the local cluster will use proctrack/linuxproc"
+elif ! grep -qE '^[^ ]+ /sys/fs/cgroup/freezer cgroup ' /proc/mounts; then
+    mkdir -p /sys/fs/cgroup/freezer 2>/dev/null || true
+    if mount -t cgroup -o freezer cgroup /sys/fs/cgroup/freezer 2>/dev/null; then
+        log "mounted cgroup v1 freezer"
+    else
+        warn "cgroup v1 freezer not mountable: the local cluster will use proctrack/linuxproc"
+    fi
+fi
+
+# --- 5. SPANK plugin ----------------------------------------------------------------------------
+make -s -C "$REPO/slurm_hooks/spank"
+
+# --- 6. Python virtual environment --------------------------------------------------------------
+VENV="$REPO/.venv"
+if [ -x "$VENV/bin/python" ] && ! grep -q '^include-system-site-packages = true' "$VENV/pyvenv.cfg" 2>/dev/null; then
+    warn "$VENV lacks system site packages (needed for Debian's bcc): recreating it"
+    rm -rf "$VENV"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+    log "created $VENV"
+fi
+STAMP="$VENV/.gpuprof-installed"
+if [ ! -e "$STAMP" ] || [ "$REPO/pyproject.toml" -nt "$STAMP" ]; then
+    log "installing the project into $VENV (pip install -e '.[test]')"
+    # mpi4py is compiled against the MPI whose mpicc is found first: Debian's Open MPI.
+    (cd "$REPO" && MPICC="$(command -v mpicc)" "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test]')
+    touch "$STAMP"
+else
+    log "$VENV up to date"
+fi
+"$VENV/bin/python" -c 'import bcc' 2>/dev/null || warn "'import bcc' fails in $VENV"
+
+# --- 7. unprivileged test user ------------------------------------------------------------------
+if ! id "$TEST_USER" >/dev/null 2>&1; then
+    useradd --create-home --shell /bin/bash --comment "slurm-gpuprof tests" "$TEST_USER"
+    log "created user $TEST_USER (uid $(id -u "$TEST_USER"))"
+fi
+
+log "done"
