@@ -52,7 +52,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     else:
         for c in checks:
             mark = "ok     " if c.ok else ("MISSING" if c.required else "absent ")
-            line = f"{mark} {c.name:<14} {c.detail}"
+            line = f"{mark} {c.name:<16} {c.detail}"
             if not c.ok and c.fix:
                 line += f"\n        fix: {c.fix}"
             click.echo(line)

@@ -36,18 +36,19 @@ def _cmd(args: list[str], timeout: float = 5.0) -> tuple[bool, str]:
 
 
 def _slurm_conf_value(key: str) -> str | None:
-    ok, _ = _cmd(["scontrol", "--version"])
-    if not ok:
-        return None
+    """The key as this host's slurm.conf sets it (client commands read the local file, so the
+    controller's view from `scontrol show config` is not the one that matters here)."""
+    path = Path(env.get(env.SLURM_CONF) or "/etc/slurm/slurm.conf")
     try:
-        p = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, check=False, timeout=5)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
+        text = path.read_text()
+    except OSError:
         return None
-    for line in p.stdout.splitlines():
-        k, _, v = line.partition("=")
-        if k.strip() == key:
-            return v.strip()
-    return None
+    value = None
+    for line in text.splitlines():
+        k, sep, v = line.split("#", 1)[0].partition("=")
+        if sep and k.strip().lower() == key.lower():
+            value = v.strip()
+    return value
 
 
 def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | None]:
@@ -65,7 +66,11 @@ def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | N
     plugstack = _slurm_conf_value("PlugStackConfig") if ok else None
     if plugstack:
         text = Path(plugstack).read_text() if Path(plugstack).exists() else ""
-        so = [ln.split()[1] for ln in text.splitlines() if "gpuprof_spank" in ln and len(ln.split()) > 1]
+        so = [
+            ln.split()[1]
+            for ln in text.splitlines()
+            if ln.split()[:1] in (["required"], ["optional"]) and len(ln.split()) > 1 and "gpuprof_spank" in ln
+        ]
         found = bool(so) and Path(so[0]).exists()
         checks.append(Check("plugstack", bool(so), f"{plugstack}: {'lists gpuprof_spank' if so else 'no gpuprof line'}",
                             "add the line of etc/plugstack.conf to it (docs/slurm.md)"))

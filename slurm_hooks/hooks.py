@@ -211,7 +211,6 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
 
 def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:
     from collector.control import request
-
     from collector.writer import recover
 
     state_file = state_dir / "state.json"

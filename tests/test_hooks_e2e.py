@@ -14,10 +14,9 @@ from pathlib import Path
 
 import h5py
 import pytest
+from conftest import NODES, Cluster
 
 from collector.reader import open_node_trace
-
-from conftest import NODES, Cluster
 
 pytestmark = pytest.mark.slurm
 FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"
