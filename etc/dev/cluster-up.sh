@@ -98,9 +98,16 @@ sed -e "s|@CLUSTER@|$C|g" -e "s|@HOST@|$HOST|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" 
     "$REPO/etc/dev/slurm.conf.in" > "$C/slurm.conf.new"
 if [ -f "$C/slurm.conf" ] && ! cmp -s "$C/slurm.conf.new" "$C/slurm.conf" \
     && pid_alive "$C/run/slurmctld.pid" slurmctld; then
-    log "WARNING: slurm.conf changed while the cluster runs: run etc/dev/cluster-down.sh, then this again"
+    log "slurm.conf changed while the cluster runs: restarting it"
+    rm -f "$C/slurm.conf.new"
+    "$REPO/etc/dev/cluster-down.sh"
+    mv "$C/slurm.conf" "$C/slurm.conf.old"  # so the next run sees no running cluster to compare with
+    exec "$0" "$@"
 fi
 mv "$C/slurm.conf.new" "$C/slurm.conf"
+mkdir -p "$C/profile_hdf5" && chmod 1777 "$C/profile_hdf5"
+printf 'ProfileHDF5Dir=%s\nProfileHDF5Default=None\n' "$C/profile_hdf5" > "$C/acct_gather.conf"
+chmod 644 "$C/acct_gather.conf"
 sed -e "s|/usr/local/lib/slurm/gpuprof_spank.so|$SPANK_SO|" "$REPO/etc/plugstack.conf" > "$C/plugstack.conf"
 chmod 644 "$C/slurm.conf" "$C/plugstack.conf"
 
