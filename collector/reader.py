@@ -85,7 +85,11 @@ def _open(path: Path) -> tuple[h5py.File, list[str]]:
     try:
         return h5py.File(path, "r"), []
     except OSError as first:
-        # A collector that died mid-job leaves the SWMR writer flag set; SWMR-read opens it.
+        # A collector that died mid-job leaves the SWMR writer flag set; SWMR-read opens it. Only
+        # that case is retried: HDF5's SWMR open of a truncated file retries its metadata reads for
+        # minutes (measured: > 2 min with libhdf5 1.14), so any other error is final at once.
+        if "already open for write" not in str(first):
+            raise TraceFormatError(f"{path}: HDF5 file cannot be opened (truncated or damaged): {first}") from None
         try:
             return h5py.File(path, "r", swmr=True), ["collector did not seal the file (died mid-job?)"]
         except OSError:
@@ -134,10 +138,20 @@ def open_node_trace(path: str | os.PathLike[str], *, tables: tuple[str, ...] | N
     return NodeTrace(p, attrs, out, enums, partial)
 
 
+def _emulated(trace: NodeTrace) -> bool:
+    """GPU values from the NVML test double (sealed files say so in an attribute; unsealed ones
+    by the double's device names), so that they are never shown as a measurement."""
+    if trace.attrs.get("emulated_gpus", False):
+        return True
+    if trace.has(schema.GPU_DEVICES.path):
+        return any(b"test double" in bytes(n).lower() for n in trace.table(schema.GPU_DEVICES.path)["name"])
+    return False
+
+
 def summarize(trace: NodeTrace) -> dict[str, Any]:
     """What `gpuprof inspect` prints: sources, rates, span, counts, drops, errors."""
     a = trace.attrs
-    counts = {path: int(len(rows)) for path, rows in trace.tables.items()}
+    counts = {path: len(rows) for path, rows in trace.tables.items()}
     errors = []
     if trace.has(schema.DIAG_ERRORS.path):
         errors = [
@@ -164,6 +178,7 @@ def summarize(trace: NodeTrace) -> dict[str, Any]:
         "modes": a["modes"],
         "rates_hz": json.loads(a.get("rates_json", "{}")),
         "synthetic": trace.synthetic,
+        "emulated": _emulated(trace),
         "sealed": trace.sealed,
         "partial_reasons": trace.partial_reasons,
         "span_s": span_s,

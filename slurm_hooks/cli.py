@@ -7,7 +7,6 @@ they are imported lazily so that a hook pays only for what it runs.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import click
 
@@ -23,6 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dcgm": ("slurm_hooks.commands", "dcgm"),
     "collect": ("collector.cli", "collect"),
     "inspect": ("collector.cli", "inspect"),
+    "merge": ("mpi_merge.cli", "merge"),
+    "report": ("mpi_merge.cli", "report"),
+    "export": ("mpi_merge.cli", "export"),
 }
 
 
@@ -60,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

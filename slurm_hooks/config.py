@@ -86,6 +86,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "auto": Key(bool, True, "merge automatically at job end (EpilogSlurmctld submits a merge job)"),
         "max_ranks": Key(int, 4, "MPI ranks of the automatic merge (at most one per node file)"),
         "time_limit_min": Key(int, 30, "time limit of the automatic merge job, minutes"),
+        "clock_window_s": Key((int, float), 2.0, "clock fit window: one offset estimate per window (docs/merge.md)"),
+        "clock_max_bound_width_us": Key(
+            (int, float), 200.0, "bounds_center method: causality intervals up to this wide are used by their centre"
+        ),
+        "straggler_window_s": Key((int, float), 10.0, "stragglers are judged per window of this length"),
+        "straggler_score_threshold": Key(
+            (int, float), 0.9, "median-ratio slowness score below which a rank is a straggler (1 = fastest)"
+        ),
     },
 }
 

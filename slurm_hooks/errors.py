@@ -19,3 +19,7 @@ class TraceFormatError(GpuprofError):
 
 class CollectorError(GpuprofError):
     """The collector could not start, or its control socket did not answer."""
+
+
+class MergeError(GpuprofError):
+    """The merge could not produce a job file (no node files, unknown job, unwritable output)."""

@@ -1,0 +1,505 @@
+"""The collector process: source threads -> bounded rings -> one writer thread -> node HDF5 file.
+
+Threads and why:
+  * one per source, so a slow or hung source (an NVML call stuck in the driver) delays only itself;
+  * the process tracker, which keeps the job's pid set current for the sources;
+  * the writer, the only thread that touches HDF5 (h5py serialises all calls on one global lock,
+    so a second writer thread would only contend);
+  * the control socket server (collector/control.py);
+  * the main thread, which waits for SIGINT/SIGTERM, the duration or a `seal` request, then runs
+    the shutdown: final samples, last drain, seal.
+Every failure is recorded (log, /diagnostics/errors, `status`) and none reaches the job: the job
+does not know we exist. Output trouble (missing directory, read-only, disk full) turns the state
+to "error"; what was flushed before stays readable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pkgutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from collector import schema
+from collector.ring import Ring, split_capacity
+from collector.schema import Table
+from collector.sources.base import Source, SourceContext, SourceUnavailable
+from collector.sources.clock import ClockSource, clock_pair
+from collector.writer import NodeMeta, NodeTraceWriter
+from slurm_hooks.errors import CollectorError
+
+log = logging.getLogger("gpuprof.collector")
+
+MAX_STATUS_ERRORS = 20
+ERROR_REPEAT_S = 10.0  # the same (source, message) is recorded at most once per this interval
+MAX_BACKOFF_S = 30.0
+SOURCE_STOP_TIMEOUT_S = 3.0
+TRACKER_RING = "processes"
+DIAG_RING = "diagnostics"
+
+
+def monotonic_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+@dataclass
+class CollectorOptions:
+    output: Path
+    modes: tuple[str, ...]
+    config: dict[str, dict[str, Any]]
+    job_id: str | None = None
+    node: str | None = None
+    uid: int | None = None
+    pid: int | None = None
+    duration_s: float | None = None
+    control_socket: Path | None = None
+    socket_mode: int = 0o600
+    nice: int | None = None
+    use_scontrol: bool = True
+    cgroup_root: str = "/sys/fs/cgroup"
+
+
+@dataclass
+class _SourceState:
+    source: Source
+    ring: Ring
+    thread: threading.Thread | None = None
+    status: str = "starting"
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+
+def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -> list[Source]:
+    """The sources the modes ask for. eBPF sources are found in collector/sources/bpf_*.py: each such
+    module lists its Source classes in SOURCES, each class names its modes in a `modes` attribute
+    and is built with the config (`cls(config)`)."""
+    sources: list[Source] = [ClockSource(float(config["collector"]["clock_interval_s"]))]
+    if "metrics" in modes:
+        from collector.sources.host import HostSource
+        from collector.sources.nvml import NvmlSource
+
+        sources.append(HostSource(float(config["sources.host"]["rate_hz"])))
+        sources.append(NvmlSource(config["sources.nvml"]))
+    import collector.sources as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("bpf_"):
+            continue
+        try:
+            mod = importlib.import_module(f"collector.sources.{info.name}")
+        except ImportError as e:  # e.g. bcc missing: those sources are unavailable, the rest runs
+            log.warning("source module %s not importable: %s", info.name, e)
+            continue
+        for cls in getattr(mod, "SOURCES", ()):
+            if set(getattr(cls, "modes", ())) & set(modes):
+                sources.append(cls(config))
+    return sources
+
+
+class Collector:
+    """One node's collector for one job (or one process tree)."""
+
+    def __init__(self, opts: CollectorOptions, sources: list[Source] | None = None) -> None:
+        from collector.proctrack import ProcessTracker
+
+        self.opts = opts
+        self.cfg = opts.config["collector"]
+        self.sources = sources if sources is not None else default_sources(opts.modes, opts.config)
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise CollectorError(f"two sources share a name: {names}")
+        caps = split_capacity(int(self.cfg["memory_limit_mb"]), names + [TRACKER_RING, DIAG_RING])
+        self._states = {s.name: _SourceState(s, Ring(s.name, caps[s.name])) for s in self.sources}
+        self._tracker_ring = Ring(TRACKER_RING, caps[TRACKER_RING])
+        self._diag_ring = Ring(DIAG_RING, caps[DIAG_RING])
+        self.tracker = ProcessTracker(
+            job_id=opts.job_id,
+            node=opts.node,
+            uid=opts.uid,
+            root_pid=opts.pid,
+            cgroup_root=opts.cgroup_root,
+            use_scontrol=opts.use_scontrol,
+        )
+        tables: list[Table] = list(schema.tables_for_modes(opts.modes))
+        for s in self.sources:
+            tables.extend(t for t in s.tables if t not in tables)
+        self.tables = tuple(tables)
+
+        self._lock = threading.Lock()
+        self.state = "starting"  # starting -> recording -> sealed, or -> error
+        self._errors: list[dict[str, Any]] = []
+        self._last_error_at: dict[tuple[str, str], float] = {}
+        self._records: dict[str, int] = {}
+        self._drops_written: dict[str, int] = {}
+        self.stop_event = threading.Event()
+        self.stop_reason = ""
+        self._sources_stop = threading.Event()
+        self._writer_wake = threading.Event()
+        self._writer_seal = threading.Event()
+        self._flush_cond = threading.Condition()
+        self._flush_seq = 0
+        self._flush_requested = 0
+        self.sealed_event = threading.Event()
+        self.finished_event = threading.Event()  # writer thread done (sealed or error)
+        self._writer: NodeTraceWriter | None = None
+        self._threads: list[threading.Thread] = []
+        self._control: Any = None
+        self._fatal = ""
+        self._abandoned_writer: NodeTraceWriter | None = None
+
+    # --- reporting (any thread) -------------------------------------------------------------------
+    def report_error(self, source: str, message: str) -> None:
+        now = time.monotonic()
+        key = (source, message)
+        with self._lock:
+            last = self._last_error_at.get(key)
+            if last is not None and now - last < ERROR_REPEAT_S:
+                return
+            self._last_error_at[key] = now
+            t_ns = monotonic_ns()
+            self._errors.append({"t_ns": t_ns, "source": source, "message": message})
+            del self._errors[:-MAX_STATUS_ERRORS]
+        log.warning("%s: %s", source, message)
+        row = schema.DIAG_ERRORS.empty(1)
+        row[0] = (t_ns, source.encode()[:32], message.encode("utf-8", "replace")[:240])
+        self._diag_ring.push(schema.DIAG_ERRORS, row)
+
+    def report_missing(self, source: str, device: int, metric: str, reason: str) -> None:
+        row = schema.DIAG_MISSING.empty(1)
+        row[0] = (monotonic_ns(), source.encode()[:32], device, metric.encode()[:32], reason.encode()[:96])
+        self._diag_ring.push(schema.DIAG_MISSING, row)
+
+    def _set_error(self, message: str) -> None:
+        log.error("%s", message)
+        self.report_error("writer", message)
+        with self._lock:
+            self.state = "error"
+            self._fatal = message
+        self._sources_stop.set()  # nothing can be written: stop costing the job anything
+
+    # --- status (control socket) ------------------------------------------------------------------
+    def drops(self) -> dict[str, int]:
+        d = {name: st.ring.dropped for name, st in self._states.items()}
+        d[TRACKER_RING] = self._tracker_ring.dropped
+        d[DIAG_RING] = self._diag_ring.dropped
+        return d
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "state": self.state,
+                "file": str(self.opts.output),
+                "records": dict(self._records),
+                "drops": self.drops(),
+                "errors": list(self._errors),
+                "sources": {n: st.status for n, st in self._states.items()},
+                "pids": len(self.tracker.pids()),
+                "process_tracking": self.tracker.method,
+                "pid": os.getpid(),
+                **({"error": self._fatal} if self.state == "error" else {}),
+            }
+
+    def request_flush(self, timeout_s: float = 10.0) -> bool:
+        """Ask the writer for a drain+flush now; True once it happened."""
+        with self._flush_cond:
+            if self.state != "recording":
+                return False
+            self._flush_requested += 1
+            target = self._flush_requested
+            self._writer_wake.set()
+            return self._flush_cond.wait_for(
+                lambda: self._flush_seq >= target or self.state != "recording", timeout_s
+            ) and self._flush_seq >= target
+
+    @property
+    def writer_abandoned(self) -> bool:
+        """True after a write error left the HDF5 file open on purpose (see _writer_loop)."""
+        return self._abandoned_writer is not None
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_event.is_set():
+            self.stop_reason = reason
+            log.info("stopping: %s", reason)
+        self.stop_event.set()
+
+    # --- threads ------------------------------------------------------------------------------------
+    def _ctx(self) -> SourceContext:
+        return SourceContext(
+            job_id=self.opts.job_id or "",
+            node=self.opts.node or "",
+            modes=self.opts.modes,
+            config=self.opts.config,
+            pids=self.tracker.pids,
+            cgroup_dirs=self.tracker.cgroup_dirs,
+            report_error=self.report_error,
+            report_missing=self.report_missing,
+        )
+
+    def _push(self, st: _SourceState, batches: Any) -> None:
+        for table, rows in batches:
+            st.ring.push(table, rows)
+        if st.ring.queued_bytes * 2 > st.ring.capacity_bytes:
+            self._writer_wake.set()  # half full: drain early rather than drop
+
+    def _source_loop(self, st: _SourceState) -> None:
+        src = st.source
+        try:
+            src.start(self._ctx())
+        except SourceUnavailable as e:
+            st.status = f"unavailable: {e}"
+            self.report_error(src.name, f"unavailable: {e}")
+            st.stopped.set()
+            return
+        except Exception as e:  # noqa: BLE001 - a broken source must not take the collector down
+            st.status = f"failed: {type(e).__name__}: {e}"
+            self.report_error(src.name, f"start failed: {type(e).__name__}: {e}")
+            st.stopped.set()
+            return
+        st.status = "running"
+        interval = max(0.001, float(src.interval_s))
+        backoff = 0.0
+        next_t = time.monotonic()
+        while not self._sources_stop.is_set():
+            try:
+                self._push(st, src.sample(monotonic_ns()))
+                backoff = 0.0
+            except Exception as e:  # noqa: BLE001 - record, back off, go on
+                backoff = min(MAX_BACKOFF_S, max(interval, backoff * 2))
+                self.report_error(src.name, f"sample failed: {type(e).__name__}: {e}")
+            next_t += interval + backoff
+            now = time.monotonic()
+            if next_t < now:  # fell behind: skip the missed ticks instead of bursting
+                next_t = now + interval
+            self._sources_stop.wait(next_t - now)
+        if self.state != "error":
+            try:
+                self._push(st, src.final(monotonic_ns()))
+            except Exception as e:  # noqa: BLE001
+                self.report_error(src.name, f"final sample failed: {type(e).__name__}: {e}")
+        try:
+            src.stop()
+        except Exception as e:  # noqa: BLE001
+            self.report_error(src.name, f"stop failed: {type(e).__name__}: {e}")
+        st.status = "stopped"
+        st.stopped.set()
+
+    def _tracker_loop(self) -> None:
+        interval = float(self.cfg["process_scan_interval_s"])
+        while True:
+            try:
+                rows = self.tracker.scan(monotonic_ns())
+                if len(rows):
+                    self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
+            except Exception as e:  # noqa: BLE001
+                self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
+            if self._sources_stop.wait(interval):
+                return
+
+    def _rings(self) -> list[Ring]:
+        return [st.ring for st in self._states.values()] + [self._tracker_ring, self._diag_ring]
+
+    def _drain_into_writer(self, w: NodeTraceWriter) -> None:
+        for ring in self._rings():
+            drained = ring.drain()
+            for path, (table, rows) in drained.batches.items():
+                if path not in w.tables:
+                    self.report_error(ring.name, f"table {path} is not in this file; rows dropped")
+                    continue
+                w.append(path, rows)
+        drops = self.drops()
+        changed = [(s, n) for s, n in drops.items() if n != self._drops_written.get(s, 0)]
+        if changed:
+            rows = schema.DIAG_DROPS.empty(len(changed))
+            now = monotonic_ns()
+            for i, (s, n) in enumerate(changed):
+                rows[i] = (now, s.encode()[:32], n)
+                self._drops_written[s] = n
+            w.append(schema.DIAG_DROPS.path, rows)
+        with self._lock:
+            self._records = {p: w.rows(p) for p in w.tables}
+
+    def _writer_loop(self, meta: NodeMeta, start: tuple[int, int, int]) -> None:
+        opts = self.opts
+        try:
+            w = NodeTraceWriter(
+                opts.output,
+                meta,
+                self.tables,
+                compression=str(self.cfg["compression"]),
+                start_monotonic_ns=start[0],
+                start_realtime_ns=start[1],
+            )
+        except (OSError, RuntimeError, ValueError) as e:
+            self._set_error(f"cannot create node file {opts.output}: {_reason(e)}")
+            self.finished_event.set()
+            return
+        self._writer = w
+        try:
+            first = schema.CLOCK_PAIRS.empty(1)
+            first[0] = start
+            w.append(schema.CLOCK_PAIRS.path, first)
+            w.flush()
+            with self._lock:
+                self.state = "recording"
+                self._records = {p: w.rows(p) for p in w.tables}
+            log.info("recording to %s", opts.output)
+            flush_every = min(5.0, float(self.cfg["flush_interval_s"]))
+            while not self._writer_seal.is_set():
+                self._writer_wake.wait(flush_every)
+                self._writer_wake.clear()
+                with self._flush_cond:
+                    target = self._flush_requested
+                self._drain_into_writer(w)
+                w.flush()
+                with self._flush_cond:
+                    self._flush_seq = target
+                    self._flush_cond.notify_all()
+            # shutdown: sources have pushed their final rows
+            self._drain_into_writer(w)
+            w.seal(drops=self.drops(), extra=self._at_seal)
+            with self._lock:
+                self.state = "sealed"
+            self.sealed_event.set()
+            log.info("sealed %s", opts.output)
+        except (OSError, RuntimeError, ValueError) as e:
+            self._set_error(f"writing {opts.output} failed: {_reason(e)}; data up to the last flush is kept")
+            # No close: after a failed write HDF5's close tries the same writes again and, on a full
+            # disk, crashes the process (measured: SIGSEGV in libhdf5 1.14). The file on disk holds
+            # everything up to the last good flush, readable with SWMR; we only keep the handle.
+            self._abandoned_writer = w
+        finally:
+            with self._flush_cond:
+                self._flush_cond.notify_all()
+            self.finished_event.set()
+
+    def _at_seal(self, f: Any) -> None:
+        for st in self._states.values():
+            try:
+                st.source.at_seal(f)
+            except Exception as e:  # noqa: BLE001 - one source's end data must not cost the seal
+                log.error("%s: at_seal failed: %s: %s", st.source.name, type(e).__name__, e)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def _apply_nice(self) -> None:
+        nice = self.opts.nice
+        if nice is None:
+            return
+        try:
+            cur = os.getpriority(os.PRIO_PROCESS, 0)
+            if nice > cur:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError as e:
+            log.warning("cannot set nice %d: %s", nice, e)
+
+    def _meta(self) -> NodeMeta:
+        rates = {s.name: round(1.0 / s.interval_s, 6) for s in self.sources if s.interval_s > 0}
+        rates["processes"] = round(1.0 / float(self.cfg["process_scan_interval_s"]), 6)
+        return NodeMeta(
+            job_id=self.opts.job_id or (f"pid:{self.opts.pid}" if self.opts.pid else ""),
+            node=self.opts.node or os.uname().nodename,
+            modes=self.opts.modes,
+            rates=rates,
+            config=self.opts.config,
+        )
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def start(self) -> None:
+        """Start every thread; returns at once. `run` is start + wait + shutdown."""
+        self._apply_nice()
+        if self.opts.control_socket is not None:
+            from collector.control import ControlServer
+
+            # bound first: a socket that cannot be created is a start failure, before any file exists
+            self._control = ControlServer(self, self.opts.control_socket, mode=self.opts.socket_mode)
+        start = clock_pair()
+        self._spawn(self._writer_loop, "writer", self._meta(), start)
+        # the tracker's first scan runs before the sources start, so their first sample sees the pids
+        try:
+            rows = self.tracker.scan(monotonic_ns())
+            if len(rows):
+                self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
+        except Exception as e:  # noqa: BLE001
+            self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
+        self._spawn(self._tracker_loop, "tracker")
+        for st in self._states.values():
+            st.thread = self._spawn(self._source_loop, f"source-{st.source.name}", st)
+        if self._control is not None:
+            self._control.start()
+
+    def shutdown(self) -> None:
+        """Final samples, last drain, seal. Safe to call once the stop event is set."""
+        self._sources_stop.set()
+        deadline = time.monotonic() + SOURCE_STOP_TIMEOUT_S
+        for st in self._states.values():
+            if not st.stopped.wait(max(0.0, deadline - time.monotonic())):
+                # stuck in a call we cannot interrupt (a hung driver): seal without its final rows
+                self.report_error(st.source.name, "did not stop in time; its final samples are missing")
+        try:
+            rows = self.tracker.scan(monotonic_ns())
+            if len(rows):
+                self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
+        except Exception as e:  # noqa: BLE001
+            self.report_error("processes", f"final scan failed: {type(e).__name__}: {e}")
+        self._writer_seal.set()
+        self._writer_wake.set()
+        self.finished_event.wait()
+        if self._control is not None:
+            self._control.close()
+
+    def run(self) -> int:
+        """Run until SIGINT/SIGTERM, the duration, or a `seal` request. 0 when sealed, 1 on error."""
+        installed = self._install_signals()
+        try:
+            self.start()
+            self.stop_event.wait(self.opts.duration_s)
+            if not self.stop_event.is_set():
+                self.request_stop(f"duration {self.opts.duration_s} s reached")
+            self.shutdown()
+        finally:
+            for sig, old in installed.items():
+                signal.signal(sig, old)
+        return 0 if self.state == "sealed" else 1
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            self.request_stop(signal.Signals(signum).name)
+
+        old: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, handler)
+        return old
+
+
+def _reason(e: BaseException) -> str:
+    """A one-line reason from an OSError (strerror and errno name) or anything else."""
+    if isinstance(e, OSError) and e.errno is not None:
+        import errno as _errno
+
+        return f"{_errno.errorcode.get(e.errno, e.errno)} ({e.strerror})"
+    text = str(e)
+    # h5py wraps ENOSPC and friends in messages like "Unable to ... (file write failed: ... errno = 28 ...)"
+    if "errno = 28" in text or "No space left" in text:
+        return f"ENOSPC (No space left on device): {text[:200]}"
+    return f"{type(e).__name__}: {text[:240]}"
+
+
+def rows_of(table: Table, items: list[tuple[Any, ...]]) -> np.ndarray:
+    """A table's rows from tuples (helper for sources)."""
+    return np.array(items, dtype=table.dtype) if items else table.empty(0)

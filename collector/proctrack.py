@@ -1,0 +1,257 @@
+"""Finds the job's processes: its cgroup, else Slurm (`scontrol listpids`), else a process tree.
+
+Why this order: the cgroup is exact and cheap to read (Slurm puts every task of the job there); the
+Slurm command works without proctrack/cgroup but costs a fork per scan; a process tree from a
+given pid is what a hand-started `gpuprof collect --pid` means, and catches daemonized children
+only while they stay below that pid.
+
+Cgroup paths Slurm creates (slurm.schedmd.com/cgroups.html, cgroup_v2.html):
+  v1:  /sys/fs/cgroup/<controller>/slurm/uid_<uid>/job_<id>/step_*/task_*
+       with several slurmd on one host (multiple-slurmd builds, our local cluster):
+       /sys/fs/cgroup/<controller>/slurm_<node>/uid_<uid>/job_<id>/
+  v2:  /sys/fs/cgroup/system.slice/slurmstepd.scope/job_<id>/   (<node>_slurmstepd.scope with several)
+Every controller is searched, because a site may mount only some of them (freezer is the one
+proctrack/cgroup always uses on v1).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from collector import schema
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    comm: str
+    cmdline: str
+
+
+def find_job_cgroups(job_id: str, node: str | None, uid: int | None, root: str = CGROUP_ROOT) -> tuple[str, ...]:
+    """Every cgroup directory of the job, one per controller hierarchy (v1) or the v2 one."""
+    uid_part = f"uid_{uid}" if uid is not None else "uid_*"
+    slurm_dirs = [f"slurm_{node}", "slurm"] if node else ["slurm", "slurm_*"]
+    patterns: list[str] = []
+    for sd in slurm_dirs:
+        patterns.append(f"{root}/*/{sd}/{uid_part}/job_{job_id}")  # v1, one per controller
+        patterns.append(f"{root}/{sd}/{uid_part}/job_{job_id}")  # v1 with a single hierarchy mount
+    scopes = [f"{node}_slurmstepd.scope", "slurmstepd.scope"] if node else ["*slurmstepd.scope"]
+    for sc in scopes:
+        patterns.append(f"{root}/system.slice/{sc}/job_{job_id}")
+        patterns.append(f"{root}/unified/system.slice/{sc}/job_{job_id}")  # hybrid mounts
+    found: list[str] = []
+    for p in patterns:
+        for d in sorted(glob.glob(p)):
+            if os.path.isdir(d) and d not in found:
+                found.append(d)
+    return tuple(found)
+
+
+def pids_in_cgroups(dirs: tuple[str, ...]) -> set[int]:
+    """All pids in the given cgroups and their descendants (step_*/task_* sub-cgroups)."""
+    pids: set[int] = set()
+    for top in dirs:
+        for dirpath, _dirnames, filenames in os.walk(top):
+            if "cgroup.procs" not in filenames:
+                continue
+            try:
+                with open(os.path.join(dirpath, "cgroup.procs"), "rb") as f:
+                    pids.update(int(x) for x in f.read().split())
+            except OSError:
+                continue  # the step's cgroup went away between the walk and the read
+    return pids
+
+
+def scontrol_listpids(job_id: str, node: str | None, timeout_s: float = 5.0) -> set[int] | None:
+    """pids Slurm's slurmd knows for the job on this node; None when scontrol is absent or fails."""
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return None
+    cmd = [exe, "listpids", job_id] + ([node] if node else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    pids: set[int] = set()
+    for line in out.stdout.splitlines()[1:]:  # header: PID JOBID STEPID LOCALID GLOBALID
+        parts = line.split()
+        if parts and parts[0].isdigit():
+            pids.add(int(parts[0]))
+    return pids
+
+
+def _children(pid: int) -> list[int] | None:
+    """Direct children through /proc/PID/task/*/children (CONFIG_PROC_CHILDREN), None if unavailable."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(x) for x in f.read().split())
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # thread exited
+            return None  # kernel without the children file
+        except OSError:
+            continue
+    return out
+
+
+def _ppid_map() -> dict[int, int]:
+    m: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2:].split()
+        m[int(name)] = int(rest[1])
+    return m
+
+
+def process_tree(root_pid: int) -> set[int]:
+    """root_pid and all its descendants that are alive now."""
+    if not os.path.exists(f"/proc/{root_pid}"):
+        return set()
+    out = {root_pid}
+    stack = [root_pid]
+    while stack:
+        kids = _children(stack.pop())
+        if kids is None:  # fall back to a full /proc scan
+            ppids = _ppid_map()
+            out = {root_pid}
+            frontier = [root_pid]
+            while frontier:
+                p = frontier.pop()
+                for c, pp in ppids.items():
+                    if pp == p and c not in out:
+                        out.add(c)
+                        frontier.append(c)
+            return out
+        for k in kids:
+            if k not in out:
+                out.add(k)
+                stack.append(k)
+    return out
+
+
+def read_proc_info(pid: int) -> ProcInfo | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read(512)
+    except OSError:
+        return None
+    comm = stat[stat.find(b"(") + 1: stat.rfind(b")")].decode("utf-8", "replace")
+    ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
+    return ProcInfo(pid, ppid, comm, cmdline.replace(b"\0", b" ").strip().decode("utf-8", "replace"))
+
+
+class ProcessTracker:
+    """Keeps the job's pid set current and emits /processes/events rows for appeared and gone pids.
+
+    `method` is how the pids are found: "cgroup", "scontrol", "tree" or "fixed"; chosen once at start
+    (the first that finds anything), re-chosen while nothing has been found (a job's cgroup may be
+    created after the prolog started us)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str | None,
+        node: str | None,
+        uid: int | None,
+        root_pid: int | None,
+        cgroup_root: str = CGROUP_ROOT,
+        use_scontrol: bool = True,
+    ) -> None:
+        self.job_id = job_id
+        self.node = node
+        self.uid = uid
+        self.root_pid = root_pid
+        self.cgroup_root = cgroup_root
+        self.use_scontrol = use_scontrol
+        self.method = "none"
+        self._cgroups: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+        self._pids: frozenset[int] = frozenset()
+        self._info: dict[int, ProcInfo] = {}
+
+    def pids(self) -> frozenset[int]:
+        with self._lock:
+            return self._pids
+
+    def cgroup_dirs(self) -> tuple[str, ...]:
+        return self._cgroups
+
+    def _discover(self) -> set[int]:
+        if self.job_id is not None:
+            if self.method in ("none", "cgroup"):
+                self._cgroups = find_job_cgroups(self.job_id, self.node, self.uid, self.cgroup_root)
+                if self._cgroups:
+                    self.method = "cgroup"
+                    return pids_in_cgroups(self._cgroups)
+            if self.use_scontrol and self.method in ("none", "scontrol"):
+                pids = scontrol_listpids(self.job_id, self.node)
+                if pids:
+                    self.method = "scontrol"
+                    return pids
+        if self.root_pid is not None:
+            self.method = "tree"
+            return process_tree(self.root_pid)
+        return set()
+
+    def scan(self, now_ns: int) -> np.ndarray:
+        """Refresh the pid set; rows for /processes/events (appeared, gone)."""
+        current = self._discover()
+        current.discard(os.getpid())  # never observe ourselves, even when started inside the job
+        with self._lock:
+            before = self._pids
+            self._pids = frozenset(current)
+        appeared = sorted(current - before)
+        gone = sorted(before - current)
+        rows = schema.PROCESS_EVENTS.empty(len(appeared) + len(gone))
+        i = 0
+        for pid in appeared:
+            info = read_proc_info(pid)
+            if info is None:
+                continue  # gone already: it never really was seen
+            self._info[pid] = info
+            rows[i] = (now_ns, pid, info.ppid, 0, info.comm.encode()[:16], info.cmdline.encode()[:128])
+            i += 1
+        for pid in gone:
+            info = self._info.pop(pid, None)
+            ppid, comm = (info.ppid, info.comm) if info else (0, "")
+            rows[i] = (now_ns, pid, ppid, 1, comm.encode()[:16], b"")
+            i += 1
+        return rows[:i]
+
+    def wait_for(self, predicate: Callable[[frozenset[int]], bool], timeout_s: float) -> bool:
+        """For tests: poll until predicate(pids) holds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate(self.pids()):
+                return True
+            time.sleep(0.05)
+        return False

@@ -1,0 +1,260 @@
+"""The collector process end to end: `gpuprof collect`, signals, kill -9, control socket, output faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "nvml_double"))
+import double
+
+from collector import schema
+from collector.control import request
+from collector.reader import open_node_trace, summarize
+from collector.writer import recover
+from slurm_hooks.errors import CollectorError
+
+GPUPROF = [sys.executable, "-m", "slurm_hooks.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+is_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a tmpfs)")
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    try:
+        return double.build()
+    except double.DoubleUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def job() -> Iterator[subprocess.Popen[bytes]]:
+    """A stand-in job: a shell with a busy and a sleeping child."""
+    p = subprocess.Popen(["sh", "-c", "sleep 60 & (while :; do :; done) & wait"])
+    time.sleep(0.2)
+    yield p
+    subprocess.run(["pkill", "-KILL", "-P", str(p.pid)], check=False)
+    p.kill()
+    p.wait()
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE", "GPUPROF_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [*GPUPROF, "collect", "--modes", "metrics", "--output", str(out), *args],
+        env=env or env_with(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def wait_state(sock: Path, want: str, timeout: float = 15.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    last: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        try:
+            last = request(sock, "status", 2.0)
+            if last["state"] == want:
+                return last
+        except CollectorError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"state {want!r} not reached: {last}")
+
+
+def test_collect_duration_with_nvml_double_end_to_end(tmp_path: Path, job: subprocess.Popen[bytes],
+                                                      library: Path) -> None:
+    conf = double.write_config(tmp_path / "fake.conf", gpus=2, gpu1__unsupported="power")
+    # the double loaded through pynvml's own loading: libnvidia-ml.so.1 on LD_LIBRARY_PATH
+    env = env_with(LD_LIBRARY_PATH=str(library.parent), GPUPROF_FAKE_NVML_CONFIG=str(conf))
+    out = tmp_path / "n1.h5"
+    p = start(out, "--pid", str(job.pid), "--duration", "2.5", "--gpus", "all", env=env)
+    assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+    s = summarize(open_node_trace(out))
+    assert s["sealed"] and not s["partial_reasons"] and 2.3 < s["span_s"] < 4
+    r = s["records"]
+    assert r["/clock/pairs"] >= 4 and r["/host/node"] >= 20 and r["/host/procs"] >= 40
+    assert r["/gpu/samples"] >= 40 and r["/gpu/devices"] == 2
+    assert {"source": "nvml", "device": 1, "metric": "power_w", "reason": "NVML_ERROR_NOT_SUPPORTED"} \
+        in s["missing_metrics"]
+    with h5py.File(out, "r") as f:
+        assert f.attrs["emulated_gpus"]  # emulated values are labelled as such
+    t = open_node_trace(out)
+    pids = set(t.table("/host/procs")["pid"])
+    assert job.pid in pids and len(pids) >= 3
+    text = subprocess.run([*GPUPROF, "inspect", str(out)], env=env_with(), capture_output=True, text=True, check=False)
+    assert text.returncode == 0 and "sealed" in text.stdout and "/host/procs" in text.stdout
+    assert "emulated NVML" in text.stdout
+    js = subprocess.run([*GPUPROF, "inspect", "--json", str(out)], env=env_with(), capture_output=True, text=True, check=False)
+    assert json.loads(js.stdout)["records"] == r
+
+
+def test_nvml_absent_other_sources_go_on(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    env = env_with(GPUPROF_NVML_LIBRARY=str(tmp_path / "absent" / "libnvidia-ml.so.1"))
+    out = tmp_path / "n.h5"
+    p = start(out, "--pid", str(job.pid), "--duration", "1.5", "--gpus", "all", env=env)
+    assert p.wait(30) == 0
+    s = summarize(open_node_trace(out))
+    assert s["records"]["/gpu/samples"] == 0 and s["records"]["/host/procs"] > 0
+    assert any(e["source"] == "nvml" and "unavailable" in e["message"] and "cannot be loaded" in e["message"]
+               for e in s["errors"])
+
+
+def test_control_socket_status_flush_seal(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    out, sock = tmp_path / "n.h5", tmp_path / "n.sock"
+    p = start(out, "--pid", str(job.pid), "--control-socket", str(sock))
+    st = wait_state(sock, "recording")
+    assert out.exists() and st["file"] == str(out) and st["pid"] == p.pid
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    assert set(st) >= {"records", "drops", "errors", "sources"}
+    time.sleep(0.5)
+    fl = request(sock, "flush", 10)
+    assert fl["ok"] and fl["records"]["/host/node"] >= 3
+    # a reader sees the flushed rows while the collector is still running (SWMR)
+    assert len(open_node_trace(out).table("/host/node")) >= 3
+    bad = subprocess.run([sys.executable, "-c", f"""
+import socket; s=socket.socket(socket.AF_UNIX); s.connect({str(sock)!r}); s.sendall(b'nonsense\\n')
+print(s.recv(999).decode())"""], capture_output=True, text=True, check=False)
+    assert '"ok": false' in bad.stdout
+    sealed = request(sock, "seal", 30)
+    assert sealed == {"ok": True, "file": str(out), "sealed": True}
+    assert p.wait(10) == 0
+    assert open_node_trace(out).sealed and not sock.exists()
+    with pytest.raises(CollectorError, match="no collector socket"):
+        request(sock, "status", 1)
+
+
+def test_sigterm_seals(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    out, sock = tmp_path / "n.h5", tmp_path / "n.sock"
+    p = start(out, "--pid", str(job.pid), "--control-socket", str(sock))
+    wait_state(sock, "recording")
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(15) == 0
+    t = open_node_trace(out)
+    assert t.sealed and "end_monotonic_ns" in t.attrs
+    clk = t.table("/clock/pairs")
+    assert int(clk["monotonic_ns"][-1]) > int(clk["monotonic_ns"][0])  # start and end pairs
+
+
+def test_kill_9_keeps_flushed_data_and_recovers(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    out, sock = tmp_path / "n.h5", tmp_path / "n.sock"
+    p = start(out, "--pid", str(job.pid), "--control-socket", str(sock))
+    wait_state(sock, "recording")
+    time.sleep(0.6)
+    flushed = request(sock, "flush", 10)["records"]
+    p.kill()
+    p.wait()
+    t = open_node_trace(out)
+    assert not t.sealed and t.partial
+    assert len(t.table("/host/node")) >= flushed["/host/node"] > 0
+    plain = tmp_path / "recovered.h5"
+    recover(out, plain, "collector killed (test)")
+    with h5py.File(plain, "r") as f:  # a plain open, no SWMR needed
+        assert f.attrs["partial_reason"] == "collector killed (test)"
+        assert len(f["/host/node"]) == len(t.table("/host/node"))
+    assert open_node_trace(plain).partial_reasons == ["collector killed (test)"]
+
+
+def test_output_dir_missing(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    out, sock = tmp_path / "nope" / "n.h5", tmp_path / "n.sock"
+    p = start(out, "--pid", str(job.pid), "--control-socket", str(sock))
+    st = wait_state(sock, "error")
+    assert "cannot create node file" in str(st["error"]) and "ENOENT" in str(st["error"])
+    assert request(sock, "seal", 10)["ok"] is False
+    assert p.wait(10) == 1
+    assert b"cannot create node file" in p.stderr.read()  # type: ignore[union-attr]
+    assert job.poll() is None  # the job is unaffected
+
+
+def mount_tmpfs(path: Path, opts: str) -> None:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "gpuprof-test", str(path)], check=True)
+
+
+@is_root
+def test_output_dir_read_only(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    mnt = tmp_path / "ro"
+    mount_tmpfs(mnt, "ro,size=1m")  # root ignores mode bits: a read-only mount is the real case
+    try:
+        sock = tmp_path / "n.sock"
+        p = start(mnt / "n.h5", "--pid", str(job.pid), "--control-socket", str(sock))
+        st = wait_state(sock, "error")
+        assert "EROFS" in str(st["error"])
+        request(sock, "seal", 10)
+        assert p.wait(10) == 1 and job.poll() is None
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@is_root
+def test_disk_full_mid_run_keeps_flushed_data(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "size=2m")
+    try:
+        out, sock = mnt / "n.h5", tmp_path / "n.sock"
+        p = start(out, "--pid", str(job.pid), "--control-socket", str(sock))
+        wait_state(sock, "recording")
+        time.sleep(0.5)
+        flushed = request(sock, "flush", 10)["records"]
+        # fill the file system to the last byte
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt}/filler", "bs=64k"], capture_output=True, check=False)
+        st = wait_state(sock, "error", timeout=20)
+        assert "ENOSPC" in str(st["error"]), st
+        request(sock, "seal", 10)
+        assert p.wait(10) == 1 and job.poll() is None
+        (mnt / "filler").unlink()
+        t = open_node_trace(out)
+        assert t.partial and len(t.table("/host/node")) >= flushed["/host/node"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_stale_socket_is_replaced_but_live_one_refused(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    import socket as so
+
+    sock = tmp_path / "n.sock"
+    s = so.socket(so.AF_UNIX)
+    s.bind(str(sock))
+    s.close()  # a dead collector's leftover
+    p = start(tmp_path / "a.h5", "--pid", str(job.pid), "--control-socket", str(sock))
+    wait_state(sock, "recording")
+    q = start(tmp_path / "b.h5", "--pid", str(job.pid), "--control-socket", str(sock))
+    assert q.wait(10) == 2 and b"another collector" in q.stderr.read()  # type: ignore[union-attr]
+    request(sock, "seal", 20)
+    assert p.wait(10) == 0
+
+
+def test_usage_errors() -> None:
+    r = subprocess.run([*GPUPROF, "collect", "--output", "/tmp/x.h5"], env=env_with(), capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "give --job JOBID or --pid PID" in r.stderr
+    r = subprocess.run([*GPUPROF, "collect", "--pid", "1", "--modes", "bogus", "--output", "/tmp/x.h5"],
+                       env=env_with(), capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "unknown mode" in r.stderr
+
+
+def test_host_rows_are_plausible(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    out = tmp_path / "n.h5"
+    assert start(out, "--pid", str(job.pid), "--duration", "1.5").wait(30) == 0
+    procs = open_node_trace(out).table("/host/procs")
+    cpu = {}
+    for pid in np.unique(procs["pid"]):
+        r = procs[procs["pid"] == pid]
+        cpu[int(pid)] = (int(r["cpu_time_ns"][-1]) - int(r["cpu_time_ns"][0])) / 1e9
+    assert max(cpu.values()) > 0.5  # the spinning child
+    assert schema.HOST_PROCS.path in open_node_trace(out).tables

@@ -1,0 +1,142 @@
+"""Host metrics of real processes, and how the job's processes are found."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collector import schema
+from collector.proctrack import ProcessTracker, find_job_cgroups, pids_in_cgroups, process_tree
+from collector.sources.base import SourceContext
+from collector.sources.host import HostSource
+
+BUSY = "import time\nt=time.time()\nwhile time.time()-t<30: pass\n"
+
+
+@pytest.fixture
+def family() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
+    """A parent shell with a busy child and a sleeping child."""
+    parent = subprocess.Popen(["sleep", "60"])
+    busy = subprocess.Popen([sys.executable, "-c", BUSY])
+    sleeper = subprocess.Popen(["sleep", "60"])
+    yield parent, busy, sleeper
+    for p in (parent, busy, sleeper):
+        p.kill()
+        p.wait()
+
+
+def ctx_for(pids: frozenset[int], missing: list[tuple[str, int, str, str]] | None = None) -> SourceContext:
+    return SourceContext(
+        job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids, cgroup_dirs=lambda: (),
+        report_error=lambda s, m: None,
+        report_missing=lambda *a: (missing.append(a) if missing is not None else None),
+    )
+
+
+def table(batches: object, t: schema.Table) -> np.ndarray:
+    return next(rows for tt, rows in batches if tt is t)  # type: ignore[attr-defined]
+
+
+def test_host_metrics_of_real_processes(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    _, busy, sleeper = family
+    src = HostSource(rate_hz=10)
+    src.start(ctx_for(frozenset({busy.pid, sleeper.pid})))
+    try:
+        first = src.sample(time.monotonic_ns())
+        time.sleep(1.0)
+        second = src.sample(time.monotonic_ns())
+    finally:
+        src.stop()
+    p1, p2 = table(first, schema.HOST_PROCS), table(second, schema.HOST_PROCS)
+    by1 = {int(r["pid"]): r for r in p1}
+    by2 = {int(r["pid"]): r for r in p2}
+    busy_cpu = (int(by2[busy.pid]["cpu_time_ns"]) - int(by1[busy.pid]["cpu_time_ns"])) / 1e9
+    sleep_cpu = (int(by2[sleeper.pid]["cpu_time_ns"]) - int(by1[sleeper.pid]["cpu_time_ns"])) / 1e9
+    assert busy_cpu > 0.5, busy_cpu  # a spinning process: most of one second of CPU
+    assert sleep_cpu < 0.05, sleep_cpu
+    for r in p2:
+        assert 100_000 < int(r["rss_bytes"]) < 2 * 1024**3
+        assert int(r["num_threads"]) >= 1
+    assert int(by2[sleeper.pid]["voluntary_ctxsw"]) >= 1  # sleep blocks at least once
+    assert int(by2[busy.pid]["involuntary_ctxsw"]) >= int(by1[busy.pid]["involuntary_ctxsw"])
+    node = table(second, schema.HOST_NODE)[0]
+    assert 0.0 <= node["cpu_busy"] <= 1.0 and node["cpu_busy"] > 0.2  # the busy child runs
+    assert 0 < node["mem_used_bytes"] < node["mem_total_bytes"]
+    assert np.isnan(table(first, schema.HOST_NODE)[0]["cpu_busy"])  # no previous sample: not a zero
+
+
+def test_exited_process_is_dropped(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    _, busy, sleeper = family
+    src = HostSource()
+    src.start(ctx_for(frozenset({busy.pid, sleeper.pid})))
+    src.sample(time.monotonic_ns())
+    sleeper.kill()
+    sleeper.wait()
+    pids = {int(p) for p in table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["pid"]}
+    src.stop()
+    assert pids == {busy.pid}
+
+
+def test_process_tree_and_tracker_events(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    me = os.getpid()
+    parent, busy, sleeper = family
+    assert {parent.pid, busy.pid, sleeper.pid} <= process_tree(me)
+    tr = ProcessTracker(job_id=None, node=None, uid=None, root_pid=me)
+    ev = tr.scan(1)
+    assert tr.method == "tree"
+    assert {busy.pid, sleeper.pid} <= {int(p) for p in ev["pid"][ev["event"] == 0]}
+    sleeper.kill()
+    sleeper.wait()
+    ev = tr.scan(2)
+    assert list(ev["pid"][ev["event"] == 1]) == [sleeper.pid]
+    assert ev["comm"][ev["event"] == 1][0] == b"sleep"
+
+
+def make_cgroup(root: Path, rel: str, pids: list[int]) -> Path:
+    d = root / rel
+    d.mkdir(parents=True)
+    (d / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+    return d
+
+
+def test_cgroup_v1_multiple_slurmd(tmp_path: Path) -> None:
+    # several virtual nodes on one host: freezer/slurm_<node>/uid_<uid>/job_<id>/step_*/task_*
+    a = make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42", [])
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_0/task_0", [11, 12])
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_batch", [10])
+    make_cgroup(tmp_path, "freezer/slurm_node2/uid_1000/job_42/step_0", [99])  # same job, other node
+    make_cgroup(tmp_path, "memory/slurm_node1/uid_1000/job_42", [])
+    dirs = find_job_cgroups("42", "node1", 1000, str(tmp_path))
+    assert str(a) in dirs and all("slurm_node2" not in d for d in dirs)
+    assert pids_in_cgroups(dirs) == {10, 11, 12}
+    assert find_job_cgroups("42", "node1", 7, str(tmp_path)) == ()
+
+
+def test_cgroup_v2(tmp_path: Path) -> None:
+    make_cgroup(tmp_path, "system.slice/slurmstepd.scope/job_7/step_0/user/task_0", [5])
+    dirs = find_job_cgroups("7", "n1", None, str(tmp_path))
+    assert pids_in_cgroups(dirs) == {5}
+    tr = ProcessTracker(job_id="7", node="n1", uid=None, root_pid=None, cgroup_root=str(tmp_path),
+                        use_scontrol=False)
+    tr.scan(1)
+    assert tr.method == "cgroup" and tr.pids() == frozenset({5})
+
+
+def test_scontrol_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    _, busy, _ = family
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho 'PID JOBID STEPID LOCALID GLOBALID'\necho '{busy.pid} 9 0 0 0'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    tr = ProcessTracker(job_id="9", node="n1", uid=None, root_pid=None, cgroup_root=str(tmp_path / "none"))
+    tr.scan(1)
+    assert tr.method == "scontrol" and tr.pids() == frozenset({busy.pid})
