@@ -189,3 +189,41 @@ def test_missing_values_are_nan_not_zero_in_float_columns() -> None:
     for c in schema.GPU_SAMPLES.columns[2:]:
         assert np.dtype(c.dtype).kind == "f", c.name
     assert math.isnan(float(np.array(np.nan, dtype=schema.GPU_SAMPLES.dtype["power_w"])))
+
+
+def test_one_long_lived_call_thread_and_stuck_ones_exit(nvml: Any) -> None:
+    # The watchdog hands ticks to one worker that lives as long as the source (no thread per tick
+    # or per call); a worker stuck in a hung call is abandoned and exits once the call returns.
+    import threading
+
+    before = set(threading.enumerate())  # other tests' abandoned workers may still be in a hang
+    src, rec = nvml({"call_timeout_s": 0.2}, gpus=2, gpu1__hang_after=40, hang_ms=600)
+    collect(src, 3)
+    workers = [t for t in threading.enumerate() if t.name == "nvml-call" and t not in before]
+    assert len(workers) == 1
+    first = workers[0]
+    collect(src, 3)  # the hang (call 40 on GPU 1: tick 4) falls in here: that worker is abandoned
+    assert any("timeout" in m for _, m in rec.errors)
+    assert first in src._wd.abandoned
+    collect(src, 2)
+    live = [t for t in threading.enumerate() if t.name == "nvml-call" and t is not first and t not in before]
+    assert len(live) == 1  # one fresh worker took over
+    first.join(2.0)
+    assert not first.is_alive()  # the stuck one left when its call returned
+
+
+def test_field_value_union_decoding() -> None:
+    import struct
+
+    from collector.sources.nvml_direct import field_value
+
+    def raw(fmt: str, v: float) -> int:
+        return int.from_bytes(struct.pack("<" + fmt, v).ljust(8, b"\0"), "little")
+
+    assert field_value(0, raw("d", 1.5)) == 1.5
+    assert field_value(1, raw("I", 4_000_000_000)) == 4_000_000_000
+    assert field_value(2, raw("Q", 2**40)) == 2**40
+    assert field_value(3, raw("Q", 2**63 + 5)) == float(2**63 + 5)
+    assert field_value(4, raw("q", -7)) == -7
+    assert field_value(5, raw("i", -3)) == -3
+    assert field_value(6, raw("H", 65535)) == 65535

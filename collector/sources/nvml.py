@@ -17,6 +17,8 @@ Faults, and why they are handled this way:
   * NVML_ERROR_GPU_IS_LOST: a gpu_lost event and an error row, and that GPU is not polled again.
   * No NVML library: SourceUnavailable with the reason; the other sources run.
 GPUPROF_NVML_LIBRARY names the library to load instead of libnvidia-ml.so.1 (the tests' double).
+The per-sample calls go through pre-bound ctypes functions of that same library
+(collector/sources/nvml_direct.py); set-up, the 1 Hz process queries and shutdown through pynvml.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from collector import schema
+from collector.sources import nvml_direct
 from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from slurm_hooks import environment
 
@@ -43,6 +46,11 @@ MAX_EVENTS_PER_SAMPLE = 64
 
 # GPU_SAMPLES columns, in order after (t_ns, gpu)
 SAMPLE_COLS = tuple(c.name for c in schema.GPU_SAMPLES.columns[2:])
+# position of each column in a GPU_SAMPLES row (t_ns, gpu, *SAMPLE_COLS)
+_COL = {c: k + 2 for k, c in enumerate(SAMPLE_COLS)}
+_NAN_ROW = (math.nan,) * len(SAMPLE_COLS)
+# Table.dtype builds a numpy dtype on every access (~4 us): taken once here.
+_DTYPES = {t.path: t.dtype for t in (schema.GPU_SAMPLES, schema.GPU_GPM, schema.GPU_PROCESSES, schema.GPU_EVENTS)}
 # Field-value ids read in one nvmlDeviceGetFieldValues call: (column, field id, scope)
 _FI_ECC_SBE, _FI_ECC_DBE, _FI_NVLINK_TX, _FI_NVLINK_RX, _FI_PCIE_TX, _FI_PCIE_RX = 3, 4, 138, 139, 197, 198
 FIELDS: tuple[tuple[str, int, int], ...] = (
@@ -60,6 +68,7 @@ HOPPER = 9
 # errors that mean "this metric will never be there on this GPU"
 PERMANENT = {"NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND",
              "NVML_ERROR_INVALID_ARGUMENT"}
+NVML_TEMPERATURE_GPU, NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 1, 2  # nvml.h enums
 EVENT_KIND = {"xid": 0, "ecc_single_bit": 1, "ecc_double_bit": 2, "gpu_lost": 3, "clock_change": 4}
 
 
@@ -104,12 +113,17 @@ _ERROR_NAMES: dict[int, str] = {}
 
 
 def error_name(pynvml: Any, e: Exception) -> str:
+    value = getattr(e, "value", None)
+    return code_name(pynvml, value) if isinstance(value, int) else str(e)
+
+
+def code_name(pynvml: Any, code: int) -> str:
+    """NVML_ERROR_... for an nvmlReturn_t."""
     if not _ERROR_NAMES:
         for k in dir(pynvml):
             if k.startswith("NVML_ERROR_"):
                 _ERROR_NAMES[getattr(pynvml, k)] = k
-    value = getattr(e, "value", None)
-    return _ERROR_NAMES.get(value, f"NVML error {value}") if isinstance(value, int) else str(e)
+    return _ERROR_NAMES.get(code, f"NVML error {code}")
 
 
 @dataclass
@@ -128,81 +142,110 @@ class _Gpu:
     backoff_s: float = 0.0
     prev_counters: dict[str, tuple[float, int]] = field(default_factory=dict)  # col -> (value, t_ns)
     gpm_samples: list[Any] = field(default_factory=list)
-    gpm_prev: Any = None
+    gpm_ptrs: list[Any] = field(default_factory=list)  # the same, as c_void_p for the direct calls
+    gpm_prev: int = -1  # index into gpm_samples of the previous GPM sample, -1 before the first
     gpm_prev_t: int = 0
+    buf: Any = None  # nvml_direct.DeviceBuffers
     proc_ts: int = 0  # lastSeenTimeStamp for nvmlDeviceGetProcessUtilization
 
 
 class _Watchdog:
-    """Runs one tick's NVML calls on a worker thread; gives up when no call completes in time."""
+    """Runs one tick's NVML calls on a long-lived worker thread; gives up when no call completes in
+    time.
+
+    Why this shape: a thread per tick (or per call) costs a thread start each time, and a
+    Condition/Event handoff allocates a waiter lock per wait; at 10 Hz that was measurable. Here one
+    worker per source lives as long as the source, and a tick is handed over and back with two raw
+    locks used as binary semaphores: the worker blocks on `go` without a timeout (no idle wake-ups),
+    the sampling thread blocks on `done` for at most timeout_s, looking again only while calls still
+    complete (`progress` moves). A worker stuck in a call is abandoned (generation bumped, its `go`
+    released so it exits as soon as the call returns) and the next tick starts a fresh worker."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._gen = 0
-        self._job: tuple[int, Callable[[], Any], threading.Event, list[Any]] | None = None
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.abandoned: list[threading.Thread] = []
+        self.gen = 0
         self.progress = 0
-        self.current: tuple[str, int] = ("", -1)
+        self.call = ""
+        self.gpu = -1
+        self.abandoned: list[threading.Thread] = []
+        # (thread, go, done, slot): slot[0] the job, slot[1] its (ok, value)
+        self._worker: tuple[threading.Thread, Any, Any, list[Any]] | None = None
 
-    def _worker(self, gen: int) -> None:
+    @property
+    def current(self) -> tuple[str, int]:
+        return self.call, self.gpu
+
+    def _loop(self, gen: int, go: Any, done: Any, slot: list[Any]) -> None:
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._gen != gen or self._job is not None)
-                if self._gen != gen:
-                    return
-                assert self._job is not None
-                _, fn, done, box = self._job
-                self._job = None
+            go.acquire()
+            if self.gen != gen:
+                return
+            fn = slot[0]
             try:
-                box.append(("ok", fn()))
+                slot[1] = (True, fn(gen))
             except _Abandoned:
                 return
             except BaseException as e:  # noqa: BLE001 - handed to the sampling thread to report
-                box.append(("err", e))
-            done.set()
+                slot[1] = (False, e)
+            done.release()
 
     def check(self, gen: int) -> None:
-        if gen != self._gen:
+        if gen != self.gen:
             raise _Abandoned()
 
     def run(self, fn: Callable[[int], Any]) -> Any:
-        """fn(gen) must call check(gen) (through _call) before each NVML call."""
-        self.abandoned = [t for t in self.abandoned if t.is_alive()]
-        if self._thread is None:
+        """fn(gen) must check the generation (check(gen), or gen != self.gen) before each NVML call,
+        set call/gpu to the call it makes and bump progress after it."""
+        if self.abandoned:
+            self.abandoned = [t for t in self.abandoned if t.is_alive()]
+        if self._worker is None:
             if len(self.abandoned) >= MAX_ABANDONED_THREADS:
                 raise RuntimeError(f"{len(self.abandoned)} NVML calls are still stuck; not calling NVML")
-            self._thread = threading.Thread(target=self._worker, args=(self._gen,), name="nvml-call", daemon=True)
-            self._thread.start()
-        gen = self._gen
-        done = threading.Event()
-        box: list[Any] = []
-        with self._cv:
-            self._job = (gen, lambda: fn(gen), done, box)
-            self._cv.notify_all()
+            go, done = threading.Lock(), threading.Lock()
+            go.acquire()
+            done.acquire()
+            slot: list[Any] = [None, None]
+            t = threading.Thread(target=self._loop, args=(self.gen, go, done, slot), name="nvml-call", daemon=True)
+            t.start()
+            self._worker = (t, go, done, slot)
+        t, go, done, slot = self._worker
+        slot[0] = fn
+        slot[1] = None
         last = self.progress
-        while not done.wait(self.timeout_s):
+        go.release()
+        while not done.acquire(timeout=self.timeout_s):
             if self.progress == last:
-                call, gpu = self.current
-                with self._cv:
-                    self._gen += 1  # the stuck worker exits when its call returns
-                    self._cv.notify_all()
-                assert self._thread is not None
-                self.abandoned.append(self._thread)
-                self._thread = None
-                raise NvmlTimeout(call, gpu, self.timeout_s)
+                self._abandon()
+                raise NvmlTimeout(self.call, self.gpu, self.timeout_s)
             last = self.progress
-        kind, value = box[0]
-        if kind == "err":
-            raise value
-        return value
+        ok, value = slot[1]
+        slot[0] = slot[1] = None
+        if ok:
+            return value
+        raise value
+
+    def _abandon(self) -> None:
+        """The worker is stuck in a call: it exits when the call returns (its next generation check
+        fails, or its `go`, released here, lets it see the new generation)."""
+        assert self._worker is not None
+        t, go, _done, _slot = self._worker
+        self.gen += 1
+        self._worker = None
+        self.abandoned.append(t)
+        try:
+            go.release()
+        except RuntimeError:
+            pass  # already released: the worker has not taken the tick yet
 
     def stop(self) -> None:
-        with self._cv:
-            self._gen += 1
-            self._cv.notify_all()
-        self._thread = None
+        self.gen += 1
+        if self._worker is not None:
+            _t, go, _done, _slot = self._worker
+            self._worker = None
+            try:
+                go.release()
+            except RuntimeError:
+                pass
 
 
 def job_gpu_selectors() -> list[str] | None:
@@ -231,15 +274,36 @@ class NvmlSource(Source):
         self._next_proc_t = 0.0
         self._handle_index: dict[int, int] = {}
         self.library = ""
+        self._b: nvml_direct.Bindings | None = None
+        self._event_ptr: Any = None
+        self._event_data: Any = None
+        self._event_ref: Any = None
 
     # --- helpers --------------------------------------------------------------------------------
     def _call(self, gen: int, name: str, gpu: int, fn: Callable[..., Any], *args: Any) -> Any:
-        self._wd.check(gen)
-        self._wd.current = (name, gpu)
+        """A pynvml call (set-up, 1 Hz process queries, shutdown) under the watchdog."""
+        wd = self._wd
+        if gen != wd.gen:
+            raise _Abandoned()
+        wd.call, wd.gpu = name, gpu
         try:
             return fn(*args)
         finally:
-            self._wd.progress += 1
+            wd.progress += 1
+
+    def _direct(self, gen: int, g: _Gpu, metric: str, name: str, fn: Callable[..., int], *args: Any) -> bool:
+        """A pre-bound hot-path call under the watchdog; False (and the error classified) unless it
+        returned NVML_SUCCESS."""
+        wd = self._wd
+        if gen != wd.gen:
+            raise _Abandoned()
+        wd.call = name
+        r = fn(*args)
+        wd.progress += 1
+        if r:
+            self._nvml_code(g, metric, r)
+            return False
+        return True
 
     def _missing(self, g: _Gpu, metric: str, reason: str) -> None:
         if metric not in g.disabled:
@@ -249,8 +313,13 @@ class NvmlSource(Source):
 
     def _nvml_error(self, g: _Gpu, metric: str, e: Exception) -> None:
         """Classify an NVML error of one metric: permanent -> missing, lost -> event, else error."""
+        self._nvml_name(g, metric, error_name(self.nv, e))
+
+    def _nvml_code(self, g: _Gpu, metric: str, code: int) -> None:
+        self._nvml_name(g, metric, code_name(self.nv, code))
+
+    def _nvml_name(self, g: _Gpu, metric: str, name: str) -> None:
         assert self._ctx is not None
-        name = error_name(self.nv, e)
         if name == "NVML_ERROR_GPU_IS_LOST":
             raise _GpuLost()
         if name in PERMANENT:
@@ -263,10 +332,24 @@ class NvmlSource(Source):
         self._ctx = ctx
         self.nv = load_nvml()
         self.library = environment.get(environment.GPUPROF_NVML_LIBRARY) or "libnvidia-ml.so.1"
+        try:
+            self._b = nvml_direct.Bindings(self.nv)
+        except (AttributeError, RuntimeError) as e:
+            raise SourceUnavailable(f"NVML library lacks a basic function: {e}") from None
         self.gpus = self._wd.run(self._open_devices)
         if not self.gpus:
+            self.stop()  # nvmlShutdown: NVML stays initialised otherwise (and the worker thread alive)
             raise SourceUnavailable(self._no_gpu_reason)
         self._wd.run(self._register_events)
+        if self._event_set is not None:
+            if self._b.event_wait is None:
+                for g in self.gpus:
+                    self._missing(g, "events", "NVML_ERROR_FUNCTION_NOT_FOUND (nvmlEventSetWait_v2)")
+                self._event_set = None
+            else:
+                self._event_ptr = ctypes.cast(self._event_set, ctypes.c_void_p)
+                self._event_data = nvml_direct.EventData()
+                self._event_ref = ctypes.byref(self._event_data)
 
     def _open_devices(self, gen: int) -> list[_Gpu]:
         nv, c = self.nv, self._call
@@ -296,6 +379,10 @@ class NvmlSource(Source):
                 arch = -1
             mem_total = int(c(gen, "nvmlDeviceGetMemoryInfo", i, nv.nvmlDeviceGetMemoryInfo, h).total)
             g = _Gpu(i, h, uuid, name, pci, arch, mem_total, gpm=False)
+            g.buf = nvml_direct.DeviceBuffers(nv, h)
+            assert self._b is not None
+            if self._b.reasons is None:
+                self._missing(g, "throttle_reasons", "NVML_ERROR_FUNCTION_NOT_FOUND")
             self._handle_index[_addr(h)] = i
             if self.cfg.get("gpm", True):
                 self._setup_gpm(gen, g)
@@ -315,8 +402,13 @@ class NvmlSource(Source):
                 if not sup.isSupportedDevice:
                     reason = "nvmlGpmQueryDeviceSupport: device not supported"
                 else:
+                    assert self._b is not None
+                    if self._b.gpm_sample_get is None or self._b.gpm_metrics_get is None:
+                        raise nv.NVMLError(nv.NVML_ERROR_FUNCTION_NOT_FOUND)
                     g.gpm_samples = [self._call(gen, "nvmlGpmSampleAlloc", g.index, nv.nvmlGpmSampleAlloc)
                                      for _ in range(2)]
+                    g.gpm_ptrs = [ctypes.cast(s, ctypes.c_void_p) for s in g.gpm_samples]
+                    g.buf.set_gpm(tuple(mid for _, mid in GPM_METRICS))
                     g.gpm = True
             except nv.NVMLError as e:
                 reason = f"nvmlGpmQueryDeviceSupport: {error_name(nv, e)}"
@@ -376,7 +468,7 @@ class NvmlSource(Source):
         for t, rows in ((schema.GPU_SAMPLES, acc.samples), (schema.GPU_GPM, acc.gpm),
                         (schema.GPU_PROCESSES, acc.procs), (schema.GPU_EVENTS, acc.events)):
             if rows:
-                out.append((t, np.array(rows, dtype=t.dtype)))
+                out.append((t, np.array(rows, dtype=_DTYPES[t.path])))
         return out
 
     def _tick(self, gen: int, now_ns: int, gpus: list[_Gpu], do_procs: bool, acc: _Acc) -> None:
@@ -401,101 +493,98 @@ class NvmlSource(Source):
             acc.events.extend(self._poll_events(gen, now_ns))
 
     def _sample_gpu(self, gen: int, g: _Gpu, now_ns: int) -> tuple[Any, ...]:
-        nv, h, i, d = self.nv, g.handle, g.index, g.disabled
-        v = dict.fromkeys(SAMPLE_COLS, math.nan)
-
-        def get(metric: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
-            if metric in d:
-                return None
-            try:
-                return self._call(gen, call, i, fn, *args)
-            except nv.NVMLError as e:
-                self._nvml_error(g, metric, e)
-                return None
-
-        u = get("util_gpu", "nvmlDeviceGetUtilizationRates", nv.nvmlDeviceGetUtilizationRates, h)
-        if u is not None:
-            v["util_gpu"], v["util_mem"] = u.gpu, u.memory
-        elif "util_gpu" in d:
-            self._missing(g, "util_mem", "NVML_ERROR_NOT_SUPPORTED (with util_gpu)")
-        m = get("mem_used_bytes", "nvmlDeviceGetMemoryInfo", nv.nvmlDeviceGetMemoryInfo, h)
-        if m is not None:
-            v["mem_used_bytes"] = m.used
-        p = get("power_w", "nvmlDeviceGetPowerUsage", nv.nvmlDeviceGetPowerUsage, h)
-        if p is not None:
-            v["power_w"] = p / 1000.0  # NVML: milliwatts
-        t = get("temp_c", "nvmlDeviceGetTemperature", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
-        if t is not None:
-            v["temp_c"] = t
-        sm = get("sm_clock_mhz", "nvmlDeviceGetClockInfo", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
-        if sm is not None:
-            v["sm_clock_mhz"] = sm
-        mc = get("mem_clock_mhz", "nvmlDeviceGetClockInfo", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
-        if mc is not None:
-            v["mem_clock_mhz"] = mc
-        tr = get("throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons",
-                 nv.nvmlDeviceGetCurrentClocksEventReasons, h)
-        if tr is not None:
-            v["throttle_reasons"] = float(tr)
-        wanted = [(col, fid, scope) for col, fid, scope in FIELDS if col not in d]
+        """One GPU_SAMPLES row through the pre-bound calls (collector/sources/nvml_direct.py)."""
+        B, b, d, direct = self._b, g.buf, g.disabled, self._direct
+        assert B is not None
+        h = b.handle
+        self._wd.gpu = g.index
+        v = [now_ns, g.index, *_NAN_ROW]
+        if "util_gpu" not in d:
+            if direct(gen, g, "util_gpu", "nvmlDeviceGetUtilizationRates", B.util, h, b.util_ref):
+                u = b.util
+                v[2], v[3] = u.gpu, u.memory  # util_gpu, util_mem
+            elif "util_gpu" in d:
+                self._missing(g, "util_mem", "NVML_ERROR_NOT_SUPPORTED (with util_gpu)")
+        if "mem_used_bytes" not in d and direct(gen, g, "mem_used_bytes", "nvmlDeviceGetMemoryInfo", B.memory, h,
+                                                b.memory_ref):
+            v[4] = b.memory.used
+        if "power_w" not in d and direct(gen, g, "power_w", "nvmlDeviceGetPowerUsage", B.power, h, b.power_ref):
+            v[5] = b.power.value / 1000.0  # NVML: milliwatts
+        if "temp_c" not in d and direct(gen, g, "temp_c", "nvmlDeviceGetTemperature", B.temperature, h,
+                                        NVML_TEMPERATURE_GPU, b.temp_ref):
+            v[6] = b.temp.value
+        if "sm_clock_mhz" not in d and direct(gen, g, "sm_clock_mhz", "nvmlDeviceGetClockInfo", B.clock, h,
+                                              NVML_CLOCK_SM, b.clock_sm_ref):
+            v[7] = b.clock_sm.value
+        if "mem_clock_mhz" not in d and direct(gen, g, "mem_clock_mhz", "nvmlDeviceGetClockInfo", B.clock, h,
+                                               NVML_CLOCK_MEM, b.clock_mem_ref):
+            v[8] = b.clock_mem.value
+        if "throttle_reasons" not in d and direct(gen, g, "throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons",
+                                                  B.reasons, h, b.reasons_ref):
+            v[_COL["throttle_reasons"]] = float(b.reasons.value)
+        wanted = [f for f in FIELDS if f[0] not in d]
         if wanted:
-            fv = get("field_values", "nvmlDeviceGetFieldValues", nv.nvmlDeviceGetFieldValues, h,
-                     [(fid, scope) for _, fid, scope in wanted])
-            if fv is not None:
-                for k, (col, _fid, _scope) in enumerate(wanted):
-                    item = fv[k]
-                    if item.nvmlReturn != 0:
-                        err = nv.NVMLError(item.nvmlReturn)
-                        self._nvml_error(g, col, err)
+            if "field_values" in d:
+                for col, _, _ in wanted:
+                    self._missing(g, col, "nvmlDeviceGetFieldValues not supported")
+                return tuple(v)
+            ids = [(fid, scope) for _, fid, scope in wanted]
+            if b.fields_ids != tuple(ids):
+                b.set_fields(ids)
+            if direct(gen, g, "field_values", "nvmlDeviceGetFieldValues", B.fields, h, b.fields_n, b.fields_ptr):
+                prev_counters = g.prev_counters
+                for (col, _fid, _scope), (ret, vtype, raw) in zip(wanted, b.read_fields()):
+                    if ret != 0:
+                        self._nvml_code(g, col, ret)
                         continue
-                    val = _field_value(item)
-                    if col in RATE_SCALE:
-                        prev = g.prev_counters.get(col)
-                        g.prev_counters[col] = (val, now_ns)
+                    val = nvml_direct.field_value(vtype, raw)
+                    scale = RATE_SCALE.get(col)
+                    if scale is not None:
+                        prev = prev_counters.get(col)
+                        prev_counters[col] = (val, now_ns)
                         if prev is not None and now_ns > prev[1] and val >= prev[0]:
-                            v[col] = (val - prev[0]) * RATE_SCALE[col] / 1000.0 / ((now_ns - prev[1]) / 1e9)
+                            v[_COL[col]] = (val - prev[0]) * scale / 1000.0 / ((now_ns - prev[1]) / 1e9)
                     else:
-                        v[col] = val
+                        v[_COL[col]] = val
             elif "field_values" in d:
                 for col, _, _ in wanted:
                     self._missing(g, col, "nvmlDeviceGetFieldValues not supported")
-        return (now_ns, i, *(v[c] for c in SAMPLE_COLS))
+        return tuple(v)
 
     def _sample_gpm(self, gen: int, g: _Gpu, now_ns: int) -> tuple[Any, ...] | None:
-        nv = self.nv
-        cur = g.gpm_samples[0] if g.gpm_prev is not g.gpm_samples[0] else g.gpm_samples[1]
-        try:
-            self._call(gen, "nvmlGpmSampleGet", g.index, nv.nvmlGpmSampleGet, g.handle, cur)
-        except nv.NVMLError as e:
-            if error_name(nv, e) == "NVML_ERROR_GPU_IS_LOST":
-                raise _GpuLost() from None
+        B, wd = self._b, self._wd
+        assert B is not None
+        k = 1 if g.gpm_prev == 0 else 0
+        if gen != wd.gen:
+            raise _Abandoned()
+        wd.call = "nvmlGpmSampleGet"
+        r = B.gpm_sample_get(g.buf.handle, g.gpm_ptrs[k])
+        wd.progress += 1
+        if r:
+            name = code_name(self.nv, r)
+            if name == "NVML_ERROR_GPU_IS_LOST":
+                raise _GpuLost()
             g.gpm = False
             for col, _ in GPM_METRICS:
-                self._missing(g, col, f"nvmlGpmSampleGet: {error_name(nv, e)}"[:96])
+                self._missing(g, col, f"nvmlGpmSampleGet: {name}"[:96])
             return None
         prev, prev_t = g.gpm_prev, g.gpm_prev_t
-        g.gpm_prev, g.gpm_prev_t = cur, now_ns
-        if prev is None:
+        g.gpm_prev, g.gpm_prev_t = k, now_ns
+        if prev < 0:
             return None  # GPM metrics need two samples
-        mg = nv.c_nvmlGpmMetricsGet_t()
-        mg.version = nv.NVML_GPM_METRICS_GET_VERSION
-        mg.numMetrics = len(GPM_METRICS)
-        mg.sample1, mg.sample2 = prev, cur
-        for k, (_, mid) in enumerate(GPM_METRICS):
-            mg.metrics[k].metricId = mid
-        try:
-            self._call(gen, "nvmlGpmMetricsGet", g.index, nv.nvmlGpmMetricsGet, mg)
-        except nv.NVMLError as e:
-            self._nvml_error(g, "gpm", e)
+        mg = g.buf.gpm_get
+        mg.sample1, mg.sample2 = g.gpm_ptrs[prev].value, g.gpm_ptrs[k].value
+        if not self._direct(gen, g, "gpm", "nvmlGpmMetricsGet", B.gpm_metrics_get, g.buf.gpm_get_ptr):
             return None
-        vals = []
-        for k, (col, _) in enumerate(GPM_METRICS):
-            r = mg.metrics[k]
-            if r.nvmlReturn != 0:
-                self._nvml_error(g, col, nv.NVMLError(r.nvmlReturn))
+        vals: list[float] = []
+        metrics = mg.metrics
+        for j, (col, _) in enumerate(GPM_METRICS):
+            m = metrics[j]
+            if m.nvmlReturn != 0:
+                self._nvml_code(g, col, m.nvmlReturn)
                 vals.append(math.nan)
             else:
-                vals.append(r.value)
+                vals.append(m.value)
         return (now_ns, g.index, now_ns - prev_t, *vals)
 
     def _sample_procs(self, gen: int, g: _Gpu, now_ns: int) -> list[tuple[Any, ...]]:
@@ -529,18 +618,24 @@ class NvmlSource(Source):
         return rows
 
     def _poll_events(self, gen: int, now_ns: int) -> list[tuple[Any, ...]]:
-        nv = self.nv
+        nv, B, wd = self.nv, self._b, self._wd
+        assert B is not None
         rows = []
+        ev = self._event_data
+        wd.gpu = -1
         for _ in range(MAX_EVENTS_PER_SAMPLE):
-            try:
-                ev = self._call(gen, "nvmlEventSetWait", -1, nv.nvmlEventSetWait, self._event_set, 0)
-            except nv.NVMLError as e:
-                name = error_name(nv, e)
+            if gen != wd.gen:
+                raise _Abandoned()
+            wd.call = "nvmlEventSetWait"
+            r = B.event_wait(self._event_ptr, self._event_ref, 0)
+            wd.progress += 1
+            if r:
+                name = code_name(nv, r)
                 if name != "NVML_ERROR_TIMEOUT":
                     assert self._ctx is not None
                     self._ctx.report_error(self.name, f"nvmlEventSetWait: {name}")
                 break
-            idx = self._handle_index.get(_addr(ev.device), -1)
+            idx = self._handle_index.get(ev.device or 0, -1)
             et = int(ev.eventType)
             if et & nv.nvmlEventTypeXidCriticalError:
                 kind = EVENT_KIND["xid"]
@@ -616,10 +711,3 @@ def _selects(sel: str, uuid: str, minor: int) -> bool:
     if sel.startswith(("GPU-", "MIG-")):
         return uuid.startswith(sel)
     return sel.isdigit() and int(sel) == minor
-
-
-def _field_value(item: Any) -> float:
-    t = int(item.valueType)
-    u = item.value
-    # NVML_VALUE_TYPE_*: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort
-    return float((u.dVal, u.uiVal, u.ulVal, u.ullVal, u.sllVal, u.siVal, u.usVal)[t] if 0 <= t <= 6 else u.ullVal)

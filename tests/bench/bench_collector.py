@@ -9,7 +9,8 @@
 collector_cpu: `gpuprof collect` with the default sources (metrics: host + NVML at 10 Hz, clock,
 process tracker), 8 emulated GPUs, 16 real job processes; CPU of the collector process from
 /proc/PID/stat, peak RSS from VmHWM. baseline: a process that makes only the same emulated NVML
-calls (NvmlSource.sample at 10 Hz) for the same time, concurrently.
+calls, done the same way (NvmlSource.sample at 10 Hz: the pre-bound ctypes path of
+collector/sources/nvml_direct.py under the per-call watchdog), for the same time, concurrently.
 """
 
 from __future__ import annotations
