@@ -1,0 +1,108 @@
+"""`gpuprof merge`, `gpuprof report`, `gpuprof export`: thin wrappers over merge.merge, report and export.
+
+Exit status of merge: 0 complete, 3 partial (something missing or excluded, named in the report),
+2 error. Under MPI (launch with `python -m mpi4py`), an error on any rank aborts every rank with the
+message instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from slurm_hooks.errors import GpuprofError
+
+
+def _comm() -> Any:
+    """MPI's world communicator when launched by mpirun/srun, else the serial stand-in."""
+    import os
+
+    launched = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID"))
+    if not launched:
+        from mpi_merge.merge import SerialComm
+
+        return SerialComm()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _merge_config(ctx: click.Context) -> dict[str, Any]:
+    from slurm_hooks import config
+
+    return config.load(ctx.obj.get("config_path") if ctx.obj else None)["merge"]
+
+
+@click.command()
+@click.argument("job_or_dir")
+@click.option("--output-stem", default=None, help="Write STEM.gpuprof.{h5,txt,json,html} (default: beside the node dir).")
+@click.option("--expect-nodes", default=None, help="Comma list of the job's nodes: a node without a file is reported.")
+@click.option("--reference", default=None, help="Reference node of the clock alignment.")
+@click.option("--quiet", is_flag=True, help="Do not print the text report.")
+@click.pass_context
+def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_nodes: str | None,
+          reference: str | None, quiet: bool) -> None:
+    """Merge a job's node files (JOB id or directory) into one job file and reports."""
+    from mpi_merge import merge as m
+    from mpi_merge.clock import ClockParams
+    from mpi_merge.stragglers import StragglerParams
+
+    comm = _comm()
+    try:
+        cfg = _merge_config(ctx)
+        res = m.merge(
+            job_or_dir, comm=comm, output_stem=output_stem,
+            expect_nodes=[n for n in expect_nodes.split(",") if n] if expect_nodes else None,
+            reference=reference if reference is not None else cfg["reference_node"],
+            clock_params=ClockParams(window_s=float(cfg["clock_window_s"]),
+                                     max_bound_width_us=float(cfg["clock_max_bound_width_us"])),
+            straggler_params=StragglerParams(window_s=float(cfg["straggler_window_s"]),
+                                             score_threshold=float(cfg["straggler_score_threshold"])),
+        )
+    except (GpuprofError, OSError) as e:
+        click.echo(f"gpuprof merge: error on rank {comm.Get_rank()}: {e}", err=True)
+        if comm.Get_size() > 1:
+            comm.Abort(m.EXIT_ERROR)
+        sys.exit(m.EXIT_ERROR)
+    if res is None:  # not rank 0
+        return
+    if not quiet:
+        click.echo(res.reports["txt"].read_text(), nl=False)
+    click.echo(f"gpuprof merge: {res.status}: {res.job_file} (+ .txt .json .html) in {res.seconds:.1f} s", err=True)
+    sys.exit(res.exit_code)
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def report(job_file: str, fmt: str) -> None:
+    """Print the report stored in a merged job file."""
+    from mpi_merge.export import load_report
+    from mpi_merge.report import render_text
+
+    try:
+        r = load_report(job_file)
+    except GpuprofError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(r, indent=1, sort_keys=True) if fmt == "json" else render_text(r), nl=fmt == "json")
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["perfetto", "collapsed", "speedscope", "csv"]), required=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
+@click.option("--series", default="gpu0:util_gpu", show_default=True,
+              help="csv: TABLE:COLUMN of one series across nodes, e.g. gpu/samples:util_gpu, host/node:cpu_busy")
+def export(job_file: str, fmt: str, output: str, series: str) -> None:
+    """Export a merged job file: Perfetto/Chrome trace JSON, collapsed stacks, speedscope JSON or CSV."""
+    from mpi_merge import export as ex
+
+    try:
+        n = ex.export(Path(job_file), fmt, Path(output), series=series)
+    except GpuprofError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {output} ({n} records)", err=True)

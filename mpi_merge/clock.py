@@ -1,0 +1,389 @@
+"""Clock alignment from matched collectives (docs/merge.md has the reasoning and the figures).
+
+Input: per N-to-N instance and node, the latest enter, earliest exit and median exit of the node's
+ranks, on each node's realtime clock (float ns from the job epoch). Output: per node an offset
+function o(t) = node clock - reference clock, piecewise linear (offset + drift per segment), with a
+residual, the number of points and the half-width of the causality interval as its uncertainty.
+
+Method "bounds" (ours), per window of `window_s`:
+  1. start from the exit-synchronous estimate (all ranks leave an N-to-N collective at about the same
+     instant): a median polish of exit times over instances x nodes, per window;
+  2. repeat: with the other nodes' current offsets, each instance bounds this node's correction
+     from both sides by causality: no rank leaves before the last rank entered, so
+         delta <= exit_a - max_{j!=a} enter_j     and     delta >= enter_a - min_{j!=a} exit_j
+     (everything on the current aligned clocks). The window's feasible interval is the intersection
+     (min of upper bounds, max of lower bounds). When it is narrow (<= max_bound_width_us) take its
+     centre: it minimizes the worst-case error over everything the data allows. When it is wide (a
+     persistent straggler leaves one side loose) take the exit-synchronous estimate clipped into it.
+     Drift within a window is removed first, because bounds are taken against the current piecewise
+     model evaluated at each instance, not against a constant;
+  3. fit line segments to the window estimates greedily (a new segment where one line no longer
+     fits within the noise), which finds NTP rate changes without being told where they are.
+
+The naive methods (none, constant, start_end, exit_median) are the same function with another
+`method`, so the benchmark compares them on identical data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpi_merge.common import quiet_nan
+from mpi_merge.matching import NodeInstances
+
+METHODS = ("bounds", "bounds_center", "exit_median", "start_end", "constant", "none")
+
+
+@dataclass(frozen=True)
+class ClockParams:
+    method: str = "bounds"
+    window_s: float = 2.0
+    min_points: int = 8  # windows with fewer instances are merged into their neighbour
+    max_bound_width_us: float = 200.0
+    iterations: int = 4
+    segment_tol_us: float | None = None  # None: 4 x the noise of the window estimates, at least 1 us
+    start_end_points: int = 100  # instances at each end for the Score-P-like start/end method
+    # A low quantile of a node's exit differences, not the median: exit delays are never negative,
+    # so a node whose collective returns late in up to 75% of the instances does not move it. The
+    # quantile's own bias is the same on every node (identical jitter) and cancels against the
+    # reference.
+    exit_quantile: float = 0.25
+
+
+DEFAULT_CLOCK_PARAMS = ClockParams()
+
+
+@dataclass
+class NodeClockModel:
+    node: str
+    aligned: bool
+    reason: str  # why not aligned ('' when aligned)
+    seg_start: np.ndarray  # float ns from the epoch (node clock), first segment extends to -inf
+    seg_offset: np.ndarray  # ns at seg_start
+    seg_drift_ppm: np.ndarray
+    residual_ns: float = float("nan")
+    n_points: int = 0
+    uncertainty_ns: float = float("nan")  # median half-width of the causality interval
+    is_reference: bool = False
+
+    def offset_ns(self, t: np.ndarray | float) -> np.ndarray:
+        """node clock - reference clock (ns) at node-clock time t (float ns from the epoch)."""
+        tt = np.asarray(t, dtype=np.float64)
+        if not len(self.seg_start):
+            return np.zeros_like(tt)
+        i = np.clip(np.searchsorted(self.seg_start, tt, side="right") - 1, 0, len(self.seg_start) - 1)
+        return self.seg_offset[i] + self.seg_drift_ppm[i] * 1e-6 * (tt - self.seg_start[i])
+
+    def align(self, t: np.ndarray) -> np.ndarray:
+        return np.asarray(t, dtype=np.float64) - self.offset_ns(t)
+
+    @property
+    def mean_drift_ppm(self) -> float:
+        return float(np.mean(self.seg_drift_ppm)) if len(self.seg_drift_ppm) else 0.0
+
+
+@dataclass
+class ClockFit:
+    reference: str
+    method: str
+    models: list[NodeClockModel]
+    components: list[list[str]]
+    causality_violations: int = 0
+    instances_used: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def model(self, node: str) -> NodeClockModel:
+        for m in self.models:
+            if m.node == node:
+                return m
+        raise KeyError(node)
+
+
+def components(present: np.ndarray) -> list[list[int]]:
+    """Groups of nodes connected by shared instances (union-find over instance rows)."""
+    n = present.shape[1]
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    # one representative pair per distinct participation pattern is enough
+    patterns = np.unique(present, axis=0) if len(present) else np.zeros((0, n), bool)
+    for row in patterns:
+        idx = np.flatnonzero(row)
+        for j in idx[1:]:
+            a, b = find(int(idx[0])), find(int(j))
+            if a != b:
+                parent[b] = a
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        if present[:, i].any():
+            groups.setdefault(find(i), []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def fit_clocks(
+    inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS
+) -> ClockFit:
+    if params.method not in METHODS:
+        raise ValueError(f"unknown clock method {params.method!r}; one of {METHODS}")
+    n_nodes = len(node_names)
+    present = np.isfinite(inst.exit_med) & np.isfinite(inst.enter_max)
+    # an instance with one node tells nothing about clocks
+    useful = present.sum(axis=1) >= 2
+    comps = components(present[useful])
+    ref = node_names.index(reference)
+    ref_comp = next((g for g in comps if ref in g), None)
+    models: list[NodeClockModel] = []
+    fit = ClockFit(reference, params.method, models, [[node_names[i] for i in g] for g in comps],
+                   instances_used=int(useful.sum()))
+    empty = np.zeros(0)
+    by_node: dict[int, NodeClockModel] = {}
+    if ref_comp is None:
+        fit.notes.append(f"reference node {reference} shares no collective with any other node")
+    else:
+        rows = useful & present[:, ref_comp].sum(axis=1).astype(bool)
+        sub = NodeInstances(
+            inst.enter_max[rows][:, ref_comp], inst.exit_min[rows][:, ref_comp], inst.exit_med[rows][:, ref_comp],
+            inst.comm_id[rows], inst.seq[rows],
+        )
+        res = _fit_component(sub, ref_comp.index(ref), params)
+        for j, ni in enumerate(ref_comp):
+            m = res[j]
+            m.node = node_names[ni]
+            m.is_reference = ni == ref
+            by_node[ni] = m
+        fit.causality_violations = _violations(sub, [res[j] for j in range(len(ref_comp))])
+    for ni in range(n_nodes):
+        if ni in by_node:
+            models.append(by_node[ni])
+            continue
+        if not present[:, ni].any():
+            why = "no N-to-N collective instance on this node (nothing to align with)"
+        else:
+            why = (f"shares no collective with the reference node {reference} (disjoint communicators); "
+                   "its times stay on its own realtime (NTP) clock")
+        models.append(NodeClockModel(node_names[ni], False, why, empty, empty, empty,
+                                     n_points=int(present[:, ni].sum())))
+    return fit
+
+
+def _window_index(t: np.ndarray, window_ns: float, min_points: int) -> tuple[np.ndarray, int]:
+    """Window number of each instance; thin windows merged forward so each has >= min_points."""
+    w = np.floor((t - t.min()) / window_ns).astype(np.int64)
+    uniq, counts = np.unique(w, return_counts=True)
+    remap = np.empty(len(uniq), np.int64)
+    cur, acc = 0, 0
+    for i, c in enumerate(counts):
+        remap[i] = cur
+        acc += c
+        if acc >= min_points:
+            cur, acc = cur + 1, 0
+    if acc and cur > 0:  # a thin tail joins the last full window
+        remap[remap == cur] = cur - 1
+    nw = int(remap.max()) + 1
+    return remap[np.searchsorted(uniq, w)], nw
+
+
+def _group_reduce(vals: np.ndarray, win: np.ndarray, nw: int, how: str, q: float = 0.5) -> np.ndarray:
+    """Per window and column: nanmin / nanmax / nanmedian / nanquantile of vals[k, a] (k sorted by window)."""
+    out = np.full((nw, vals.shape[1]), np.nan)
+    bounds = np.searchsorted(win, np.arange(nw + 1))
+    with quiet_nan():
+        for i in range(nw):
+            blk = vals[bounds[i]:bounds[i + 1]]
+            if not len(blk):
+                continue
+            if how == "min":
+                out[i] = np.nanmin(blk, axis=0)
+            elif how == "max":
+                out[i] = np.nanmax(blk, axis=0)
+            elif how == "median":
+                out[i] = np.nanmedian(blk, axis=0)
+            else:
+                out[i] = np.nanquantile(blk, q, axis=0)
+    return out
+
+
+def _interp_cols(t: np.ndarray, tw: np.ndarray, O: np.ndarray) -> np.ndarray:
+    if len(tw) == 1:
+        return np.repeat(O[:1], len(t), axis=0)
+    return np.stack([np.interp(t, tw, O[:, a]) for a in range(O.shape[1])], axis=1)
+
+
+def _fill_nan_cols(tw: np.ndarray, O: np.ndarray) -> np.ndarray:
+    """Windows where a node was absent: interpolate from its neighbouring windows."""
+    out = O.copy()
+    for a in range(O.shape[1]):
+        ok = np.isfinite(O[:, a])
+        if ok.all() or not ok.any():
+            continue
+        out[~ok, a] = np.interp(tw[~ok], tw[ok], O[ok, a])
+    return out
+
+
+def _exit_polish(D: np.ndarray, win: np.ndarray, nw: int, q: float, rounds: int = 3) -> np.ndarray:
+    """Polish of D[k, a] = exit - t_k into per-instance c_k (median over nodes) + per-window-node theta
+    (quantile q over the window's instances)."""
+    O = np.zeros((nw, D.shape[1]))
+    with quiet_nan():
+        for _ in range(rounds):
+            c = np.nanmedian(D - O[win], axis=1)
+            O = _group_reduce(D - c[:, None], win, nw, "quantile", q)
+            O = np.where(np.isfinite(O), O, 0.0)
+    return O
+
+
+def _others_extreme(V: np.ndarray, how: str) -> np.ndarray:
+    """For each [k, a]: max (or min) over j != a of V[k, j], NaN-aware, by the top-two trick."""
+    s = -V if how == "max" else V
+    s = np.where(np.isfinite(s), s, np.inf)
+    order = np.argsort(s, axis=1)[:, :2] if s.shape[1] >= 2 else np.zeros((len(s), 1), np.int64)
+    first = np.take_along_axis(s, order[:, :1], axis=1)[:, 0]
+    second = (np.take_along_axis(s, order[:, 1:2], axis=1)[:, 0] if s.shape[1] >= 2
+              else np.full(len(s), np.inf))
+    res = np.where(np.arange(s.shape[1])[None, :] == order[:, :1], second[:, None], first[:, None])
+    res = np.where(np.isinf(res), np.nan, res)
+    return -res if how == "max" else res
+
+
+def _fit_component(inst: NodeInstances, ref: int, p: ClockParams) -> list[NodeClockModel]:
+    E, Xmin, Xmed = inst.enter_max, inst.exit_min, inst.exit_med
+    n = E.shape[1]
+    with quiet_nan():
+        t = np.nanmedian(Xmed, axis=1)
+    order = np.argsort(t, kind="stable")
+    E, Xmin, Xmed, t = E[order], Xmin[order], Xmed[order], t[order]
+    npts = np.isfinite(Xmed).sum(axis=0)
+    empty = np.zeros(0)
+    if p.method == "none" or n == 1:
+        return [NodeClockModel("", True, "", np.array([t[0]]), np.zeros(1), np.zeros(1), 0.0, int(npts[a]))
+                for a in range(n)]
+    D = Xmed - t[:, None]
+    if p.method in ("constant", "start_end"):
+        if p.method == "constant":
+            win = np.zeros(len(t), np.int64)
+            O = _exit_polish(D, win, 1, p.exit_quantile)
+            tw = np.array([np.median(t)])
+        else:
+            k = min(p.start_end_points, len(t) // 2) or 1
+            sel = np.concatenate([np.arange(k), np.arange(len(t) - k, len(t))])
+            win = np.concatenate([np.zeros(k, np.int64), np.ones(k, np.int64)])
+            O = _exit_polish(D[sel], win, 2, p.exit_quantile)
+            tw = np.array([np.median(t[:k]), np.median(t[-k:])])
+        O = O - O[:, ref:ref + 1]
+        models = []
+        for a in range(n):
+            drift = 0.0 if len(tw) == 1 else (O[1, a] - O[0, a]) / (tw[1] - tw[0]) * 1e6
+            models.append(NodeClockModel("", True, "", np.array([tw[0]]), np.array([O[0, a]]), np.array([drift]),
+                                         float("nan"), int(npts[a])))
+        return models
+
+    win, nw = _window_index(t, p.window_s * 1e9, p.min_points)
+    tw = _group_reduce(t[:, None], win, nw, "median")[:, 0]
+    O = _exit_polish(D, win, nw, p.exit_quantile)
+    O = O - O[:, ref:ref + 1]
+    half_width = np.full(n, np.nan)
+    if p.method in ("bounds", "bounds_center"):
+        limit = p.max_bound_width_us * 1e3 if p.method == "bounds_center" else -1.0
+        for _ in range(p.iterations):
+            Th = _interp_cols(t, tw, O)
+            Ea, Xa, Xm = E - Th, Xmin - Th, Xmed - Th
+            with quiet_nan():
+                c = np.nanmedian(Xm, axis=1)
+            r_hi = Xa - _others_extreme(Ea, "max")
+            r_lo = Ea - _others_extreme(Xa, "min")
+            r_x = Xm - c[:, None]
+            RH = _group_reduce(r_hi, win, nw, "min")
+            RL = _group_reduce(r_lo, win, nw, "max")
+            RX = _group_reduce(r_x, win, nw, "quantile", p.exit_quantile)
+            width = RH - RL
+            ok = np.isfinite(width) & (width >= 0)
+            narrow = ok & (width <= limit)
+            delta = np.where(narrow, (RH + RL) / 2, np.where(ok, np.clip(RX, RL, RH), RX))
+            delta = np.where(np.isfinite(delta), delta, 0.0)
+            O = O + delta
+            O = O - O[:, ref:ref + 1]
+            with quiet_nan():
+                half_width = np.nanmedian(np.where(ok, width, np.nan), axis=0) / 2
+    O = _fill_nan_cols(tw, O)
+    models = []
+    for a in range(n):
+        if a == ref:
+            models.append(NodeClockModel("", True, "", np.array([tw[0]]), np.zeros(1), np.zeros(1), 0.0,
+                                         int(npts[a]), 0.0))
+            continue
+        starts, offs, drifts, resid = segment_fit(tw, O[:, a], p.segment_tol_us)
+        models.append(NodeClockModel("", True, "", starts, offs, drifts, resid, int(npts[a]),
+                                     float(half_width[a])))
+    del empty
+    return models
+
+
+def segment_fit(
+    t: np.ndarray, y: np.ndarray, tol_us: float | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Greedy piecewise-linear fit: extend a least-squares line while every point stays within tol.
+
+    Returns segment start times (the first at t[0]; boundaries half-way between windows), offsets at
+    the starts, drifts in ppm, and the RMS residual of the points against the model."""
+    if len(t) == 1:
+        return np.array([t[0]]), np.array([y[0]]), np.zeros(1), 0.0
+    if tol_us is None:
+        d = np.diff(y, 2) if len(y) > 3 else np.diff(y)
+        sigma = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / np.sqrt(6 if len(y) > 3 else 2)
+        tol = max(1e3, 4.0 * sigma)
+    else:
+        tol = tol_us * 1e3
+
+    def fits(i0: int, i1: int) -> tuple[bool, float, float]:
+        tt, yy = t[i0:i1], y[i0:i1]
+        if len(tt) < 2:
+            return True, 0.0, float(yy[0])
+        tc = tt - tt[0]
+        slope, icpt = np.polyfit(tc, yy, 1)
+        return bool(np.max(np.abs(yy - (slope * tc + icpt))) <= tol), float(slope), float(icpt)
+
+    segs: list[tuple[int, int, float, float]] = []
+    i0, n = 0, len(t)
+    while i0 < n:
+        # grow by doubling, then binary search the longest fitting end
+        good, step = min(i0 + 2, n), 2
+        while good < n:
+            cand = min(n, i0 + step * 2)
+            if fits(i0, cand)[0]:
+                good, step = cand, step * 2
+            else:
+                lo, hi = good, cand
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if fits(i0, mid)[0]:
+                        lo = mid
+                    else:
+                        hi = mid
+                good = lo
+                break
+        _, slope, icpt = fits(i0, good)
+        segs.append((i0, good, slope, icpt))
+        i0 = good
+    starts = np.array([t[0]] + [(t[s[0] - 1] + t[s[0]]) / 2 for s in segs[1:]])
+    offs = np.array([s[3] + s[2] * (st - t[s[0]]) for s, st in zip(segs, starts)])
+    drifts = np.array([s[2] * 1e6 for s in segs])
+    model = np.empty_like(y)
+    for (a, b, slope, icpt) in segs:
+        model[a:b] = icpt + slope * (t[a:b] - t[a])
+    return starts, offs, drifts, float(np.sqrt(np.mean((y - model) ** 2)))
+
+
+def _violations(inst: NodeInstances, models: list[NodeClockModel], tol_ns: float = 1000.0) -> int:
+    """Instances where, after alignment, some node left before the last node entered (beyond tol)."""
+    Ea = np.column_stack([m.align(inst.enter_max[:, a]) for a, m in enumerate(models)])
+    Xa = np.column_stack([m.align(inst.exit_min[:, a]) for a, m in enumerate(models)])
+    with quiet_nan():
+        bad = np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns
+    return int(bad.sum())

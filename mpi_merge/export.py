@@ -1,0 +1,228 @@
+"""Exports of a merged job file: Perfetto/Chrome trace JSON of the aligned timelines, collapsed
+stacks and speedscope JSON for flame graphs, and CSV of one series across nodes (what Slurm's
+sh5util -E / -I give for its own profiles).
+
+Everything streams: events are written as they are read, one communicator or node at a time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from collector import schema
+from mpi_merge.clock import NodeClockModel
+from mpi_merge.jobfile import JOB_SCHEMA
+from mpi_merge.loading import ClockMap
+from slurm_hooks.errors import TraceFormatError
+
+FORMATS = ("perfetto", "collapsed", "speedscope", "csv")
+
+
+def _open(path: Path) -> h5py.File:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot open job file: {e}") from None
+    if f.attrs.get("schema") != JOB_SCHEMA:
+        f.close()
+        raise TraceFormatError(f"{path}: not a slurm-gpuprof job file (schema {f.attrs.get('schema')!r})")
+    return f
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    with _open(Path(path)) as f:
+        return dict(json.loads(f["analysis"].attrs["report_json"]))
+
+
+def _models(f: h5py.File) -> dict[str, NodeClockModel]:
+    """Clock models back from /clock/nodes and /clock/segments (times relative to the epoch)."""
+    epoch = int(f.attrs["epoch_realtime_ns"])
+    nodes = f["clock/nodes"][()]
+    segs = f["clock/segments"][()] if "node" in (f["clock/segments"].dtype.names or ()) else None
+    out = {}
+    for row in nodes:
+        name = row["node"].decode() if isinstance(row["node"], bytes) else str(row["node"])
+        if segs is not None:
+            sel = np.array([(s.decode() if isinstance(s, bytes) else str(s)) == name for s in segs["node"]])
+            rs = segs[sel]
+        else:
+            rs = np.zeros(0)
+        out[name] = NodeClockModel(
+            name, bool(row["aligned"]), "",
+            (rs["t_start_ns"] - epoch).astype(np.float64) if len(rs) else np.zeros(0),
+            rs["offset_ns"].astype(np.float64) if len(rs) else np.zeros(0),
+            rs["drift_ppm"].astype(np.float64) if len(rs) else np.zeros(0),
+        )
+    return out
+
+
+def node_time_mapper(f: h5py.File, node: str) -> Callable[[np.ndarray], np.ndarray]:
+    """A node's CLOCK_MONOTONIC ns -> aligned ns since the epoch on the reference clock."""
+    epoch = int(f.attrs["epoch_realtime_ns"])
+    g = f[f"nodes/{node}"]
+    pairs = g["clock/pairs"][()] if "clock/pairs" in g else np.zeros(0, schema.CLOCK_PAIRS.dtype)
+    if len(pairs):
+        mono = pairs["monotonic_ns"].astype(np.int64)
+        cm = ClockMap(mono, pairs["realtime_ns"].astype(np.int64) - mono, "pairs")
+    else:
+        m = int(g.attrs["start_monotonic_ns"])
+        cm = ClockMap(np.array([m]), np.array([int(g.attrs["start_realtime_ns"]) - m]), "start attributes")
+    model = _models(f)[node]
+
+    def conv(t: np.ndarray) -> np.ndarray:
+        rel = (cm.to_realtime(t) - epoch).astype(np.float64)
+        return np.round(model.align(rel)).astype(np.int64) + epoch
+
+    return conv
+
+
+def export_perfetto(f: h5py.File, out: Path) -> int:
+    """Chrome trace event JSON (opens in Perfetto UI and chrome://tracing): one process per node,
+    one thread per rank, one complete event per collective call on the aligned clock (us)."""
+    nodes = json.loads(f.attrs["nodes"])
+    epoch = int(f.attrs["epoch_realtime_ns"])
+    ops = schema.COLLECTIVE_OPS
+    n = 0
+    with out.open("w") as fh:
+        fh.write('{"displayTimeUnit":"ns","otherData":' + json.dumps({
+            "job_id": str(f.attrs["job_id"]), "synthetic": bool(f.attrs["synthetic"]),
+            "clock": "aligned to the reference node's realtime clock"}) + ',"traceEvents":[\n')
+        first = True
+
+        def emit(ev: dict[str, Any]) -> None:
+            nonlocal first
+            fh.write(("" if first else ",\n") + json.dumps(ev))
+            first = False
+
+        for i, node in enumerate(nodes):
+            emit({"ph": "M", "name": "process_name", "pid": i, "args": {"name": node}})
+        for name in sorted(f["collectives"]):
+            g = f["collectives"][name]
+            node_of = json.loads(g.attrs["node_of_rank_json"])
+            E, X, OP = g["enter_aligned_ns"], g["exit_aligned_ns"], g["op"]
+            W = g["wait_ns"]
+            for r, node in enumerate(node_of):
+                if node is None:
+                    continue
+                pid = nodes.index(node)
+                emit({"ph": "M", "name": "thread_name", "pid": pid, "tid": r, "args": {"name": f"{name} rank {r}"}})
+            for i0 in range(0, E.shape[0], 4096):
+                e, x, op, w = E[i0:i0 + 4096], X[i0:i0 + 4096], OP[i0:i0 + 4096], W[i0:i0 + 4096]
+                for k in range(e.shape[0]):
+                    for r, node in enumerate(node_of):
+                        if node is None or e[k, r] < 0 or x[k, r] < 0:
+                            continue
+                        emit({"ph": "X", "name": ops[int(op[k, r])], "cat": "collective", "pid": nodes.index(node),
+                              "tid": r, "ts": (int(e[k, r]) - epoch) / 1e3, "dur": (int(x[k, r]) - int(e[k, r])) / 1e3,
+                              "args": {"seq": i0 + k, "wait_us": (int(w[k, r]) / 1e3) if w[k, r] >= 0 else None}})
+                        n += 1
+        fh.write("\n]}\n")
+    return n
+
+
+def _stack_rows(f: h5py.File) -> Counter[str]:
+    """Folded stacks from the eBPF stack tables, when the node files have them: any table with a
+    string column 'stack' (frames joined by ';', root first) and optionally a 'count' column."""
+    folded: Counter[str] = Counter()
+    found = False
+    for node in json.loads(f.attrs["nodes"]):
+        g = f[f"nodes/{node}"]
+
+        def visit(name: str, obj: Any, node: str = node) -> None:
+            nonlocal found
+            if isinstance(obj, h5py.Dataset) and obj.dtype.names and "stack" in obj.dtype.names:
+                found = True
+                rows = obj[()]
+                counts = rows["count"] if "count" in obj.dtype.names else np.ones(len(rows), np.int64)
+                for s, c in zip(rows["stack"], counts):
+                    st = s.decode(errors="replace") if isinstance(s, bytes) else str(s)
+                    folded[f"{node};{st}"] += int(c)
+
+        g.visititems(visit)
+    if not found:
+        raise TraceFormatError(
+            "no CPU stack table in this job file: the job ran without the 'stacks' mode, or its collector "
+            "wrote no stacks table"
+        )
+    return folded
+
+
+def export_collapsed(f: h5py.File, out: Path) -> int:
+    folded = _stack_rows(f)
+    with out.open("w") as fh:
+        for k in sorted(folded):
+            fh.write(f"{k} {folded[k]}\n")
+    return len(folded)
+
+
+def export_speedscope(f: h5py.File, out: Path) -> int:
+    folded = _stack_rows(f)
+    frames: dict[str, int] = {}
+    samples, weights = [], []
+    for k in sorted(folded):
+        samples.append([frames.setdefault(fr, len(frames)) for fr in k.split(";")])
+        weights.append(folded[k])
+    doc = {
+        "$schema": "https://www.speedscope.app/file-format-schema.json",
+        "shared": {"frames": [{"name": n} for n in frames]},
+        "profiles": [{"type": "sampled", "name": f"job {f.attrs['job_id']}", "unit": "none", "startValue": 0,
+                      "endValue": int(sum(weights)), "samples": samples, "weights": weights}],
+        "name": f"gpuprof job {f.attrs['job_id']}", "exporter": "slurm-gpuprof",
+    }
+    out.write_text(json.dumps(doc))
+    return len(samples)
+
+
+def export_csv(f: h5py.File, out: Path, series: str) -> int:
+    """One series across nodes: node, device, aligned time, value. SERIES is TABLE:COLUMN with the
+    table as in the node format (gpu/samples, gpu/gpm, host/node, host/procs); gpuN:col is
+    gpu/samples:col for GPU N."""
+    table, _, column = series.partition(":")
+    dev_filter: int | None = None
+    if table.startswith("gpu") and table[3:].isdigit():
+        dev_filter, table = int(table[3:]), "gpu/samples"
+    spec = schema.TABLES_BY_PATH.get("/" + table)
+    if spec is None or column not in [c.name for c in spec.columns] or "t_ns" not in [c.name for c in spec.columns]:
+        raise TraceFormatError(f"unknown series {series!r}: use TABLE:COLUMN of a timed table, e.g. gpu/samples:util_gpu")
+    n = 0
+    with out.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        cols = spec.dtype.names or ()
+        dev_col = "gpu" if "gpu" in cols else ("pid" if "pid" in cols else None)
+        w.writerow(["node", dev_col or "device", "t_aligned_ns", column])
+        for node in json.loads(f.attrs["nodes"]):
+            path = f"nodes/{node}/{table}"
+            if path not in f:
+                continue
+            conv = node_time_mapper(f, node)
+            ds = f[path]
+            for i in range(0, ds.shape[0], 65536):
+                rows = ds[i:i + 65536]
+                if dev_filter is not None:
+                    rows = rows[rows["gpu"] == dev_filter]
+                t = conv(rows["t_ns"])
+                for j in range(len(rows)):
+                    w.writerow([node, int(rows[dev_col][j]) if dev_col else "", int(t[j]), rows[column][j].item()])
+                n += len(rows)
+    return n
+
+
+def export(job_file: Path, fmt: str, out: Path, *, series: str = "gpu0:util_gpu") -> int:
+    if fmt not in FORMATS:
+        raise TraceFormatError(f"unknown export format {fmt!r}; one of {FORMATS}")
+    with _open(job_file) as f:
+        if fmt == "perfetto":
+            return export_perfetto(f, out)
+        if fmt == "collapsed":
+            return export_collapsed(f, out)
+        if fmt == "speedscope":
+            return export_speedscope(f, out)
+        return export_csv(f, out, series)

@@ -1,0 +1,228 @@
+"""The job file (schema in docs/job-format.md): one HDF5 file per job, written by rank 0.
+
+Bulk per-node data never passes through rank 0's memory: each rank writes a part file per node it
+read (the node's tables plus the aligned times), and rank 0 copies those part files' groups into the
+job file with HDF5's object copy, which moves stored chunks without holding a whole table.
+The job file is written under a temporary name and renamed into place, so a reader sees the old
+result or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from collector import schema
+from mpi_merge.analysis import JobAnalysis
+from mpi_merge.clock import NodeClockModel
+from mpi_merge.loading import ClockMap
+from mpi_merge.waitstates import PATTERNS
+from slurm_hooks import __version__
+
+JOB_SCHEMA = "slurm-gpuprof.job"
+JOB_SCHEMA_VERSION = 1
+# Root attributes that describe the merge run rather than the job: they differ between runs and
+# between rank counts, and comparisons of job files ignore them.
+RUN_ATTRS = ("merged_at_realtime_ns", "merge_ranks", "merge_tool_version")
+ALIGNED_DTYPE = np.dtype([("t_enter_aligned_ns", "<i8"), ("t_exit_aligned_ns", "<i8")])
+CHUNK = 1 << 16
+FILTERS: dict[str, Any] = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+
+
+def write_node_part(node_file: str, part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
+                    epoch_rt: int) -> None:
+    """Copy one node file's tables into `part` and add /collectives/calls_aligned beside the calls:
+    reference-clock realtime ns of each call's enter and exit (-1 where the call never returned)."""
+    with h5py.File(node_file, "r") as src, h5py.File(part, "w") as dst:
+        for k, v in src.attrs.items():
+            dst.attrs[k] = v
+        for name in src:
+            src.copy(src[name], dst, name=name)
+        calls_path = schema.COLLECTIVE_CALLS.path
+        if calls_path in src:
+            ds = src[calls_path]
+            out = dst.create_dataset(
+                "/collectives/calls_aligned", shape=(ds.shape[0],), maxshape=(None,), dtype=ALIGNED_DTYPE,
+                chunks=(min(CHUNK, max(1, ds.shape[0])),), **FILTERS,
+            )
+            out.attrs["doc"] = ("enter/exit of each row of calls on the reference node's realtime clock "
+                                "(ns since the epoch); -1 = never returned")
+            out.attrs["aligned"] = model.aligned
+            for i in range(0, ds.shape[0], CHUNK):
+                rows = ds[i:i + CHUNK]
+                blk = np.zeros(len(rows), ALIGNED_DTYPE)
+                for col, dcol in (("t_enter_ns", "t_enter_aligned_ns"), ("t_exit_ns", "t_exit_aligned_ns")):
+                    rt = clock_map.to_realtime(rows[col])
+                    rel = (rt - epoch_rt).astype(np.float64)
+                    al = np.round(model.align(rel)).astype(np.int64) + epoch_rt
+                    blk[dcol] = np.where(rows[col] == 0, -1, al) if col == "t_exit_ns" else al
+                out[i:i + len(rows)] = blk
+
+
+def _table(g: h5py.Group, name: str, rows: list[dict[str, Any]], doc: str) -> None:
+    """A list of flat dicts as a compound dataset (strings as UTF-8 variable length)."""
+    if not rows:
+        ds = g.create_dataset(name, shape=(0,), dtype=np.dtype([("empty", "u1")]))
+        ds.attrs["doc"] = doc
+        return
+    cols = list(rows[0])
+    dts = []
+    for c in cols:
+        v = rows[0][c]
+        if isinstance(v, bool):
+            dts.append((c, "?"))
+        elif isinstance(v, (int, np.integer)):
+            dts.append((c, "<i8"))
+        elif isinstance(v, (float, np.floating)) or v is None:
+            dts.append((c, "<f8"))
+        else:
+            dts.append((c, h5py.string_dtype()))
+    arr = np.zeros(len(rows), np.dtype(dts))
+    for i, r in enumerate(rows):
+        for c, dt in dts:
+            v = r.get(c)
+            if dt == "<f8":
+                arr[c][i] = np.nan if v is None else float(v)
+            elif dt in ("<i8", "?"):
+                arr[c][i] = v
+            else:
+                arr[c][i] = v if isinstance(v, str) else json.dumps(v)
+    ds = g.create_dataset(name, data=arr)
+    ds.attrs["doc"] = doc
+
+
+def write_job_file(
+    a: JobAnalysis, tmp_path: Path, parts: dict[str, Path], *, merge_ranks: int, merged_at_ns: int
+) -> None:
+    """Write the analysis and copy each included node's part file into /nodes/<node>."""
+    with h5py.File(tmp_path, "w", libver="latest") as f:
+        f.attrs["schema"] = JOB_SCHEMA
+        f.attrs["schema_version"] = JOB_SCHEMA_VERSION
+        f.attrs["job_id"] = a.job_id
+        f.attrs["synthetic"] = a.synthetic
+        f.attrs["status"] = "partial" if a.partial else "complete"
+        f.attrs["partial_reasons_json"] = json.dumps(a.partial_reasons)
+        f.attrs["nodes"] = json.dumps(a.node_names)
+        f.attrs["reference_node"] = a.clock.reference
+        f.attrs["epoch_realtime_ns"] = np.int64(a.epoch_rt)
+        f.attrs["merged_at_realtime_ns"] = np.int64(merged_at_ns)
+        f.attrs["merge_ranks"] = merge_ranks
+        f.attrs["merge_tool_version"] = __version__
+        clk = f.create_group("clock")
+        clk.attrs["method"] = a.clock.method
+        clk.attrs["reference"] = a.clock.reference
+        clk.attrs["causality_violations"] = a.clock.causality_violations
+        clk.attrs["components_json"] = json.dumps(a.clock.components)
+        seg_rows, node_rows = [], []
+        for m in a.clock.models:
+            node_rows.append({
+                "node": m.node, "aligned": m.aligned, "reason": m.reason, "is_reference": m.is_reference,
+                "offset_ns_at_start": float(m.seg_offset[0]) if len(m.seg_offset) else None,
+                "drift_ppm_mean": m.mean_drift_ppm if m.aligned else None, "segments": len(m.seg_start),
+                "residual_ns": m.residual_ns, "uncertainty_ns": m.uncertainty_ns, "n_points": m.n_points,
+            })
+            for i in range(len(m.seg_start)):
+                seg_rows.append({"node": m.node, "segment": i,
+                                 "t_start_ns": round(m.seg_start[i]) + a.epoch_rt,
+                                 "offset_ns": float(m.seg_offset[i]), "drift_ppm": float(m.seg_drift_ppm[i])})
+        _table(clk, "nodes", node_rows, "per node: clock model summary against the reference node")
+        _table(clk, "segments", seg_rows,
+               "piecewise linear offset (node realtime - reference realtime) from t_start_ns (node realtime, "
+               "ns since the epoch) until the next segment: offset_ns + drift_ppm*1e-6*(t - t_start_ns)")
+        col = f.create_group("collectives")
+        col.attrs["patterns"] = json.dumps(PATTERNS)
+        for t, w, E, X in zip(a.comms, a.waits, a.enter_al, a.exit_al):
+            g = col.create_group(f"comm_{t.comm_id:016x}")
+            g.attrs["comm_id"] = np.uint64(t.comm_id)
+            g.attrs["size"] = t.size
+            g.attrs["node_of_rank_json"] = json.dumps(
+                [a.node_names[int(n)] if n >= 0 else None for n in t.node_of_rank])
+            g.attrs["pid_of_rank"] = t.pid_of_rank
+
+            def ns(v: np.ndarray) -> np.ndarray:
+                return np.where(np.isfinite(v), np.round(v) + a.epoch_rt, -1).astype(np.int64)
+
+            for name, data in (
+                ("enter_aligned_ns", ns(E)), ("exit_aligned_ns", ns(X)), ("enter_raw_ns", ns(t.enter)),
+                ("exit_raw_ns", ns(t.exit)), ("op", t.op), ("bytes", t.nbytes),
+                ("wait_ns", np.where(np.isfinite(w.waits), np.round(w.waits), -1).astype(np.int64)),
+                ("complete", w.complete), ("pattern", w.pattern), ("last_rank", w.last_rank),
+                ("last_enter_aligned_ns", ns(w.last_enter)),
+                ("own_time_ns", np.where(np.isfinite(w.own_time), np.round(w.own_time), -1).astype(np.int64)),
+            ):
+                chunks = (min(4096, max(1, data.shape[0])),) + data.shape[1:] if data.size else None
+                g.create_dataset(name, data=data, chunks=chunks, **(FILTERS if data.size else {}))
+        an = f.create_group("analysis")
+        _table(an, "mismatches", a.report["mismatches"], "first mismatch per communicator (flight recorder style)")
+        _table(an, "stragglers", [{**s, "evidence": " | ".join(s["evidence"]), "ranks": json.dumps(s["ranks"]),
+                                   "metrics": json.dumps(s["metrics"])} for s in a.report["stragglers"]],
+               "straggler findings with their cause and evidence")
+        _table(an, "excluded", a.report["excluded"], "node files left out of the merge, and why")
+        an.attrs["report_json"] = json.dumps(a.report, sort_keys=True, default=_json_default)
+        f.create_group("nodes")
+    # One open of the job file per node: closing it empties HDF5's metadata cache, which would
+    # otherwise grow with every copied object and make rank 0's memory grow with the node count.
+    for name in a.node_names:
+        part = parts.get(name)
+        if part is None:
+            continue
+        with h5py.File(tmp_path, "a", libver="latest") as f, h5py.File(part, "r") as src:
+            g = f["nodes"].create_group(name)
+            for k, v in src.attrs.items():
+                g.attrs[k] = v
+            for obj in src:
+                src.copy(src[obj], g, name=obj)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def compare_job_files(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> list[str]:
+    """Differences between two job files, ignoring the attributes of the merge run (RUN_ATTRS).
+    Empty when every group, attribute and dataset is identical."""
+    diffs: list[str] = []
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+
+        def attrs(name: str, oa: h5py.HLObject, ob: h5py.HLObject) -> None:
+            ka = {k for k in oa.attrs if not (name == "/" and k in RUN_ATTRS)}
+            kb = {k for k in ob.attrs if not (name == "/" and k in RUN_ATTRS)}
+            if ka != kb:
+                diffs.append(f"{name}: attributes differ: {sorted(ka ^ kb)}")
+            for k in sorted(ka & kb):
+                va, vb = oa.attrs[k], ob.attrs[k]
+                if not np.array_equal(np.asarray(va), np.asarray(vb)):
+                    diffs.append(f"{name}: attribute {k} differs")
+
+        attrs("/", fa, fb)
+        names_a: list[str] = []
+        names_b: list[str] = []
+        fa.visit(names_a.append)
+        fb.visit(names_b.append)
+        if sorted(names_a) != sorted(names_b):
+            diffs.append(f"objects differ: {sorted(set(names_a) ^ set(names_b))[:10]}")
+        for n in sorted(set(names_a) & set(names_b)):
+            oa, ob = fa[n], fb[n]
+            attrs(n, oa, ob)
+            if isinstance(oa, h5py.Dataset):
+                da, db = oa[()], ob[()]
+                if da.dtype != db.dtype or da.shape != db.shape:
+                    diffs.append(f"{n}: dtype or shape differs")
+                elif not all(_same(da[c], db[c]) for c in da.dtype.names) if da.dtype.names else not _same(da, db):
+                    diffs.append(f"{n}: values differ")
+    return diffs
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> bool:
+    if x.dtype.kind == "f":
+        return bool(np.array_equal(x, y, equal_nan=True))
+    return bool(np.array_equal(x, y))

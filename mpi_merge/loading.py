@@ -1,0 +1,317 @@
+"""Loading: node files -> per-node summaries (small, picklable), the only part that reads paths.
+
+A summary holds what the job-wide analyses need (collective calls on the node's realtime clock,
+binned GPU and host series, diagnostics) and nothing bulky, so rank 0 can hold one per node
+however many nodes the job had. Bulk tables are streamed into the job file later (jobfile.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collector import schema
+from collector.reader import NodeTrace, open_node_trace
+from slurm_hooks.errors import TraceFormatError
+
+# The calls of one node, with times mapped to that node's CLOCK_REALTIME (ns since the epoch).
+CALL_DTYPE = np.dtype(
+    [
+        ("comm_id", "<u8"), ("seq", "<u8"), ("comm_rank", "<i4"), ("comm_size", "<i4"), ("op", "u1"),
+        ("bytes", "<u8"), ("root_or_peer", "<i4"), ("tag", "<i4"), ("pid", "<u4"),
+        ("enter_rt", "<i8"), ("exit_rt", "<i8"), ("returned", "?"),
+    ]
+)
+# Tables a summary needs; the eBPF tables are added when the schema defines them.
+SUMMARY_TABLES = (
+    schema.CLOCK_PAIRS.path, schema.COLLECTIVE_CALLS.path, schema.GPU_DEVICES.path, schema.GPU_SAMPLES.path,
+    schema.GPU_GPM.path, schema.HOST_PROCS.path, schema.HOST_NODE.path, schema.DIAG_ERRORS.path,
+    schema.DIAG_MISSING.path, schema.DIAG_DROPS.path,
+)
+MAX_BINS = 2000  # per series: enough for the HTML timelines and the straggler evidence
+
+
+@dataclass
+class Series:
+    """A metric binned on the node's realtime clock: bin start times and bin means (NaN = no sample)."""
+
+    name: str
+    unit: str
+    t_rt: np.ndarray  # int64 ns since the epoch, bin starts
+    bin_ns: int
+    values: np.ndarray  # float64
+
+
+@dataclass
+class ClockMap:
+    """CLOCK_MONOTONIC -> CLOCK_REALTIME of one node, from its (monotonic, realtime) pairs."""
+
+    mono: np.ndarray  # int64
+    offset: np.ndarray  # int64, realtime - monotonic at each pair
+    source: str  # "pairs" or "start attributes"
+
+    def to_realtime(self, mono_ns: np.ndarray) -> np.ndarray:
+        m = np.asarray(mono_ns).astype(np.int64)
+        base = int(self.offset[0])
+        if len(self.mono) == 1:
+            return m + base
+        # realtime - monotonic changes only when NTP steps or slews; interpolate it between pairs
+        delta = np.interp(m.astype(np.float64), self.mono.astype(np.float64), (self.offset - base).astype(np.float64))
+        return m + base + np.round(delta).astype(np.int64)
+
+
+@dataclass
+class NodeSummary:
+    file: str
+    file_bytes: int
+    node: str = ""
+    job_id: str = ""
+    hostname: str = ""
+    boot_id: str = ""
+    synthetic: bool = False
+    sealed: bool = False
+    partial_reasons: list[str] = field(default_factory=list)
+    error: str | None = None  # the file could not be used at all (then nothing else is filled)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    clock: ClockMap | None = None
+    calls: np.ndarray = field(default_factory=lambda: np.zeros(0, CALL_DTYPE))  # released after matching
+    n_calls: int = 0
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: index, name, uuid, stats
+    series: dict[str, Series] = field(default_factory=dict)  # "gpu0:util_gpu", "host:cpu_cores", ...
+    drops: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    missing_metrics: list[str] = field(default_factory=list)
+    table_rows: dict[str, int] = field(default_factory=dict)
+    span_rt: tuple[int, int] | None = None
+
+
+def discover(directory: str | os.PathLike[str]) -> list[Path]:
+    """Node files of a job directory, sorted by name (the order every rank agrees on)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise TraceFormatError(f"{d}: not a directory of node files")
+    return sorted(p for p in d.iterdir() if p.suffix == ".h5" and p.is_file() and not p.name.startswith("."))
+
+
+def clock_map(trace: NodeTrace) -> ClockMap:
+    pairs = trace.tables.get(schema.CLOCK_PAIRS.path)
+    if pairs is not None and len(pairs):
+        order = np.argsort(pairs["monotonic_ns"], kind="stable")
+        mono = pairs["monotonic_ns"][order].astype(np.int64)
+        return ClockMap(mono, pairs["realtime_ns"][order].astype(np.int64) - mono, "pairs")
+    # A file without pairs still has the pair read at collector start: a measurement, not a default.
+    m = int(trace.attrs["start_monotonic_ns"])
+    r = int(trace.attrs["start_realtime_ns"])
+    return ClockMap(np.array([m], np.int64), np.array([r - m], np.int64), "start attributes")
+
+
+def _bin(t_rt: np.ndarray, v: np.ndarray, t0: int, bin_ns: int, nbins: int) -> np.ndarray:
+    idx = ((t_rt - t0) // bin_ns).astype(np.int64)
+    ok = (idx >= 0) & (idx < nbins) & np.isfinite(v)
+    s = np.bincount(idx[ok], weights=v[ok], minlength=nbins)
+    n = np.bincount(idx[ok], minlength=nbins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, s / np.maximum(n, 1), np.nan)
+
+
+def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
+    """Read one node file into a summary. A file that cannot be used gives a summary with .error."""
+    p = Path(path)
+    size = p.stat().st_size if p.exists() else 0
+    s = NodeSummary(file=str(p), file_bytes=size)
+    wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES)
+    try:
+        trace = open_node_trace(p, tables=wanted)
+    except TraceFormatError as e:
+        s.error = str(e)
+        return s
+    a = trace.attrs
+    s.node, s.job_id = trace.node, trace.job_id
+    s.hostname, s.boot_id = str(a.get("hostname", "")), str(a["boot_id"])
+    s.synthetic, s.sealed, s.partial_reasons = trace.synthetic, trace.sealed, list(trace.partial_reasons)
+    s.attrs = {k: v for k, v in a.items() if isinstance(v, (str, int, float, bool))}
+    s.attrs["schema_version"] = a["schema_version"]
+    s.table_rows = {k: len(v) for k, v in trace.tables.items()}
+    s.drops = trace.drops()
+    cm = clock_map(trace)
+    s.clock = cm
+    if cm.source != "pairs":
+        s.partial_reasons.append("no /clock/pairs: monotonic->realtime from the start attributes only")
+
+    calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
+    if calls is not None and len(calls):
+        c = np.zeros(len(calls), CALL_DTYPE)
+        for f in ("comm_id", "seq", "comm_rank", "comm_size", "op", "bytes", "root_or_peer", "tag", "pid"):
+            c[f] = calls[f]
+        c["enter_rt"] = cm.to_realtime(calls["t_enter_ns"])
+        # t_exit_ns == 0: the call was entered and never returned (the job hung or was killed in it)
+        c["returned"] = calls["t_exit_ns"] != 0
+        c["exit_rt"] = np.where(c["returned"], cm.to_realtime(calls["t_exit_ns"]), -1)
+        s.calls = c
+        s.n_calls = len(c)
+
+    # span on the realtime clock, from start attributes to the last record we know of
+    start = int(cm.to_realtime(np.array([int(a["start_monotonic_ns"])]))[0])
+    ends = [start]
+    if "end_monotonic_ns" in a:
+        ends.append(int(cm.to_realtime(np.array([int(a["end_monotonic_ns"])]))[0]))
+    for tp in (schema.GPU_SAMPLES.path, schema.HOST_PROCS.path, schema.CLOCK_PAIRS.path):
+        rows = trace.tables.get(tp)
+        if rows is not None and len(rows):
+            col = "monotonic_ns" if tp == schema.CLOCK_PAIRS.path else "t_ns"
+            ends.append(int(cm.to_realtime(np.array([int(rows[col].max())]))[0]))
+    if len(s.calls):
+        ends.append(int(s.calls["enter_rt"].max()))
+    s.span_rt = (start, max(ends))
+    _summarize_series(trace, s, cm)
+    _summarize_diagnostics(trace, s)
+    return s
+
+
+def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
+    assert s.span_rt is not None
+    t0, t1 = s.span_rt
+    span = max(1, t1 - t0)
+    bin_ns = max(1_000_000_000, -(-span // MAX_BINS))
+    nb = int(span // bin_ns) + 1
+    tb = t0 + np.arange(nb, dtype=np.int64) * bin_ns
+
+    def add(name: str, unit: str, t_mono: np.ndarray, v: np.ndarray) -> None:
+        s.series[name] = Series(name, unit, tb, bin_ns, _bin(cm.to_realtime(t_mono), v.astype(np.float64), t0, bin_ns, nb))
+
+    devs = trace.tables.get(schema.GPU_DEVICES.path)
+    names = {}
+    if devs is not None:
+        for d in devs:
+            names[int(d["index"])] = (d["name"].decode(errors="replace"), d["uuid"].decode(errors="replace"))
+    samples = trace.tables.get(schema.GPU_SAMPLES.path)
+    gpm = trace.tables.get(schema.GPU_GPM.path)
+    gpu_ids = set(names)
+    if samples is not None:
+        gpu_ids |= set(np.unique(samples["gpu"]).tolist())
+    for g in sorted(gpu_ids):
+        info: dict[str, Any] = {"gpu": g, "name": names.get(g, ("", ""))[0], "uuid": names.get(g, ("", ""))[1]}
+        if samples is not None and len(samples):
+            rows = samples[samples["gpu"] == g]
+            for col, unit in (("util_gpu", "percent"), ("power_w", "W"), ("mem_used_bytes", "bytes")):
+                add(f"gpu{g}:{col}", unit, rows["t_ns"], rows[col])
+            info["samples"] = len(rows)
+            u = rows["util_gpu"].astype(np.float64)
+            info["util_gpu_mean"] = float(np.nanmean(u)) if np.isfinite(u).any() else None
+            m = rows["mem_used_bytes"].astype(np.float64)
+            info["mem_used_max_bytes"] = float(np.nanmax(m)) if np.isfinite(m).any() else None
+        else:
+            info["samples"] = 0
+        if gpm is not None and len(gpm):
+            rows = gpm[gpm["gpu"] == g]
+            add(f"gpu{g}:sm_activity", "percent", rows["t_ns"], rows["sm_activity"])
+            v = rows["sm_activity"].astype(np.float64)
+            info["sm_activity_mean"] = float(np.nanmean(v)) if np.isfinite(v).any() else None
+        s.gpus.append(info)
+
+    procs = trace.tables.get(schema.HOST_PROCS.path)
+    if procs is not None and len(procs) > 1:
+        # cumulative CPU time per pid -> cores used, summed over the job's processes
+        t_all, v_all = [], []
+        for pid in np.unique(procs["pid"]):
+            r = np.sort(procs[procs["pid"] == pid], order="t_ns")
+            if len(r) < 2:
+                continue
+            dt = np.diff(r["t_ns"].astype(np.int64)).astype(np.float64)
+            dc = np.diff(r["cpu_time_ns"].astype(np.int64)).astype(np.float64)
+            ok = dt > 0
+            t_all.append(r["t_ns"][1:][ok])
+            v_all.append(dc[ok] / dt[ok])
+        if t_all:
+            t = np.concatenate(t_all)
+            v = np.concatenate(v_all)
+            # bin means of per-pid rates, times the pid count, give the summed cores
+            npid = len(t_all)
+            add("host:cpu_cores", "cores", t, v * npid)
+    hn = trace.tables.get(schema.HOST_NODE.path)
+    if hn is not None and len(hn):
+        add("host:cpu_busy", "fraction", hn["t_ns"], hn["cpu_busy"])
+    for tbl in schema.BPF_TABLES:
+        rows = trace.tables.get(tbl.path)
+        if rows is None or not len(rows) or "t_ns" not in (rows.dtype.names or ()):
+            continue
+        # a duration column (off-CPU, run-queue wait, kernel time) binned as ns per second of wall time
+        for col in rows.dtype.names or ():
+            if col.endswith("_ns") and col != "t_ns" and rows.dtype[col].kind in "uif":
+                per_s = bin_ns / 1e9
+                idx = ((cm.to_realtime(rows["t_ns"]) - t0) // bin_ns).astype(np.int64)
+                ok = (idx >= 0) & (idx < nb)
+                tot = np.bincount(idx[ok], weights=rows[col][ok].astype(np.float64), minlength=nb)
+                s.series[f"{tbl.group}/{tbl.name}:{col}"] = Series(
+                    f"{tbl.group}/{tbl.name}:{col}", "ns/s", tb, bin_ns, tot / per_s
+                )
+
+
+def _summarize_diagnostics(trace: NodeTrace, s: NodeSummary) -> None:
+    errs = trace.tables.get(schema.DIAG_ERRORS.path)
+    if errs is not None:
+        s.errors = [f"{r['source'].decode(errors='replace')}: {r['message'].decode(errors='replace')}" for r in errs]
+    miss = trace.tables.get(schema.DIAG_MISSING.path)
+    if miss is not None:
+        seen: set[str] = set()
+        for r in miss:
+            dev = int(r["device"])
+            txt = (f"{r['source'].decode(errors='replace')} {'node' if dev < 0 else f'gpu{dev}'} "
+                   f"{r['metric'].decode(errors='replace')}: {r['reason'].decode(errors='replace')}")
+            if txt not in seen:
+                seen.add(txt)
+                s.missing_metrics.append(txt)
+
+
+_HOSTLIST = re.compile(r"([^,\[]+)(?:\[([^\]]+)\])?")
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Slurm hostlist 'node[001-004,007],gpu1' -> names (the subset of the syntax nodelists use)."""
+    out: list[str] = []
+    pos = 0
+    expr = expr.strip()
+    while pos < len(expr):
+        m = _HOSTLIST.match(expr, pos)
+        if m is None:
+            raise ValueError(f"cannot parse host list {expr!r} at {pos}")
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            out.append(prefix)
+        else:
+            for part in ranges.split(","):
+                if "-" in part:
+                    lo, hi = part.split("-", 1)
+                    width = len(lo)
+                    out.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+                else:
+                    out.append(prefix + part)
+        pos = m.end()
+        if pos < len(expr) and expr[pos] == ",":
+            pos += 1
+    return out
+
+
+def expected_nodes_from_attrs(summaries: list[NodeSummary]) -> list[str] | None:
+    """The job's node list if a node file recorded one (attribute job_nodelist, or in config_json)."""
+    for s in summaries:
+        if s.error is not None:
+            continue
+        for key in ("job_nodelist", "nodelist"):
+            if s.attrs.get(key):
+                return expand_hostlist(str(s.attrs[key]))
+        cfg = s.attrs.get("config_json")
+        if cfg:
+            try:
+                doc = json.loads(cfg)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict) and doc.get("job_nodelist"):
+                return expand_hostlist(str(doc["job_nodelist"]))
+    return None

@@ -1,0 +1,338 @@
+"""Matching: calls of all nodes -> collective instances (comm_id, seq) and point-to-point pairs,
+plus the mismatch analysis a flight recorder's analyzer does for a hung job.
+
+Takes arrays (the calls of each node on its own realtime clock), never paths. Times here are
+float64 ns relative to the job epoch, raw (not yet aligned); alignment is applied by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from collector.schema import COLLECTIVE_OPS
+from mpi_merge.common import quiet_nan
+
+OPS = COLLECTIVE_OPS
+_I = {name: i for i, name in enumerate(OPS)}
+# Every rank's output depends on every rank's input: no rank can leave before the last one entered.
+NXN_OPS = frozenset(_I[n] for n in (
+    "MPI_Allreduce", "MPI_Allgather", "MPI_Allgatherv", "MPI_Alltoall", "MPI_Alltoallv",
+    "MPI_Reduce_scatter", "MPI_Reduce_scatter_block", "ncclAllReduce", "ncclAllGather", "ncclReduceScatter",
+))
+BARRIER_OPS = frozenset({_I["MPI_Barrier"]})
+ONE_TO_N_OPS = frozenset(_I[n] for n in ("MPI_Bcast", "MPI_Scatter", "MPI_Scatterv", "ncclBroadcast"))
+N_TO_ONE_OPS = frozenset(_I[n] for n in ("MPI_Reduce", "MPI_Gather", "MPI_Gatherv", "ncclReduce"))
+OTHER_BLOCKING = frozenset({_I["MPI_Scan"]})
+COLLECTIVE_SET = NXN_OPS | BARRIER_OPS | ONE_TO_N_OPS | N_TO_ONE_OPS | OTHER_BLOCKING
+SEND_OPS = frozenset({_I["MPI_Send"], _I["ncclSend"]})
+RECV_OPS = frozenset({_I["MPI_Recv"], _I["ncclRecv"]})
+NCCL_OPS = frozenset(i for i, n in enumerate(OPS) if n.startswith("nccl"))
+# Ops whose buffers must have the same size on every rank (v-variants legitimately differ).
+SAME_SIZE_OPS = frozenset(_I[n] for n in (
+    "MPI_Allreduce", "MPI_Bcast", "MPI_Reduce", "MPI_Allgather", "MPI_Alltoall", "MPI_Reduce_scatter_block",
+    "ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter",
+))
+# NCCL calls return once the work is queued on the stream: host-side exit is not completion, so the
+# causality bound does not hold for them. The clock fit uses blocking MPI N-to-N calls by default.
+CLOCK_OPS_DEFAULT = frozenset((NXN_OPS | BARRIER_OPS) - NCCL_OPS)
+
+
+@dataclass
+class CommTable:
+    comm_id: int
+    size: int
+    node_of_rank: np.ndarray  # [size] index into the job's node list, -1 when no calls were seen
+    pid_of_rank: np.ndarray  # [size]
+    enter: np.ndarray  # [n_seq, size] float64 ns, NaN = no call
+    exit: np.ndarray  # [n_seq, size] float64 ns, NaN = no call or never returned
+    op: np.ndarray  # [n_seq, size] int16, -1 = no call
+    nbytes: np.ndarray  # [n_seq, size] int64
+    root: np.ndarray  # [n_seq, size] int32
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.enter.shape[0])
+
+    def complete(self) -> np.ndarray:
+        """Instances every rank entered and left, with one op: the ones wait states are computed on."""
+        present = (self.op >= 0).all(axis=1) & np.isfinite(self.exit).all(axis=1)
+        same = (self.op == self.op[:, :1]).all(axis=1)
+        return present & same
+
+
+@dataclass
+class Mismatch:
+    comm_id: int
+    first_seq: int
+    kind: str  # "missing_rank", "op_differs", "size_differs", "not_returned", "rank_never_seen"
+    missing_ranks: list[int]
+    culprit_ranks: list[int]
+    culprit_nodes: list[str]
+    detail: str
+    instances_affected: int
+
+
+@dataclass
+class P2PPairs:
+    comm_id: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    tag: np.ndarray
+    send_node: np.ndarray
+    recv_node: np.ndarray
+    send_enter: np.ndarray  # raw float ns
+    send_exit: np.ndarray
+    recv_enter: np.ndarray
+    recv_exit: np.ndarray
+    unmatched: int = 0
+
+
+@dataclass
+class Matched:
+    comms: list[CommTable]
+    p2p: P2PPairs
+    mismatches: list[Mismatch]
+    notes: list[str] = field(default_factory=list)
+
+
+def build_comms(calls_by_node: list[np.ndarray], epoch_rt: int) -> list[CommTable]:
+    """One table per communicator, rows = seq, columns = comm_rank. Rows of a node missing from the
+    job simply stay NaN: they are reported, never filled in."""
+    per_comm: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for ni, calls in enumerate(calls_by_node):
+        if not len(calls):
+            continue
+        coll = calls[np.isin(calls["op"], list(COLLECTIVE_SET))]
+        for cid in np.unique(coll["comm_id"]):
+            per_comm.setdefault(int(cid), []).append((ni, coll[coll["comm_id"] == cid]))
+    tables = []
+    for cid in sorted(per_comm):
+        parts = per_comm[cid]
+        size = max(int(p["comm_size"].max()) for _, p in parts)
+        n_seq = max(int(p["seq"].max()) for _, p in parts) + 1
+        t = CommTable(
+            comm_id=cid, size=size, node_of_rank=np.full(size, -1, np.int64), pid_of_rank=np.zeros(size, np.int64),
+            enter=np.full((n_seq, size), np.nan), exit=np.full((n_seq, size), np.nan),
+            op=np.full((n_seq, size), -1, np.int16), nbytes=np.zeros((n_seq, size), np.int64),
+            root=np.full((n_seq, size), -1, np.int32),
+        )
+        for ni, p in parts:
+            r = p["comm_rank"].astype(np.int64)
+            s = p["seq"].astype(np.int64)
+            ok = (r >= 0) & (r < size)
+            r, s, p = r[ok], s[ok], p[ok]
+            t.node_of_rank[np.unique(r)] = ni
+            for rr in np.unique(r):
+                t.pid_of_rank[rr] = int(p["pid"][r == rr][0])
+            t.enter[s, r] = (p["enter_rt"] - epoch_rt).astype(np.float64)
+            t.exit[s, r] = np.where(p["returned"], (p["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
+            t.op[s, r] = p["op"]
+            t.nbytes[s, r] = p["bytes"].astype(np.int64)
+            t.root[s, r] = p["root_or_peer"]
+        tables.append(t)
+    return tables
+
+
+def find_mismatches(
+    comms: list[CommTable], node_names: list[str], partial_nodes: set[str], excluded_nodes: dict[str, str]
+) -> list[Mismatch]:
+    """First mismatched instance per communicator, with the missing ranks and the likely culprit.
+
+    The culprit of a hang is the rank that did not reach the instance the others are waiting in;
+    at a differing op or size, the ranks that differ from the majority. A node whose file was cut
+    off is named as such, so a collector crash is not mistaken for a hang."""
+    out = []
+    for t in comms:
+        present = t.op >= 0
+        seen = t.node_of_rank >= 0
+        never = [int(r) for r in np.flatnonzero(~seen)]
+        if never:
+            miss_nodes = sorted(excluded_nodes)
+            out.append(Mismatch(
+                t.comm_id, 0, "rank_never_seen", never, never, [],
+                f"ranks {_ranks(never)} of {t.size} have no calls on this communicator"
+                + (f" (node files missing or excluded: {', '.join(miss_nodes)})" if miss_nodes else ""),
+                t.n_seq,
+            ))
+        cols = np.flatnonzero(seen)
+        if not len(cols):
+            continue
+        P = present[:, cols]
+        last_any = int(np.flatnonzero(P.any(axis=1)).max())
+        ops = t.op[:, cols]
+        by_row_missing = np.asarray(~P.all(axis=1))
+        by_row_missing[last_any + 1:] = False
+        maj = _row_mode(ops)
+        op_diff = (P & (ops != maj[:, None])).any(axis=1)
+        sizes = t.nbytes[:, cols]
+        size_rows = np.isin(maj, list(SAME_SIZE_OPS))
+        smaj = _row_mode(np.where(P, sizes, -1))
+        size_diff = size_rows & (P & (sizes != smaj[:, None])).any(axis=1)
+        not_ret = (P & ~np.isfinite(t.exit[:, cols])).any(axis=1)
+        bad = by_row_missing | op_diff | size_diff | not_ret
+        if not bad.any():
+            continue
+        s = int(np.flatnonzero(bad)[0])
+        missing = [int(cols[j]) for j in np.flatnonzero(~P[s])]
+        if op_diff[s]:
+            kind = "op_differs"
+            culprits = [int(cols[j]) for j in np.flatnonzero(P[s] & (ops[s] != maj[s]))]
+            detail = (f"seq {s}: ranks {_ranks(culprits)} called "
+                      f"{', '.join(sorted({OPS[int(t.op[s, r])] for r in culprits}))} while the others called "
+                      f"{OPS[int(maj[s])]}")
+        elif missing:
+            kind = "missing_rank"
+            culprits = missing
+            cut = sorted({node_names[int(t.node_of_rank[r])] for r in missing} & partial_nodes)
+            detail = (f"seq {s}: ranks {_ranks(missing)} never entered while {int(P[s].sum())} ranks did"
+                      + (f"; node files cut off (partial): {', '.join(cut)}" if cut else "; the job likely hung here"))
+        elif size_diff[s]:
+            kind = "size_differs"
+            culprits = [int(cols[j]) for j in np.flatnonzero(P[s] & (sizes[s] != smaj[s]))]
+            detail = f"seq {s}: ranks {_ranks(culprits)} passed a different byte count ({OPS[int(maj[s])]})"
+        else:
+            kind = "not_returned"
+            stuck = [int(cols[j]) for j in np.flatnonzero(P[s] & ~np.isfinite(t.exit[s, cols]))]
+            culprits = [int(c) for c in cols if int(c) not in stuck] if len(stuck) < len(cols) else []
+            detail = (f"seq {s}: ranks {_ranks(stuck)} entered and never returned"
+                      + (f"; ranks {_ranks(culprits)} left or never came" if culprits else ""))
+        out.append(Mismatch(
+            t.comm_id, s, kind, missing, culprits,
+            sorted({node_names[int(t.node_of_rank[r])] for r in culprits if t.node_of_rank[r] >= 0}),
+            detail, int(bad.sum()),
+        ))
+    return out
+
+
+def _row_mode(a: np.ndarray) -> np.ndarray:
+    """Most common value per row (ties: the smallest), ignoring -1."""
+    out = np.full(a.shape[0], -1, dtype=a.dtype)
+    if a.shape[1] == 0:
+        return out
+    srt = np.sort(a, axis=1)
+    # fast path: rows where every entry is equal
+    eq = (srt == srt[:, :1]).all(axis=1)
+    out[eq] = srt[eq, 0]
+    for i in np.flatnonzero(~eq):
+        v = a[i][a[i] != -1]
+        if len(v):
+            vals, counts = np.unique(v, return_counts=True)
+            out[i] = vals[np.argmax(counts)]
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    return ",".join(str(r) for r in rs[:20]) + ("..." if len(rs) > 20 else "")
+
+
+def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
+    """Blocking sends and receives matched by (comm, src, dst, tag, order), as MPI orders them."""
+    sends: list[np.ndarray] = []
+    recvs: list[np.ndarray] = []
+    dt = np.dtype([("comm", "<u8"), ("src", "<i8"), ("dst", "<i8"), ("tag", "<i8"), ("node", "<i8"),
+                   ("enter", "<f8"), ("exit", "<f8")])
+    for ni, c in enumerate(calls_by_node):
+        if not len(c):
+            continue
+        for ops, is_send in ((SEND_OPS, True), (RECV_OPS, False)):
+            p = c[np.isin(c["op"], list(ops))]
+            if not len(p):
+                continue
+            a = np.zeros(len(p), dt)
+            a["comm"] = p["comm_id"]
+            a["src"] = p["comm_rank"] if is_send else p["root_or_peer"]
+            a["dst"] = p["root_or_peer"] if is_send else p["comm_rank"]
+            a["tag"] = p["tag"]
+            a["node"] = ni
+            a["enter"] = (p["enter_rt"] - epoch_rt).astype(np.float64)
+            a["exit"] = np.where(p["returned"], (p["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
+            (sends if is_send else recvs).append(a)
+    S = np.concatenate(sends) if sends else np.zeros(0, dt)
+    R = np.concatenate(recvs) if recvs else np.zeros(0, dt)
+    S = _with_order(S)
+    R = _with_order(R)
+    key = ("comm", "src", "dst", "tag", "order")
+    if len(S) and len(R):
+        sk = {tuple(x): i for i, x in enumerate(S[list(key)].tolist())}
+        pairs = [(sk[tuple(x)], j) for j, x in enumerate(R[list(key)].tolist()) if tuple(x) in sk]
+    else:
+        pairs = []
+    si = np.array([p[0] for p in pairs], np.int64)
+    ri = np.array([p[1] for p in pairs], np.int64)
+    return P2PPairs(
+        comm_id=S["comm"][si], src=S["src"][si], dst=S["dst"][si], tag=S["tag"][si], send_node=S["node"][si],
+        recv_node=R["node"][ri], send_enter=S["enter"][si], send_exit=S["exit"][si], recv_enter=R["enter"][ri],
+        recv_exit=R["exit"][ri], unmatched=int(len(S) + len(R) - 2 * len(pairs)),
+    )
+
+
+def _with_order(a: np.ndarray) -> np.ndarray:
+    """Append the occurrence index of each message within its (comm, src, dst, tag) channel."""
+    out = np.zeros(len(a), a.dtype.descr + [("order", "<i8")])
+    for n in a.dtype.names or ():
+        out[n] = a[n]
+    if not len(a):
+        return out
+    idx = np.lexsort((a["enter"], a["tag"], a["dst"], a["src"], a["comm"]))
+    srt = out[idx]
+    keys = np.stack([srt["comm"].astype(np.int64), srt["src"], srt["dst"], srt["tag"]], axis=1)
+    new = np.ones(len(srt), bool)
+    new[1:] = (keys[1:] != keys[:-1]).any(axis=1)
+    grp_start = np.maximum.accumulate(np.where(new, np.arange(len(srt)), 0))
+    srt["order"] = np.arange(len(srt)) - grp_start
+    out[idx] = srt
+    return out
+
+
+@dataclass
+class NodeInstances:
+    """Per N-to-N instance and node: the latest enter, earliest exit and median exit of the node's
+    ranks (raw times, float ns from the epoch). The clock fit's only input."""
+
+    enter_max: np.ndarray  # [n_inst, n_nodes], NaN = node not in the instance
+    exit_min: np.ndarray
+    exit_med: np.ndarray
+    comm_id: np.ndarray  # [n_inst]
+    seq: np.ndarray
+
+
+def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = CLOCK_OPS_DEFAULT) -> NodeInstances:
+    Es, Xn, Xm, cids, seqs = [], [], [], [], []
+    for t in comms:
+        maj = _row_mode(t.op)
+        rows = np.isin(maj, list(ops))
+        if not rows.any():
+            continue
+        ok = (t.op[rows] == maj[rows][:, None]) & np.isfinite(t.exit[rows])
+        enter = np.where(ok, t.enter[rows], np.nan)
+        exit_ = np.where(ok, t.exit[rows], np.nan)
+        n = int(rows.sum())
+        E = np.full((n, n_nodes), np.nan)
+        Xmin = np.full((n, n_nodes), np.nan)
+        Xmed = np.full((n, n_nodes), np.nan)
+        for ni in np.unique(t.node_of_rank[t.node_of_rank >= 0]):
+            cols = np.flatnonzero(t.node_of_rank == ni)
+            with quiet_nan():  # all-NaN rows stay NaN, as they should
+                E[:, ni] = np.nanmax(enter[:, cols], axis=1)
+                Xmin[:, ni] = np.nanmin(exit_[:, cols], axis=1)
+                Xmed[:, ni] = np.nanmedian(exit_[:, cols], axis=1)
+        Es.append(E)
+        Xn.append(Xmin)
+        Xm.append(Xmed)
+        cids.append(np.full(n, t.comm_id, np.uint64))
+        seqs.append(np.flatnonzero(rows))
+    if not Es:
+        z = np.zeros((0, n_nodes))
+        return NodeInstances(z, z.copy(), z.copy(), np.zeros(0, np.uint64), np.zeros(0, np.int64))
+    return NodeInstances(np.vstack(Es), np.vstack(Xn), np.vstack(Xm), np.concatenate(cids), np.concatenate(seqs))
+
+
+def describe(m: Mismatch) -> dict[str, Any]:
+    return {
+        "comm_id": f"{m.comm_id:#x}", "first_seq": m.first_seq, "kind": m.kind, "missing_ranks": m.missing_ranks,
+        "culprit_ranks": m.culprit_ranks, "culprit_nodes": m.culprit_nodes, "detail": m.detail,
+        "instances_affected": m.instances_affected,
+    }

@@ -1,0 +1,506 @@
+"""Synthetic workload generator: node files in trace format v1 with known ground truth.
+
+A test and benchmark tool. Every file it writes carries `synthetic=True`, and every report made from
+such files says SYNTHETIC at the top; nothing here is ever presented as measured data.
+
+The model (all times in a "true" time axis, seconds from job start):
+  * Each node's CLOCK_REALTIME reads  t + theta(t),  theta(t) = offset + drift*t + the integral of an
+    NTP-like rate that changes by up to +-ntp_rate_ppm every ~ntp_interval_s. CLOCK_MONOTONIC is the
+    realtime clock minus a per-node boot epoch (both are slewed by NTP alike), so /clock/pairs holds
+    the exact mapping and the remaining error is theta, which only the collectives can reveal.
+  * Ranks run an iteration loop: compute, then a blocking collective on one world communicator
+    (or on disjoint sub-communicators). A collective completes `collective_us` after its last rank
+    entered; each rank returns after an exponential exit jitter, plus an optional per-rank bias that
+    grows along the ring (the case no clock method can fully see).
+  * Stragglers: "gpu" (longer compute, higher SM activity), "host" (longer compute, GPU starved,
+    CPU busy and off-CPU time), "network" (the collective returns late on that node in about half
+    the instances of the episode, so the node arrives late next time with normal compute).
+
+`python -m mpi_merge.synthetic --nodes N --out DIR` writes DIR/<node>.h5 and DIR/ground_truth.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import h5py
+import numpy as np
+
+from collector import schema
+from collector.writer import NodeMeta, NodeTraceWriter
+
+WORLD_COMM_ID = 0x5EED_0000_0000_0001
+SUB_COMM_BASE = 0x5EED_0000_0001_0000
+EPOCH_NS = 1_790_000_000_000_000_000  # a fixed realtime epoch keeps runs reproducible
+OP_ALLREDUCE = schema.COLLECTIVE_OPS.index("MPI_Allreduce")
+OP_BCAST = schema.COLLECTIVE_OPS.index("MPI_Bcast")
+OP_BARRIER = schema.COLLECTIVE_OPS.index("MPI_Barrier")
+CAUSES = ("gpu", "host", "network")
+
+
+@dataclass
+class Straggler:
+    node: int  # node index
+    cause: str  # one of CAUSES
+    start_s: float
+    end_s: float
+    severity: float = 0.3  # gpu/host: compute slow-down factor - 1; network: mean extra delay in ms
+
+
+@dataclass
+class SynthConfig:
+    nodes: int = 8
+    duration_s: float = 60.0
+    period_ms: float = 10.0
+    ranks_per_node: int = 1
+    gpus_per_node: int = 1
+    seed: int = 1
+    job_id: str = "4242"
+    offset_ms: float = 10.0
+    drift_ppm: float = 50.0
+    ntp_rate_ppm: float = 2.0
+    ntp_interval_s: float = 200.0
+    exit_jitter_us: float = 5.0
+    exit_bias_us: float = 0.0  # per-rank exit delay growing linearly to this along the ring
+    compute_noise: float = 0.02
+    collective_us: float = 50.0
+    metric_rate_hz: float = 10.0
+    same_host: bool = False  # all virtual nodes on one host: one clock, offsets must come out zero
+    disjoint_comms: int = 0  # >1: ranks split into this many communicators with no world collective
+    op_mix: bool = True  # every 10th a Bcast, every 50th a Barrier
+    stragglers: list[Straggler] = field(default_factory=list)
+    hang_at_seq: int | None = None  # the job hangs at this seq: the culprit never enters it
+    hang_culprit: int = 0  # node index of the culprit rank (its first local rank)
+    hang_kind: str = "missing"  # "missing" (culprit never arrives) or "op" (culprit calls another op)
+    missing_nodes: list[int] = field(default_factory=list)  # files not written
+    cutoff_nodes: dict[int, float] = field(default_factory=dict)  # node -> time its collector died
+    idle_gpus: list[tuple[int, int]] = field(default_factory=list)  # (node, gpu) left idle
+    write_bulk: bool = True  # write GPU/host tables (benchmarks of the clock fit skip them)
+
+
+def node_name(i: int) -> str:
+    return f"node{i:03d}"
+
+
+# --- clocks --------------------------------------------------------------------------------------
+@dataclass
+class NodeClock:
+    offset_ns: float
+    drift_ppm: float
+    knots_s: np.ndarray  # times where the NTP rate changes (first is 0)
+    rates_ppm: np.ndarray  # extra rate from each knot on
+    boot_ns: int  # realtime - monotonic
+
+    def theta_ns(self, t_s: np.ndarray | float) -> np.ndarray:
+        """realtime - true time at true time t (ns)."""
+        t = np.asarray(t_s, dtype=np.float64)
+        # integral of the piecewise-constant extra rate: piecewise linear, exact at the knots
+        seg = np.diff(self.knots_s, append=self.knots_s[-1] + 1e9)
+        cum = np.concatenate([[0.0], np.cumsum(self.rates_ppm * seg)[:-1]]) * 1e3  # ppm*s -> ns
+        idx = np.clip(np.searchsorted(self.knots_s, t, side="right") - 1, 0, len(self.knots_s) - 1)
+        extra = cum[idx] + self.rates_ppm[idx] * (t - self.knots_s[idx]) * 1e3
+        return self.offset_ns + self.drift_ppm * t * 1e3 + extra
+
+    def to_monotonic_ns(self, t_s: np.ndarray) -> np.ndarray:
+        rt_rel = np.asarray(t_s, dtype=np.float64) * 1e9 + self.theta_ns(t_s)  # realtime - EPOCH
+        return (np.round(rt_rel).astype(np.int64) + (EPOCH_NS - self.boot_ns)).astype(np.uint64)
+
+
+def make_clocks(cfg: SynthConfig, rng: np.random.Generator) -> list[NodeClock]:
+    clocks = []
+    host_clock: NodeClock | None = None
+    for i in range(cfg.nodes):
+        if cfg.same_host and host_clock is not None:
+            clocks.append(host_clock)
+            continue
+        n_knots = max(1, int(cfg.duration_s / cfg.ntp_interval_s) + 2)
+        gaps = rng.uniform(0.75, 1.25, n_knots) * cfg.ntp_interval_s
+        knots = np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
+        c = NodeClock(
+            offset_ns=float(rng.uniform(-1, 1) * cfg.offset_ms * 1e6),
+            drift_ppm=float(rng.uniform(-1, 1) * cfg.drift_ppm),
+            knots_s=knots,
+            rates_ppm=rng.uniform(-1, 1, n_knots) * cfg.ntp_rate_ppm,
+            boot_ns=int(EPOCH_NS - rng.integers(10**12, 10**14)),
+        )
+        clocks.append(c)
+        host_clock = c
+    return clocks
+
+
+# --- the timeline --------------------------------------------------------------------------------
+@dataclass
+class Timeline:
+    enter_s: np.ndarray  # [K, R] true times
+    exit_s: np.ndarray  # [K, R]
+    ops: np.ndarray  # [K]
+    comm_of_rank: np.ndarray  # [R] communicator index
+    comm_rank: np.ndarray  # [R] rank within its communicator
+    comm_sizes: list[int]
+
+
+def _in_episode(cfg: SynthConfig, t_s: np.ndarray, node: int, causes: tuple[str, ...]) -> list[Straggler]:
+    return [s for s in cfg.stragglers if s.node == node and s.cause in causes]
+
+
+def simulate(cfg: SynthConfig, rng: np.random.Generator) -> Timeline:
+    R = cfg.nodes * cfg.ranks_per_node
+    K = int(cfg.duration_s * 1e3 / cfg.period_ms)
+    period = cfg.period_ms * 1e-3
+    node_of_rank = np.arange(R) // cfg.ranks_per_node
+    C = period * (1.0 + cfg.compute_noise * rng.standard_normal((K, R)))
+    J = rng.exponential(cfg.exit_jitter_us * 1e-6, (K, R))
+    if cfg.exit_bias_us:
+        J += (np.arange(R) / max(1, R - 1)) * cfg.exit_bias_us * 1e-6
+    d = cfg.collective_us * 1e-6 * (1.0 + 0.1 * rng.standard_normal(K)).clip(0.5)
+    t_nominal = np.arange(K) * (period + cfg.collective_us * 1e-6)
+    for s in cfg.stragglers:
+        ep = (t_nominal >= s.start_s) & (t_nominal < s.end_s)
+        cols = np.flatnonzero(node_of_rank == s.node)
+        if s.cause in ("gpu", "host"):
+            C[np.ix_(ep, cols)] *= 1.0 + s.severity
+        else:
+            hit = ep & (rng.random(K) < 0.5)
+            J[np.ix_(hit, cols)] += rng.exponential(s.severity * 1e-3, (int(hit.sum()), 1))
+    if cfg.disjoint_comms > 1:
+        comm_of_rank = np.arange(R) * cfg.disjoint_comms // R
+    else:
+        comm_of_rank = np.zeros(R, dtype=np.int64)
+    n_comms = int(comm_of_rank.max()) + 1
+    comm_rank = np.zeros(R, dtype=np.int64)
+    sizes = []
+    for c in range(n_comms):
+        cols = np.flatnonzero(comm_of_rank == c)
+        comm_rank[cols] = np.arange(len(cols))
+        sizes.append(len(cols))
+    E = np.empty((K, R))
+    X = np.empty((K, R))
+    for c in range(n_comms):
+        cols = np.flatnonzero(comm_of_rank == c)
+        Cc, Jc = C[:, cols], J[:, cols]
+        # T_k - T_{k-1} = max_r (J_{k-1,r} + C_{k,r}) + d_k: the loop vectorizes into a cumsum
+        prev_j = np.vstack([np.zeros((1, len(cols))), Jc[:-1]])
+        step = (prev_j + Cc).max(axis=1) + d
+        T = np.cumsum(step)
+        T_prev = np.concatenate([[0.0], T[:-1]])
+        E[:, cols] = T_prev[:, None] + prev_j + Cc
+        X[:, cols] = T[:, None] + Jc
+    ops = np.full(K, OP_ALLREDUCE, dtype=np.uint8)
+    if cfg.op_mix:
+        ops[np.arange(K) % 10 == 9] = OP_BCAST
+        ops[np.arange(K) % 50 == 49] = OP_BARRIER
+    return Timeline(E, X, ops, comm_of_rank, comm_rank, sizes)
+
+
+# --- writing -------------------------------------------------------------------------------------
+def _metric_series(cfg: SynthConfig, node: int, t_s: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """GPU and host levels per sample time: peers wait in collectives, stragglers differ."""
+    sm = 80.0 + 2.0 * rng.standard_normal(len(t_s))
+    cpu = 1.0 + 0.05 * rng.standard_normal(len(t_s))  # cores per rank
+    busy = 0.30 + 0.02 * rng.standard_normal(len(t_s))
+    for s in cfg.stragglers:
+        if s.node != node:
+            continue
+        ep = (t_s >= s.start_s) & (t_s < s.end_s)
+        if s.cause == "gpu":
+            sm[ep] = 96.0 + 1.0 * rng.standard_normal(int(ep.sum()))
+        elif s.cause == "host":
+            sm[ep] = 60.0 + 2.0 * rng.standard_normal(int(ep.sum()))
+            cpu[ep] = 1.9 + 0.05 * rng.standard_normal(int(ep.sum()))
+            busy[ep] = 0.75 + 0.02 * rng.standard_normal(int(ep.sum()))
+    return {"sm": sm.clip(0, 100), "cpu": cpu.clip(0.01), "busy": busy.clip(0, 1)}
+
+
+def write_node(
+    cfg: SynthConfig, out: Path, i: int, clock: NodeClock, tl: Timeline, rng: np.random.Generator
+) -> Path:
+    name = node_name(i)
+    path = out / f"{name}.h5"
+    cut_s = cfg.cutoff_nodes.get(i)
+    K = tl.enter_s.shape[0]
+    end_s = float(np.nanmax(tl.exit_s[-1])) + 0.5
+    if cut_s is not None:
+        end_s = min(end_s, cut_s)
+    modes = ("metrics", "collectives")
+    hostname = "synthhost" if cfg.same_host else f"{name}-host"
+    boot_id = "synthetic-boot-shared" if cfg.same_host else f"synthetic-boot-{i}"
+    meta = NodeMeta(
+        job_id=cfg.job_id, node=name, modes=modes, rates={"nvml": cfg.metric_rate_hz, "host": cfg.metric_rate_hz},
+        config={"generator": "mpi_merge.synthetic"}, synthetic=True, hostname=hostname, boot_id=boot_id,
+    )
+    start_mono = int(clock.to_monotonic_ns(np.array([-1.0]))[0])
+    w = NodeTraceWriter(
+        path, meta, schema.tables_for_modes(modes), compression="gzip",
+        start_monotonic_ns=start_mono, start_realtime_ns=start_mono + clock.boot_ns,
+    )
+    # (monotonic, realtime) pairs every second: realtime = monotonic + boot epoch, exactly.
+    tp = np.arange(-1.0, end_s, 1.0)
+    pairs = schema.CLOCK_PAIRS.empty(len(tp))
+    pairs["monotonic_ns"] = clock.to_monotonic_ns(tp)
+    pairs["realtime_ns"] = pairs["monotonic_ns"].astype(np.int64) + clock.boot_ns
+    pairs["uncertainty_ns"] = 200
+    w.append(schema.CLOCK_PAIRS.path, pairs)
+
+    # collectives of this node's ranks
+    ranks = np.arange(i * cfg.ranks_per_node, (i + 1) * cfg.ranks_per_node)
+    rows = []
+    for lr, r in enumerate(ranks):
+        ks = np.arange(K)
+        enter, exit_ = tl.enter_s[:, r].copy(), tl.exit_s[:, r].copy()
+        ops = tl.ops.copy()
+        returned = np.ones(K, dtype=bool)
+        if cfg.hang_at_seq is not None:
+            h = cfg.hang_at_seq
+            culprit = r == cfg.hang_culprit * cfg.ranks_per_node
+            if cfg.hang_kind == "missing" and culprit:
+                keep = ks < h
+            else:
+                keep = ks <= h
+                returned[h] = False
+                if cfg.hang_kind == "op" and culprit:
+                    ops[h] = OP_BARRIER if ops[h] != OP_BARRIER else OP_ALLREDUCE
+            enter, exit_, ops, ks, returned = enter[keep], exit_[keep], ops[keep], ks[keep], returned[keep]
+        if cut_s is not None:
+            keep = exit_ < cut_s
+            enter, exit_, ops, ks, returned = enter[keep], exit_[keep], ops[keep], ks[keep], returned[keep]
+        c = schema.COLLECTIVE_CALLS.empty(len(ks))
+        c["t_enter_ns"] = clock.to_monotonic_ns(enter)
+        c["t_exit_ns"] = np.where(returned, clock.to_monotonic_ns(exit_), 0)
+        c["pid"] = 10_000 + lr
+        c["tid"] = 10_000 + lr
+        c["library"] = 0
+        c["op"] = ops
+        comm = int(tl.comm_of_rank[r])
+        c["comm_id"] = WORLD_COMM_ID if cfg.disjoint_comms <= 1 else SUB_COMM_BASE + comm
+        c["seq"] = ks
+        c["comm_rank"] = tl.comm_rank[r]
+        c["comm_size"] = tl.comm_sizes[comm]
+        c["bytes"] = np.where(ops == OP_BARRIER, 0, 4 << 20)
+        c["root_or_peer"] = np.where(ops == OP_BCAST, 0, -1)
+        c["tag"] = -1
+        c["path"] = 1
+        c["handle"] = 0x84000000 + comm
+        rows.append(c)
+    calls = np.concatenate(rows) if rows else schema.COLLECTIVE_CALLS.empty()
+    w.append(schema.COLLECTIVE_CALLS.path, np.sort(calls, order="t_enter_ns"))
+    comms = schema.COMMUNICATORS.empty(len(ranks))
+    comms["t_ns"] = clock.to_monotonic_ns(np.full(len(ranks), -0.5))
+    comms["pid"] = 10_000 + np.arange(len(ranks))
+    comms["op"] = schema.COMMUNICATOR_OPS.index("MPI_Init")
+    for j, r in enumerate(ranks):
+        comm = int(tl.comm_of_rank[r])
+        comms["comm_id"][j] = WORLD_COMM_ID if cfg.disjoint_comms <= 1 else SUB_COMM_BASE + comm
+        comms["comm_rank"][j] = tl.comm_rank[r]
+        comms["comm_size"][j] = tl.comm_sizes[comm]
+    w.append(schema.COMMUNICATORS.path, comms)
+
+    if cfg.write_bulk:
+        _write_metrics(cfg, w, i, clock, ranks, end_s, rng)
+    if cut_s is not None:
+        w.close_unsealed()
+        with h5py.File(path, "r+") as f:
+            f.attrs["partial_reason"] = f"synthetic: collector killed at t={cut_s:.1f} s"
+    else:
+        w.seal(drops={"nvml": 0, "host": 0, "collectives": 0})
+        with h5py.File(path, "r+") as f:  # seal stamps the generator's own clock: use the model's
+            f.attrs["end_monotonic_ns"] = np.uint64(clock.to_monotonic_ns(np.array([end_s]))[0])
+            f.attrs["end_realtime_ns"] = np.int64(_realtime_of(clock, end_s))
+    return path
+
+
+def _realtime_of(clock: NodeClock, t_s: float) -> int:
+    # realtime = monotonic + boot epoch (boot_ns is the realtime of monotonic zero)
+    return int(clock.to_monotonic_ns(np.array([t_s]))[0]) + int(clock.boot_ns)
+
+
+def _write_metrics(
+    cfg: SynthConfig, w: NodeTraceWriter, i: int, clock: NodeClock, ranks: np.ndarray, end_s: float,
+    rng: np.random.Generator,
+) -> None:
+    ts = np.arange(0.0, end_s, 1.0 / cfg.metric_rate_hz)
+    lv = _metric_series(cfg, i, ts, rng)
+    mono = clock.to_monotonic_ns(ts)
+    dev = schema.GPU_DEVICES.empty(cfg.gpus_per_node)
+    dev["index"] = np.arange(cfg.gpus_per_node)
+    dev["uuid"] = [f"GPU-synthetic-{i:03d}-{g}".encode() for g in range(cfg.gpus_per_node)]
+    dev["name"] = b"Synthetic H100"
+    dev["architecture"] = 9
+    dev["memory_total_bytes"] = 80 << 30
+    dev["gpm_supported"] = 1
+    w.append(schema.GPU_DEVICES.path, dev)
+    samples, gpm = [], []
+    for g in range(cfg.gpus_per_node):
+        idle = (i, g) in [tuple(x) for x in cfg.idle_gpus]
+        s = schema.GPU_SAMPLES.empty(len(ts))
+        s["t_ns"] = mono
+        s["gpu"] = g
+        util = np.zeros(len(ts)) if idle else np.minimum(100, lv["sm"] + 10)
+        s["util_gpu"] = util
+        s["util_mem"] = util * 0.5
+        s["mem_used_bytes"] = 0 if idle else 40 << 30
+        s["power_w"] = 70 if idle else 300 + 3 * lv["sm"]
+        s["temp_c"] = 35 if idle else 60
+        s["sm_clock_mhz"] = 1980
+        s["mem_clock_mhz"] = 2619
+        for col in ("pcie_tx_kbps", "pcie_rx_kbps", "nvlink_tx_kbps", "nvlink_rx_kbps"):
+            s[col] = 0 if idle else 1e6
+        s["throttle_reasons"] = 0
+        s["ecc_sbe_total"] = 0
+        s["ecc_dbe_total"] = 0
+        samples.append(s)
+        m = schema.GPU_GPM.empty(len(ts))
+        m["t_ns"] = mono
+        m["gpu"] = g
+        m["interval_ns"] = int(1e9 / cfg.metric_rate_hz)
+        m["sm_activity"] = 0 if idle else lv["sm"]
+        m["sm_occupancy"] = 0 if idle else lv["sm"] * 0.6
+        m["tensor_activity"] = 0 if idle else lv["sm"] * 0.5
+        m["dram_bw_util"] = 0 if idle else 40
+        gpm.append(m)
+    w.append(schema.GPU_SAMPLES.path, np.sort(np.concatenate(samples), order="t_ns", kind="stable"))
+    w.append(schema.GPU_GPM.path, np.sort(np.concatenate(gpm), order="t_ns", kind="stable"))
+    procs = []
+    dt = 1.0 / cfg.metric_rate_hz
+    for lr in range(len(ranks)):
+        p = schema.HOST_PROCS.empty(len(ts))
+        p["t_ns"] = mono
+        p["pid"] = 10_000 + lr
+        p["cpu_time_ns"] = np.cumsum(lv["cpu"] * dt * 1e9).astype(np.uint64)
+        p["rss_bytes"] = 8 << 30
+        p["num_threads"] = 12
+        p["voluntary_ctxsw"] = np.cumsum(np.full(len(ts), 50)).astype(np.uint64)
+        p["involuntary_ctxsw"] = np.cumsum(np.full(len(ts), 5)).astype(np.uint64)
+        procs.append(p)
+    w.append(schema.HOST_PROCS.path, np.sort(np.concatenate(procs), order="t_ns", kind="stable"))
+    hn = schema.HOST_NODE.empty(len(ts))
+    hn["t_ns"] = mono
+    hn["cpu_busy"] = lv["busy"]
+    hn["cpu_iowait"] = 0.01
+    hn["mem_used_bytes"] = 100 << 30
+    hn["mem_total_bytes"] = 512 << 30
+    hn["net_rx_bytes"] = np.cumsum(np.full(len(ts), 10 << 20)).astype(np.uint64)
+    hn["net_tx_bytes"] = hn["net_rx_bytes"]
+    hn["load1"] = 8.0
+    w.append(schema.HOST_NODE.path, hn)
+
+
+def ground_truth(cfg: SynthConfig, clocks: list[NodeClock], reference: int = 0) -> dict[str, Any]:
+    """What the merge should find. Offsets are relative to the reference node's clock."""
+    return {
+        "synthetic": True,
+        "config": _jsonable(asdict(cfg)),
+        "reference_node": node_name(reference),
+        "epoch_ns": EPOCH_NS,
+        "nodes": [
+            {
+                "node": node_name(i),
+                "offset_ns": c.offset_ns,
+                "drift_ppm": c.drift_ppm,
+                "ntp_knots_s": c.knots_s.tolist(),
+                "ntp_rates_ppm": c.rates_ppm.tolist(),
+                "boot_ns": c.boot_ns,
+            }
+            for i, c in enumerate(clocks)
+        ],
+        "stragglers": [
+            {"node": node_name(s.node), "cause": s.cause, "start_s": s.start_s, "end_s": s.end_s}
+            for s in cfg.stragglers
+        ],
+        "missing_nodes": [node_name(i) for i in cfg.missing_nodes],
+        "cutoff_nodes": {node_name(i): t for i, t in cfg.cutoff_nodes.items()},
+        "hang": None if cfg.hang_at_seq is None else {
+            "seq": cfg.hang_at_seq, "culprit_node": node_name(cfg.hang_culprit), "kind": cfg.hang_kind,
+        },
+    }
+
+
+def clock_from_truth(entry: dict[str, Any]) -> NodeClock:
+    return NodeClock(
+        offset_ns=entry["offset_ns"], drift_ppm=entry["drift_ppm"], knots_s=np.array(entry["ntp_knots_s"]),
+        rates_ppm=np.array(entry["ntp_rates_ppm"]), boot_ns=int(entry["boot_ns"]),
+    )
+
+
+def true_relative_offset_ns(truth: dict[str, Any], node: str, t_s: np.ndarray) -> np.ndarray:
+    """theta_node(t) - theta_reference(t): what the clock fit should recover, at true times t."""
+    by = {n["node"]: n for n in truth["nodes"]}
+    return clock_from_truth(by[node]).theta_ns(t_s) - clock_from_truth(by[truth["reference_node"]]).theta_ns(t_s)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def generate(cfg: SynthConfig, out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write the node files and ground_truth.json into `out`; return the ground truth."""
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(cfg.seed)
+    clocks = make_clocks(cfg, rng)
+    tl = simulate(cfg, rng)
+    for i in range(cfg.nodes):
+        if i in cfg.missing_nodes:
+            continue
+        write_node(cfg, outp, i, clocks[i], tl, np.random.default_rng([cfg.seed, i]))
+    truth = ground_truth(cfg, clocks)
+    (outp / "ground_truth.json").write_text(json.dumps(truth, indent=1))
+    return truth
+
+
+def parse_straggler(spec: str) -> Straggler:
+    """NODE:CAUSE[:START:END[:SEVERITY]], e.g. 3:gpu:10:40:0.3"""
+    parts = spec.split(":")
+    if len(parts) not in (2, 4, 5) or parts[1] not in CAUSES:
+        raise click.BadParameter(f"{spec!r}: expected NODE:CAUSE[:START_S:END_S[:SEVERITY]], cause in {CAUSES}")
+    s = Straggler(int(parts[0]), parts[1], 0.0, 1e12)
+    if len(parts) >= 4:
+        s.start_s, s.end_s = float(parts[2]), float(parts[3])
+    if len(parts) == 5:
+        s.severity = float(parts[4])
+    return s
+
+
+@click.command()
+@click.option("--nodes", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True)
+@click.option("--duration-s", type=float, default=60.0, show_default=True)
+@click.option("--period-ms", type=float, default=10.0, show_default=True)
+@click.option("--ranks-per-node", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--job-id", default="4242", show_default=True)
+@click.option("--straggler", "stragglers", multiple=True, help="NODE:CAUSE[:START_S:END_S[:SEVERITY]]")
+@click.option("--same-host", is_flag=True, help="all nodes share one clock (offsets must come out zero)")
+@click.option("--hang-at-seq", type=int, default=None)
+@click.option("--missing-node", "missing", type=int, multiple=True)
+@click.option("--cutoff-node", "cutoff", multiple=True, help="NODE:T_S collector killed at T_S")
+@click.option("--idle-gpu", "idle", multiple=True, help="NODE:GPU left idle")
+def main(
+    nodes: int, out: str, duration_s: float, period_ms: float, ranks_per_node: int, gpus_per_node: int,
+    seed: int, job_id: str, stragglers: tuple[str, ...], same_host: bool, hang_at_seq: int | None,
+    missing: tuple[int, ...], cutoff: tuple[str, ...], idle: tuple[str, ...],
+) -> None:
+    """Write synthetic node files (synthetic=True) and ground_truth.json into OUT."""
+    cfg = SynthConfig(
+        nodes=nodes, duration_s=duration_s, period_ms=period_ms, ranks_per_node=ranks_per_node,
+        gpus_per_node=gpus_per_node, seed=seed, job_id=job_id,
+        stragglers=[parse_straggler(s) for s in stragglers], same_host=same_host, hang_at_seq=hang_at_seq,
+        missing_nodes=list(missing),
+        cutoff_nodes={int(c.split(":")[0]): float(c.split(":")[1]) for c in cutoff},
+        idle_gpus=[(int(x.split(":")[0]), int(x.split(":")[1])) for x in idle],
+    )
+    generate(cfg, out)
+    click.echo(f"wrote {nodes - len(missing)} SYNTHETIC node files and ground_truth.json to {out}")
+
+
+if __name__ == "__main__":
+    main()

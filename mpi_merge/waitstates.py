@@ -1,0 +1,119 @@
+"""Wait states on aligned times, with Scalasca's names. Takes arrays, never paths.
+
+Per collective instance: who arrived last, each rank's wait, and the collective's own time after
+the last arrival. Per point-to-point pair: Late Sender (the receiver waited for the send) and Late
+Receiver (a blocking send waited for the receive to be posted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpi_merge.common import quiet_nan
+from mpi_merge.matching import (
+    BARRIER_OPS,
+    N_TO_ONE_OPS,
+    NXN_OPS,
+    ONE_TO_N_OPS,
+    CommTable,
+    P2PPairs,
+    _row_mode,
+)
+
+PATTERNS = ("Wait at NxN", "Wait at Barrier", "Late Broadcast", "Early Reduce", "Other collective")
+P2P_PATTERNS = ("Late Sender", "Late Receiver")
+
+
+def pattern_of(op: int) -> int:
+    if op in NXN_OPS:
+        return 0
+    if op in BARRIER_OPS:
+        return 1
+    if op in ONE_TO_N_OPS:
+        return 2
+    if op in N_TO_ONE_OPS:
+        return 3
+    return 4
+
+
+@dataclass
+class CommWaits:
+    comm_id: int
+    complete: np.ndarray  # [n_seq] bool: every rank entered and left, one op
+    pattern: np.ndarray  # [n_seq] int8 index into PATTERNS, -1 when incomplete
+    last_rank: np.ndarray  # [n_seq] int32, -1 when incomplete
+    last_enter: np.ndarray  # [n_seq] aligned ns of the last arrival
+    own_time: np.ndarray  # [n_seq] ns: median exit - last arrival (the collective's own time)
+    waits: np.ndarray  # [n_seq, size] ns each rank waited (0 for the one it waited for), NaN incomplete
+
+
+def compute_waits(t: CommTable, enter: np.ndarray, exit_: np.ndarray) -> CommWaits:
+    """`enter`/`exit_` are t.enter/t.exit already aligned to the reference clock."""
+    comp = t.complete()
+    n, size = enter.shape
+    maj = _row_mode(t.op)
+    pattern = np.full(n, -1, np.int8)
+    pattern[comp] = [pattern_of(int(o)) for o in maj[comp]] if comp.any() else []
+    E = np.where(comp[:, None], enter, np.nan)
+    X = np.where(comp[:, None], exit_, np.nan)
+    with quiet_nan():
+        last = np.nanmax(E, axis=1)
+        last_rank = np.where(comp, np.nanargmax(np.where(np.isfinite(E), E, -np.inf), axis=1), -1).astype(np.int32)
+        own = np.nanmedian(X, axis=1) - last
+    waits = np.full((n, size), np.nan)
+    nxn = np.isin(pattern, (0, 1))
+    waits[nxn] = last[nxn, None] - E[nxn]
+    # rooted: only the root's side creates a wait
+    roots = np.clip(t.root[:, 0].astype(np.int64), 0, size - 1)
+    r_enter = E[np.arange(n), roots]
+    bc = pattern == 2
+    if bc.any():
+        # Late Broadcast: non-root ranks that entered before the root waited for it
+        w = np.clip(r_enter[bc, None] - E[bc], 0, None)
+        w[np.arange(int(bc.sum())), roots[bc]] = 0.0
+        waits[bc] = w
+    red = pattern == 3
+    if red.any():
+        # Early Reduce: the root entered before the last sender and waited for it
+        others = E[red].copy()
+        others[np.arange(int(red.sum())), roots[red]] = np.nan
+        with quiet_nan():
+            w_root = np.clip(np.nanmax(others, axis=1) - r_enter[red], 0, None)
+        w = np.zeros((int(red.sum()), size))
+        w[np.arange(int(red.sum())), roots[red]] = w_root
+        waits[red] = w
+    return CommWaits(t.comm_id, comp, pattern, last_rank, last, own, waits)
+
+
+@dataclass
+class P2PWaits:
+    late_sender_ns: np.ndarray  # per pair, receiver's wait (0 when none)
+    late_receiver_ns: np.ndarray  # per pair, sender's wait (0 when none)
+
+
+def compute_p2p_waits(p: P2PPairs, send_enter: np.ndarray, send_exit: np.ndarray, recv_enter: np.ndarray) -> P2PWaits:
+    """Aligned times in; a Late Receiver wait counts only while the send was still blocked."""
+    ls = np.clip(send_enter - recv_enter, 0, None)
+    lr = np.clip(np.fmin(recv_enter, send_exit) - send_enter, 0, None)
+    return P2PWaits(np.nan_to_num(ls), np.nan_to_num(lr))
+
+
+def rank_summary(waits: list[CommWaits], comms: list[CommTable], node_names: list[str]) -> list[dict[str, object]]:
+    """Per (communicator, rank): wait per pattern, times last, instances."""
+    rows: list[dict[str, object]] = []
+    for w, t in zip(waits, comms):
+        for r in range(t.size):
+            ni = int(t.node_of_rank[r])
+            d: dict[str, object] = {
+                "comm_id": f"{t.comm_id:#x}", "rank": r, "node": node_names[ni] if ni >= 0 else None,
+                "instances": int(w.complete.sum()), "times_last": int((w.last_rank == r).sum()),
+            }
+            for pi, name in enumerate(PATTERNS):
+                sel = w.pattern == pi
+                if sel.any():
+                    d[f"wait_ns:{name}"] = float(np.nansum(w.waits[sel, r]))
+            d["wait_ns_total"] = float(np.nansum(w.waits[:, r]))
+            rows.append(d)
+    return rows

@@ -1,0 +1,187 @@
+"""Figures of the merge: clock alignment against ground truth, straggler detection over the
+generator's suite, merge throughput and rank-0 memory. One JSON object per line.
+
+    .venv/bin/python tests/bench/bench_merge.py [--quick] [--only clock|stragglers|throughput]
+
+All inputs come from mpi_merge.synthetic (SYNTHETIC data, ground truth known); see docs/merge.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from mpi_merge import synthetic as syn
+from mpi_merge.analysis import analyze
+from mpi_merge.clock import ClockParams, fit_clocks
+from mpi_merge.loading import discover, summarize_node
+from mpi_merge.matching import build_comms, node_instances
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+# --- clock alignment ------------------------------------------------------------------------------
+def clock_rms(d: Path, methods: list[str]) -> dict[str, float]:
+    truth = json.loads((d / "ground_truth.json").read_text())
+    S = [summarize_node(p) for p in discover(d)]
+    names = [s.node for s in S]
+    epoch = min(s.span_rt[0] for s in S if s.span_rt)
+    inst = node_instances(build_comms([s.calls for s in S], epoch), len(S))
+    del S
+    out = {}
+    for m in methods:
+        fit = fit_clocks(inst, names, names[0], ClockParams(method=m))
+        errs = []
+        for a, n in enumerate(names[1:], start=1):
+            x = inst.exit_med[:, a]
+            x = x[np.isfinite(x)]
+            tru = syn.true_relative_offset_ns(truth, n, (x + epoch - syn.EPOCH_NS) / 1e9)
+            errs.append(fit.model(n).offset_ns(x) - tru)
+        e = np.concatenate(errs)
+        out[m] = float(np.sqrt(np.mean(e**2)) / 1e3)
+    return out
+
+
+def bench_clock(tmp: Path, quick: bool) -> None:
+    dur = 300.0 if quick else 1800.0
+    base = {"nodes": 16, "duration_s": dur, "period_ms": 10.0, "offset_ms": 10.0, "drift_ppm": 20.0, "ntp_rate_ppm": 2.0,
+                "ntp_interval_s": 200.0, "exit_jitter_us": 5.0, "write_bulk": False, "seed": 2024}
+    d = tmp / "clock"
+    syn.generate(syn.SynthConfig(**base), d)  # type: ignore[arg-type]
+    r = clock_rms(d, ["bounds", "none", "constant", "start_end", "exit_median", "bounds_center"])
+    shutil.rmtree(d)
+    syn.generate(syn.SynthConfig(**base, exit_bias_us=20.0), d)  # type: ignore[arg-type]
+    rb = clock_rms(d, ["bounds", "exit_median", "bounds_center"])
+    shutil.rmtree(d)
+    emit({"bench": "clock_alignment", "rms_error_us": r["bounds"], "no_correction_us": r["none"],
+          "constant_offset_us": r["constant"], "start_end_linear_us": r["start_end"],
+          "biased_rms_error_us": rb["bounds"], "nodes": 16, "duration_s": dur, "collective_every_ms": 10.0,
+          "other_methods_us": {"exit_sync_only": r["exit_median"], "bounds_center": r["bounds_center"],
+                               "biased_exit_sync_only": rb["exit_median"], "biased_bounds_center": rb["bounds_center"]},
+          "synthetic": True})
+
+
+# --- straggler detection --------------------------------------------------------------------------
+def bench_stragglers(tmp: Path, quick: bool) -> None:
+    per = 3 if quick else 8
+    tp = fp = fn = cause_ok = fp_bal = 0
+    severity = {"gpu": 0.3, "host": 0.3, "network": 1.0}
+    cases = 0
+    for i in range(per):
+        rng = np.random.default_rng(100 + i)
+        for cause in ("gpu", "host", "network", None):
+            nodes = int(rng.integers(6, 17))
+            strag = []
+            if cause is not None:
+                start = float(rng.uniform(5, 15))
+                strag = [syn.Straggler(int(rng.integers(0, nodes)), cause, start, start + float(rng.uniform(15, 25)),
+                                       severity[cause] * float(rng.uniform(0.8, 1.5)))]
+            d = tmp / f"s{i}{cause}"
+            syn.generate(syn.SynthConfig(nodes=nodes, duration_s=45, seed=1000 + i * 7 + len(str(cause)),
+                                         stragglers=strag), d)
+            a = analyze([summarize_node(p) for p in discover(d)])
+            shutil.rmtree(d)
+            cases += 1
+            found = {f.node: f.cause for f in a.findings}
+            if cause is None:
+                fp_bal += len(found)
+                continue
+            want = syn.node_name(strag[0].node)
+            if want in found:
+                tp += 1
+                cause_ok += int(found[want] == cause)
+            else:
+                fn += 1
+            fp += len([n for n in found if n != want])
+    emit({"bench": "straggler_detection", "precision": tp / max(1, tp + fp), "recall": tp / max(1, tp + fn),
+          "cause_accuracy": cause_ok / max(1, tp), "false_positives_balanced": fp_bal, "cases": cases,
+          "synthetic": True})
+
+
+# --- merge throughput and rank-0 memory -------------------------------------------------------------
+def driver(src: str, stem: str) -> None:
+    """Run under mpirun: merge, then rank 0 prints its wall time and peak RSS."""
+    from mpi4py import MPI
+
+    from mpi_merge.merge import merge
+
+    comm = MPI.COMM_WORLD
+    comm.Barrier()
+    t = time.monotonic()
+    res = merge(src, comm=comm, output_stem=stem)
+    if comm.Get_rank() == 0:
+        assert res is not None
+        print(json.dumps({"seconds": time.monotonic() - t, "bytes": res.bytes_read,
+                          "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+
+
+def run_driver(n: int, src: Path, stem: Path) -> dict[str, Any]:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun not found")
+    p = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, "-m", "mpi4py",
+                        __file__, "--driver", str(src), str(stem)], capture_output=True, text=True, check=False,
+                       timeout=1800, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-2000:])
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def bench_throughput(tmp: Path, quick: bool) -> None:
+    # bulk-dominated node files (GPU samples), few collectives: the figure is about streaming
+    common = {"duration_s": 60.0 if quick else 180.0, "period_ms": 100.0, "gpus_per_node": 4 if quick else 8,
+                  "metric_rate_hz": 20.0 if quick else 50.0, "write_bulk": True}
+    d16 = tmp / "t16"
+    syn.generate(syn.SynthConfig(nodes=16, seed=5, **common), d16)  # type: ignore[arg-type]
+    one = run_driver(1, d16, tmp / "o1")
+    two = run_driver(2, d16, tmp / "o2")
+    d128 = tmp / "t128"
+    syn.generate(syn.SynthConfig(nodes=128, seed=6, **common), d128)  # type: ignore[arg-type]
+    big = run_driver(2, d128, tmp / "o128")
+    emit({"bench": "merge_throughput", "mb_per_s_1rank": one["bytes"] / 1e6 / one["seconds"],
+          "mb_per_s_2ranks": two["bytes"] / 1e6 / two["seconds"],
+          "speedup_2ranks": one["seconds"] / two["seconds"],
+          "rank0_rss_mb_16_nodes": two["rss_mb"], "rank0_rss_mb_128_nodes": big["rss_mb"],
+          "node_file_mb_16": one["bytes"] / 1e6, "node_file_mb_128": big["bytes"] / 1e6,
+          "sh5util_mb_per_s": None,
+          "sh5util_reason": "needs Slurm's acct_gather_profile/hdf5 node files from the local cluster (lead's part)",
+          "cores": os.cpu_count(), "synthetic": True})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["clock", "stragglers", "throughput"])
+    ap.add_argument("--driver", nargs=2, metavar=("SRC", "STEM"))
+    a = ap.parse_args()
+    if a.driver:
+        driver(*a.driver)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_merge-") as t:
+        tmp = Path(t)
+        if a.only in (None, "clock"):
+            bench_clock(tmp, a.quick)
+        if a.only in (None, "stragglers"):
+            bench_stragglers(tmp, a.quick)
+        if a.only in (None, "throughput"):
+            bench_throughput(tmp, a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Bad input: the merge completes with the rest, says exactly what is left out and why, exits 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+from click.testing import CliRunner
+
+from mpi_merge import synthetic as syn
+from mpi_merge.cli import merge as merge_cmd
+from mpi_merge.merge import EXIT_COMPLETE, EXIT_PARTIAL, merge
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("base") / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=8, seed=21), d)
+    (d / "ground_truth.json").unlink()
+    return d
+
+
+def copy(base: Path, tmp: Path) -> Path:
+    d = tmp / "job.gpuprof.d"
+    shutil.copytree(base, d)
+    return d
+
+
+def run(d: Path, *args: str) -> tuple[int, dict, str]:
+    r = CliRunner().invoke(merge_cmd, [str(d), "--quiet", *args], obj={"config_path": None})
+    rep = json.loads((d.parent / "job.gpuprof.json").read_text()) if (d.parent / "job.gpuprof.json").exists() else {}
+    return r.exit_code, rep, r.output
+
+
+def test_clean_merge_is_complete(base: Path, tmp_path: Path) -> None:
+    code, rep, out = run(copy(base, tmp_path))
+    assert code == EXIT_COMPLETE, out
+    assert rep["status"] == "complete" and rep["partial_reasons"] == []
+    assert rep["nodes_merged"] == ["node000", "node001", "node002", "node003"]
+
+
+def test_missing_node_file(base: Path, tmp_path: Path) -> None:
+    code, rep, _ = run(copy(base, tmp_path), "--expect-nodes", "node000,node001,node002,node003,node004")
+    assert code == EXIT_PARTIAL
+    assert rep["missing_nodes"] == ["node004"]
+    assert "node node004: expected, but no node file" in rep["partial_reasons"]
+
+
+def test_truncated_file(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    p = d / "node002.h5"
+    os.truncate(p, p.stat().st_size // 3)
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    ex = {e["file"]: e["reason"] for e in rep["excluded"]}
+    assert "node002.h5" in ex and "node002.h5" in ex["node002.h5"]
+    assert rep["nodes_merged"] == ["node000", "node001", "node003"]
+    assert any("rank_never_seen" == m["kind"] for m in rep["mismatches"])
+
+
+def test_file_of_another_job(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    with h5py.File(d / "node001.h5", "r+") as f:
+        f.attrs["job_id"] = "999"
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert rep["excluded"] == [{"file": "node001.h5", "node": "node001", "reason": "belongs to job 999, not job 4242"}]
+
+
+def test_wrong_schema_version(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    with h5py.File(d / "node003.h5", "r+") as f:
+        f.attrs["schema_version"] = 99
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert "schema_version 99" in rep["excluded"][0]["reason"]
+
+
+def test_two_files_claim_one_node(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    shutil.copy(d / "node001.h5", d / "zz-copy.h5")
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert rep["excluded"][0]["file"] == "zz-copy.h5"
+    assert "second file claiming node node001 (kept node001.h5)" == rep["excluded"][0]["reason"]
+
+
+def test_node_without_collectives(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    with h5py.File(d / "node002.h5", "r+") as f:
+        f["collectives/calls"].resize((0,))
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert "node node002: no collective calls recorded (metrics kept, clock not aligned)" in rep["partial_reasons"]
+    n2 = next(n for n in rep["nodes"] if n["node"] == "node002")
+    assert n2["clock"]["aligned"] is False and n2["gpus"]
+
+
+def test_disjoint_communicators(tmp_path: Path) -> None:
+    d = tmp_path / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=5, disjoint_comms=2), d)
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert any("node002: clock not aligned" in r and "disjoint" in r for r in rep["partial_reasons"])
+    assert rep["clock"]["components"] == [["node000", "node001"], ["node002", "node003"]]
+
+
+def test_cut_off_node_and_hang(tmp_path: Path) -> None:
+    d = tmp_path / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=8, cutoff_nodes={1: 4.0}), d)
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    m = rep["mismatches"][0]
+    assert m["kind"] == "missing_rank" and m["culprit_nodes"] == ["node001"] and "cut off" in m["detail"]
+
+
+def test_hung_job_culprit(tmp_path: Path) -> None:
+    d = tmp_path / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=8, hang_at_seq=500, hang_culprit=2), d)
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    m = rep["mismatches"][0]
+    assert (m["first_seq"], m["kind"], m["culprit_ranks"], m["culprit_nodes"]) == (500, "missing_rank", [2], ["node002"])
+    assert "hung" in m["detail"]
+
+
+def test_op_mismatch_culprit(tmp_path: Path) -> None:
+    d = tmp_path / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=8, hang_at_seq=300, hang_culprit=1, hang_kind="op"), d)
+    _code, rep, _ = run(d)
+    m = rep["mismatches"][0]
+    assert (m["first_seq"], m["kind"], m["culprit_nodes"]) == (300, "op_differs", ["node001"])
+
+
+def test_rerun_replaces_atomically(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    r1 = merge(str(d))
+    assert r1 is not None
+    ino = r1.job_file.stat().st_ino
+    r2 = merge(str(d))
+    assert r2 is not None and r2.job_file == r1.job_file
+    assert r2.job_file.stat().st_ino != ino  # a new file renamed into place, not rewritten in place
+    leftovers = [p.name for p in d.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_nothing_to_merge_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(merge_cmd, [str(tmp_path / "empty")], obj={"config_path": None})
+    assert r.exit_code == 2 and "no node files" in r.output
