@@ -36,6 +36,7 @@ from collector.schema import Table
 from collector.sources.base import Source, SourceContext, SourceUnavailable
 from collector.sources.clock import ClockSource, clock_pair
 from collector.writer import NodeMeta, NodeTraceWriter
+from slurm_hooks import environment as env
 from slurm_hooks.errors import CollectorError
 
 log = logging.getLogger("gpuprof.collector")
@@ -409,6 +410,8 @@ class Collector:
             modes=self.opts.modes,
             rates=rates,
             config=self.opts.config,
+            job_nodelist=(env.get(env.SLURM_JOB_NODELIST) or env.get(env.SLURM_NODELIST) or "")
+            if self.opts.job_id else "",
         )
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:

@@ -32,6 +32,7 @@ ROOT_ATTRS: dict[str, str] = {
     "config_json": "JSON of the effective collector configuration",
     "start_monotonic_ns": "collector start, CLOCK_MONOTONIC ns",
     "start_realtime_ns": "collector start, CLOCK_REALTIME ns since the epoch",
+    "job_nodelist": "the job's nodes as a Slurm hostlist ('' when not run for a Slurm job)",
     "synthetic": "true only for files written by the synthetic generator (mpi_merge.synthetic)",
     "sealed": "(at seal) true once the final flush completed",
     "end_monotonic_ns": "(at seal) collector end, CLOCK_MONOTONIC ns",

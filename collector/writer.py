@@ -40,6 +40,7 @@ class NodeMeta:
     rates: dict[str, float] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     synthetic: bool = False
+    job_nodelist: str = ""  # the job's nodes (Slurm hostlist), so the merge knows who is missing
     hostname: str = field(default_factory=lambda: os.uname().nodename)
     boot_id: str = field(default_factory=lambda: read_boot_id())
 
@@ -98,6 +99,7 @@ class NodeTraceWriter:
                 time.clock_gettime_ns(time.CLOCK_REALTIME) if start_realtime_ns is None else start_realtime_ns
             )
             f.attrs["synthetic"] = bool(meta.synthetic)
+            f.attrs["job_nodelist"] = meta.job_nodelist
             f.attrs["compression"] = compression
             for t in self.tables.values():
                 ds = f.create_dataset(
