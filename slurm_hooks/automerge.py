@@ -36,7 +36,7 @@ def merge_job_command(job: JobInfo, cfg: dict[str, Any], python: str) -> list[st
                        "--mpirun", cfg["merge"]["mpirun"]])
     return [
         "sbatch", "--parsable", f"--job-name=gpuprof-merge-{job.job_id}",
-        f"--dependency=afterany:{job.job_id}", "--nodes=1", f"--ntasks={ranks}", "--oversubscribe",
+        f"--dependency=afterany:{job.job_id}", "--nodes=1", f"--ntasks={ranks}", "--overcommit",
         f"--chdir={job.work_dir}", f"--output={node_dir.parent}/{stdout_stem(job.stdout)[1]}.gpuprof-merge.log",
         f"--time={int(cfg['merge']['time_limit_min'])}", f"--wrap={body}",
     ]
