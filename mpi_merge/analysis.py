@@ -117,7 +117,10 @@ def analyze(
     reference: str = "",
     clock_params: ClockParams = DEFAULT_CLOCK_PARAMS,
     straggler_params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
+    release_calls: bool = False,
 ) -> JobAnalysis:
+    """`release_calls`: empty each summary's call array once matched (the merge driver's choice, to
+    bound rank 0's memory; library callers that analyze the same summaries twice keep them)."""
     nodes, excluded, missing, job = select_nodes(summaries, job_id, expect_nodes)
     partial: list[str] = []
     for e in excluded:
@@ -172,7 +175,12 @@ def analyze(
             return out
         p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
                                       al(p2p.recv_node, p2p.recv_enter))
-    del calls
+    # the per-call arrays are not needed past matching: release them (at 128 nodes they are the
+    # largest thing rank 0 holds), keeping only the counts the report shows
+    del calls, inst
+    if release_calls:
+        for s in nodes:
+            s.calls = s.calls[:0]
     partial_nodes = {s.node for s in nodes if s.partial_reasons}
     mism = find_mismatches(comms, names, partial_nodes, {e.node: e.reason for e in excluded if e.node})
     for mm in mism:

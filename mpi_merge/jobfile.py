@@ -36,16 +36,30 @@ FILTERS: dict[str, Any] = {"compression": "gzip", "compression_opts": 4, "shuffl
 
 def write_node_part(node_file: str, part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
                     epoch_rt: int) -> None:
-    """Copy one node file's tables into `part` and add /collectives/calls_aligned beside the calls:
-    reference-clock realtime ns of each call's enter and exit (-1 where the call never returned)."""
-    with h5py.File(node_file, "r") as src, h5py.File(part, "w") as dst:
+    """Copy one node file's tables into `part` and add /collectives/calls_aligned beside the calls."""
+    stage_node_part(node_file, part)
+    add_aligned_times(part, clock_map, model, epoch_rt)
+
+
+def stage_node_part(node_file: str | os.PathLike[str], part: str | os.PathLike[str]) -> None:
+    """Copy one node file's attributes, groups and tables into `part` with HDF5's object copy
+    (stored chunks move as they are: nothing is decompressed or held in memory). Done by the rank
+    that summarizes the node, right after its read, so rank 0 never touches the node file."""
+    with h5py.File(node_file, "r") as src, h5py.File(part, "w", libver="latest") as dst:
         for k, v in src.attrs.items():
             dst.attrs[k] = v
         for name in src:
             src.copy(src[name], dst, name=name)
+
+
+def add_aligned_times(part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
+                      epoch_rt: int) -> None:
+    """Add /collectives/calls_aligned to a staged part: reference-clock realtime ns of each call's
+    enter and exit (-1 where the call never returned), computed chunk by chunk."""
+    with h5py.File(part, "a", libver="latest") as dst:
         calls_path = schema.COLLECTIVE_CALLS.path
-        if calls_path in src:
-            ds = src[calls_path]
+        if calls_path in dst:
+            ds = dst[calls_path]
             out = dst.create_dataset(
                 "/collectives/calls_aligned", shape=(ds.shape[0],), maxshape=(None,), dtype=ALIGNED_DTYPE,
                 chunks=(min(CHUNK, max(1, ds.shape[0])),), **FILTERS,

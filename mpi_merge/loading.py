@@ -120,8 +120,11 @@ def _bin(t_rt: np.ndarray, v: np.ndarray, t0: int, bin_ns: int, nbins: int) -> n
         return np.where(n > 0, s / np.maximum(n, 1), np.nan)
 
 
-def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
-    """Read one node file into a summary. A file that cannot be used gives a summary with .error."""
+def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str] | None = None) -> NodeSummary:
+    """Read one node file into a summary. A file that cannot be used gives a summary with .error.
+
+    With `stage_to`, the node's tables are also copied to that part file (jobfile.stage_node_part)
+    by the rank that reads the node, so rank 0 never opens the node files of other ranks."""
     p = Path(path)
     size = p.stat().st_size if p.exists() else 0
     s = NodeSummary(file=str(p), file_bytes=size)
@@ -131,6 +134,10 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     except TraceFormatError as e:
         s.error = str(e)
         return s
+    if stage_to is not None:
+        from mpi_merge.jobfile import stage_node_part
+
+        stage_node_part(p, stage_to)
     a = trace.attrs
     s.node, s.job_id = trace.node, trace.job_id
     s.hostname, s.boot_id = str(a.get("hostname", "")), str(a["boot_id"])

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from mpi_merge.analysis import JobAnalysis, analyze
 from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams
-from mpi_merge.jobfile import write_job_file, write_node_part
+from mpi_merge.jobfile import add_aligned_times, write_job_file
 from mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
 from mpi_merge.report import write_reports
 from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
@@ -118,7 +118,7 @@ def merge(
 ) -> MergeResult | None:
     """Merge a job's node files. Returns the result on rank 0, None on the other ranks."""
     c: Comm = comm if comm is not None else SerialComm()
-    rank, size = c.Get_rank(), c.Get_size()
+    rank = c.Get_rank()
     t_start = time.monotonic()
     plan: dict[str, Any] | None = None
     if rank == 0:
@@ -130,11 +130,25 @@ def merge(
         parts_dir = stem.parent / f".{stem.name}.gpuprof.parts-{token}"
         plan = {"files": files, "stem": str(stem), "job_id": job_id, "expect": expect_nodes or job_nodes,
                 "parts_dir": str(parts_dir)}
-    plan = c.bcast(plan, root=0)
+        parts_dir.mkdir(parents=True, exist_ok=False)
+    plan = c.bcast(plan, root=0)  # the parts directory exists before anyone writes into it
     assert plan is not None
     files = plan["files"]
-    mine = files[rank::size]
-    summaries = [summarize_node(f) for f in mine]
+    parts_dir = Path(plan["parts_dir"])
+    try:
+        return _merge(c, plan, files, parts_dir, t_start, reference, clock_params, straggler_params)
+    finally:
+        if rank == 0:
+            shutil.rmtree(parts_dir, ignore_errors=True)
+
+
+def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_start: float, reference: str,
+           clock_params: ClockParams, straggler_params: StragglerParams) -> MergeResult | None:
+    rank, size = c.Get_rank(), c.Get_size()
+    # 1. each rank reads its node files once: the summary, and the tables staged into a part file
+    mine = list(range(rank, len(files), size))
+    staged = {files[i]: parts_dir / f"{i:06d}.h5" for i in mine}
+    summaries = [summarize_node(files[i], staged[files[i]]) for i in mine]
 
     # 2. rank 0 receives summaries rank by rank
     analysis: JobAnalysis | None = None
@@ -147,7 +161,7 @@ def merge(
                 all_s.append(c.recv(source=r, tag=TAG_SUMMARY))
         expect = plan["expect"] or expected_nodes_from_attrs(all_s)
         analysis = analyze(all_s, job_id=plan["job_id"], expect_nodes=expect, reference=reference,
-                           clock_params=clock_params, straggler_params=straggler_params)
+                           clock_params=clock_params, straggler_params=straggler_params, release_calls=True)
         included = {s.file: s.node for s in analysis.nodes}
         decision = {"included": included, "models": {m.node: m for m in analysis.clock.models},
                     "epoch": analysis.epoch_rt}
@@ -159,18 +173,15 @@ def merge(
     decision = c.bcast(decision, root=0)
     assert decision is not None
 
-    # 3. part files, then the job file on rank 0
-    parts_dir = Path(plan["parts_dir"])
-    if rank == 0:
-        parts_dir.mkdir(parents=True, exist_ok=False)
-    c.bcast(None, root=0)  # the parts directory exists before anyone writes into it
+    # 3. aligned times into the staged part files, then the job file on rank 0
     my_parts: dict[str, str] = {}
     for s in summaries:
         node = decision["included"].get(s.file)
-        if node is None or s.clock is None:
+        part = staged[s.file]
+        if node is None or s.clock is None or not part.exists():
+            part.unlink(missing_ok=True)
             continue
-        part = parts_dir / f"{node}.h5"
-        write_node_part(s.file, part, s.clock, decision["models"][node], decision["epoch"])
+        add_aligned_times(part, s.clock, decision["models"][node], decision["epoch"])
         my_parts[node] = str(part)
     summaries.clear()
     if rank != 0:
@@ -189,7 +200,6 @@ def merge(
     finally:
         if tmp.exists():
             tmp.unlink()
-        shutil.rmtree(parts_dir, ignore_errors=True)
     reports = write_reports(analysis, outs)
     partial = analysis.partial
     return MergeResult(
