@@ -8,12 +8,14 @@ message instead of leaving the others waiting.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
+from slurm_hooks.environment import launched_by_mpirun
 from slurm_hooks.errors import GpuprofError
 
 
@@ -73,6 +75,16 @@ def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_n
     if not quiet:
         click.echo(res.reports["txt"].read_text(), nl=False)
     click.echo(f"gpuprof merge: {res.status}: {res.job_file} (+ .txt .json .html) in {res.seconds:.1f} s", err=True)
+    if res.exit_code != 0 and launched_by_mpirun():
+        # A partial result is a result, not a crash: `python -m mpi4py` turns any non-zero
+        # SystemExit into MPI_Abort (with its alarming banner), so finalize MPI and leave directly.
+        from mpi4py import MPI
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+        os._exit(res.exit_code)
     sys.exit(res.exit_code)
 
 

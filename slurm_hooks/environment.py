@@ -39,6 +39,15 @@ SLURM_CONF = "SLURM_CONF"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
+# Set by MPI launchers in each rank (Open MPI's mpirun; PMI-based launchers such as srun, MPICH).
+OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
+PMI_SIZE = "PMI_SIZE"
+
+
+def launched_by_mpirun() -> bool:
+    return get(OMPI_COMM_WORLD_SIZE) is not None or get(PMI_SIZE) is not None
+
+
 def get(name: str) -> str | None:
     """The variable's value, or None when it is unset (never a made-up default)."""
     return os.environ.get(name)
