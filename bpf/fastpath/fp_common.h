@@ -1,0 +1,38 @@
+/* What the MPI and NCCL interposers share: the ring, the clock, per-communicator counters. */
+#ifndef GPUPROF_FP_COMMON_H
+#define GPUPROF_FP_COMMON_H
+
+#include "gpuprof_ring.h"
+#include "../gpuprof_ops.h"
+
+#define GP_SEQ_COLL 0
+#define GP_SEQ_SEND 1
+#define GP_SEQ_RECV 2
+#define GP_SEQ_CREATE 3
+#define GP_SEQ_SEEN 4
+
+u64 gp_now(void);
+/* Claim a record; NULL when the ring is full or unavailable (the drop is counted). */
+struct gp_record *gp_claim(u32 kind, u64 *pos);
+void gp_publish(struct gp_record *rec, u64 pos);
+/* The next number of a counter (GP_SEQ_NONE when the table is full). */
+u64 gp_next(u32 kind, u64 handle, s32 peer, s32 tag);
+void gp_reset(u32 kind, u64 handle);
+u32 gp_tid(void);
+u32 gp_pid(void);
+/* FNV-1a 64, the NCCL unique id hash (collector/sources/bpf_collectives.fnv1a64). */
+u64 gp_fnv1a64(const void *data, unsigned long len);
+
+/* Remember and take back what a non-blocking call started (MPI_Wait names its initiation). */
+struct gp_req_info {
+    u64 req;
+    u64 handle;
+    u64 seq;
+    u64 bytes;
+    s32 peer;
+    s32 tag;
+};
+void gp_req_put(const struct gp_req_info *info);
+int gp_req_take(u64 req, struct gp_req_info *out);
+
+#endif

@@ -1,0 +1,46 @@
+/* The per-process shared-memory ring of the fast path: /dev/shm/gpuprof-<job>-<pid>.
+ *
+ * Producers are the application's threads (any number: a slot is claimed with one CAS on head);
+ * the consumer is the collector, which reads slots in order while their seq says "written" and
+ * then advances tail. A producer that finds the ring full counts a drop and returns: it never
+ * waits. The collector never trusts head; it validates the header and reads seq only.
+ */
+#ifndef GPUPROF_RING_H
+#define GPUPROF_RING_H
+
+#include "../gpuprof_events.h"
+
+#define GP_RING_MAGIC 0x31474e5246504750ULL /* "PGPFRNG1" little-endian */
+#define GP_RING_VERSION 1
+#define GP_RING_DEFAULT_RECORDS 8192
+
+#define GP_REC_CALL 1
+#define GP_REC_COMM 2
+
+struct gp_ring_header {
+    u64 magic;
+    u32 version;
+    u32 record_size;
+    u64 capacity; /* records, a power of two */
+    u32 pid;
+    u32 header_size;
+    u64 pad0[4];
+    u64 head; /* next slot to claim (producers): its own cache line */
+    u64 pad1[7];
+    u64 tail; /* next slot to read (collector) */
+    u64 pad2[7];
+    u64 dropped; /* records not written because the ring was full */
+    u64 pad3[7];
+};
+
+struct gp_record {
+    u64 seq; /* position + 1 once the record is complete */
+    u32 kind; /* GP_REC_CALL or GP_REC_COMM */
+    u32 pad;
+    union {
+        struct gp_call call;
+        struct gp_comm comm;
+    } u;
+};
+
+#endif

@@ -1,0 +1,63 @@
+/* Generated from collector/schema.py by collector.bpf_support.ops_header(): do not edit.
+ * Regenerate: .venv/bin/python -m collector.bpf_support > bpf/gpuprof_ops.h */
+#ifndef GPUPROF_OPS_H
+#define GPUPROF_OPS_H
+#define GP_OP_MPI_Allreduce 0
+#define GP_OP_MPI_Reduce 1
+#define GP_OP_MPI_Bcast 2
+#define GP_OP_MPI_Barrier 3
+#define GP_OP_MPI_Allgather 4
+#define GP_OP_MPI_Allgatherv 5
+#define GP_OP_MPI_Alltoall 6
+#define GP_OP_MPI_Alltoallv 7
+#define GP_OP_MPI_Reduce_scatter 8
+#define GP_OP_MPI_Reduce_scatter_block 9
+#define GP_OP_MPI_Gather 10
+#define GP_OP_MPI_Gatherv 11
+#define GP_OP_MPI_Scatter 12
+#define GP_OP_MPI_Scatterv 13
+#define GP_OP_MPI_Scan 14
+#define GP_OP_MPI_Iallreduce 15
+#define GP_OP_MPI_Ireduce 16
+#define GP_OP_MPI_Ibcast 17
+#define GP_OP_MPI_Ibarrier 18
+#define GP_OP_MPI_Iallgather 19
+#define GP_OP_MPI_Ialltoall 20
+#define GP_OP_MPI_Ireduce_scatter 21
+#define GP_OP_MPI_Igather 22
+#define GP_OP_MPI_Iscatter 23
+#define GP_OP_MPI_Iscan 24
+#define GP_OP_MPI_Send 25
+#define GP_OP_MPI_Recv 26
+#define GP_OP_MPI_Isend 27
+#define GP_OP_MPI_Irecv 28
+#define GP_OP_MPI_Sendrecv 29
+#define GP_OP_MPI_Wait 30
+#define GP_OP_MPI_Waitall 31
+#define GP_OP_MPI_Test 32
+#define GP_OP_MPI_Testall 33
+#define GP_OP_ncclAllReduce 34
+#define GP_OP_ncclAllGather 35
+#define GP_OP_ncclReduceScatter 36
+#define GP_OP_ncclBroadcast 37
+#define GP_OP_ncclReduce 38
+#define GP_OP_ncclSend 39
+#define GP_OP_ncclRecv 40
+#define GP_OP_ncclGroupStart 41
+#define GP_OP_ncclGroupEnd 42
+#define GP_COP_MPI_Init 0
+#define GP_COP_MPI_Comm_split 1
+#define GP_COP_MPI_Comm_dup 2
+#define GP_COP_MPI_Comm_create 3
+#define GP_COP_MPI_Comm_free 4
+#define GP_COP_ncclCommInitRank 5
+#define GP_COP_ncclCommInitAll 6
+#define GP_COP_ncclCommInitRankConfig 7
+#define GP_COP_ncclCommSplit 8
+#define GP_COP_ncclCommDestroy 9
+#define GP_COP_ncclCommAbort 10
+#define GP_COP_MPI_Comm_rank 100
+#define GP_COP_MPI_Comm_size 101
+#define GP_COP_ncclCommCount 102
+#define GP_COP_ncclCommUserRank 103
+#endif

@@ -1,0 +1,416 @@
+"""What every eBPF source shares: is BPF usable here (and if not, why), the one BCC object of the
+collector, the job's pid set in the kernel, libraries mapped into job processes, ELF symbols.
+
+BCC itself is Debian's `python3-bpfcc` (module `bcc`), imported lazily so that a node without it
+still runs the other sources; every failure becomes a `SourceUnavailable` whose text is also what
+`gpuprof doctor` prints (`bpf_doctor()`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+import platform
+import re
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collector import schema
+from collector.sources.base import SourceUnavailable
+
+BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+MAIN_SOURCE = BPF_DIR / "gpuprof.c"
+OPS_HEADER = BPF_DIR / "gpuprof_ops.h"
+
+# Communicator events that are not rows of /collectives/communicators but update rank and size.
+INTERNAL_COMM_OPS: dict[str, int] = {
+    "MPI_Comm_rank": 100,
+    "MPI_Comm_size": 101,
+    "ncclCommCount": 102,
+    "ncclCommUserRank": 103,
+}
+
+
+# --- generated header ----------------------------------------------------------------------------
+def ops_header() -> str:
+    """bpf/gpuprof_ops.h: op numbers of the schema's enums for the C side (a test keeps it in sync)."""
+    lines = [
+        "/* Generated from collector/schema.py by collector.bpf_support.ops_header(): do not edit.",
+        " * Regenerate: .venv/bin/python -m collector.bpf_support > bpf/gpuprof_ops.h */",
+        "#ifndef GPUPROF_OPS_H",
+        "#define GPUPROF_OPS_H",
+    ]
+    lines += [f"#define GP_OP_{name} {i}" for i, name in enumerate(schema.COLLECTIVE_OPS)]
+    lines += [f"#define GP_COP_{name} {i}" for i, name in enumerate(schema.COMMUNICATOR_OPS)]
+    lines += [f"#define GP_COP_{name} {i}" for name, i in INTERNAL_COMM_OPS.items()]
+    lines += ["#endif", ""]
+    return "\n".join(lines)
+
+
+# --- can BPF run here? ---------------------------------------------------------------------------
+def kernel_build_dir() -> Path:
+    return Path("/lib/modules") / platform.release() / "build"
+
+
+def bpf_doctor() -> list[tuple[str, bool, str]]:
+    """Checks for `gpuprof doctor`: (check, ok, how to fix it when not ok)."""
+    checks: list[tuple[str, bool, str]] = []
+    checks.append(("running as root", os.geteuid() == 0, "the collector loads BPF programs: run it as root"))
+    bcc_ok, bcc_why = _bcc_importable()
+    checks.append(("BCC python module (bcc)", bcc_ok,
+                   (f"{bcc_why}; apt-get install python3-bpfcc bpfcc-tools and use a venv made with "
+                    "--system-site-packages (the PyPI package 'bcc' is unrelated)")))
+    build = kernel_build_dir()
+    checks.append((f"kernel headers at {build}", (build / "include").is_dir() or (build / "Makefile").exists(),
+                   ("apt-get install linux-headers-amd64, then link /lib/modules/$(uname -r)/build and "
+                    "source to /usr/src/linux-headers-<ver>-amd64 and -common (etc/dev/setup.sh)")))
+    checks.append(("tracefs mounted at /sys/kernel/tracing", Path("/sys/kernel/tracing/events").is_dir(),
+                   "mount -t tracefs nodev /sys/kernel/tracing"))
+    checks.append(("debugfs mounted at /sys/kernel/debug", os.path.ismount("/sys/kernel/debug"),
+                   "mount -t debugfs nodev /sys/kernel/debug"))
+    checks.append(("uprobes (uprobe_events)", Path("/sys/kernel/tracing/uprobe_events").exists(),
+                   "a kernel with CONFIG_UPROBE_EVENTS=y and tracefs mounted"))
+    paranoid = _read_int("/proc/sys/kernel/perf_event_paranoid")
+    checks.append(("perf events (stacks sampling)", paranoid is not None,
+                   "a kernel with CONFIG_PERF_EVENTS=y"))
+    return checks
+
+
+def bpf_unavailable_reason() -> str | None:
+    """The first failed doctor check as one sentence, or None when BPF should work."""
+    for name, ok, fix in bpf_doctor():
+        if not ok:
+            return f"BPF unavailable: {name} failed: {fix}"
+    return None
+
+
+def _bcc_importable() -> tuple[bool, str]:
+    try:
+        import bcc  # noqa: F401
+    except ImportError as e:
+        return False, f"cannot import bcc ({e})"
+    return True, "ok"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# --- /proc/PID/maps ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    offset: int
+    dev: str
+    inode: int
+    path: str
+    perms: str
+
+
+_MAPS_RE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) ([0-9a-f]+) (\S+) (\d+)\s*(.*)$")
+
+
+def read_maps(pid: int) -> list[Mapping]:
+    """The mappings of a process; [] when it is gone or not readable."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        m = _MAPS_RE.match(line)
+        if m:
+            out.append(Mapping(int(m[1], 16), int(m[2], 16), int(m[4], 16), m[5], int(m[6]), m[7], m[3]))
+    return out
+
+
+def attach_path(pid: int, path: str) -> str:
+    """A path through which the collector can open a library the process maps: the path itself when
+    it is the same file here, else through the process's root (a container's file system)."""
+    try:
+        st = os.stat(path)
+        pst = os.stat(f"/proc/{pid}/root{path}")
+        if (st.st_dev, st.st_ino) == (pst.st_dev, pst.st_ino):
+            return path
+        return f"/proc/{pid}/root{path}"
+    except OSError:
+        return f"/proc/{pid}/root{path}"
+
+
+def mapped_libraries(pid: int, pattern: re.Pattern[str], maps: list[Mapping] | None = None) -> set[str]:
+    """Files mapped executable by the process whose base name matches the pattern."""
+    return {
+        attach_path(pid, m.path)
+        for m in (read_maps(pid) if maps is None else maps)
+        if m.path.startswith("/") and "x" in m.perms and pattern.search(os.path.basename(m.path))
+    }
+
+
+def read_environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+# --- ELF symbols ---------------------------------------------------------------------------------
+_SYM_DTYPE = np.dtype(
+    [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")]
+)
+STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 1, 2, 10
+
+
+@dataclass
+class ElfSymbols:
+    """Symbols of one ELF file (.symtab when present, and .dynsym), and its loadable segments."""
+
+    path: str
+    by_name: dict[str, tuple[int, int, int]]  # name -> (value, size, type)
+    funcs_start: list[int] = field(default_factory=list)
+    funcs: list[tuple[int, int, str]] = field(default_factory=list)  # sorted (value, size, name)
+    loads: list[tuple[int, int, int]] = field(default_factory=list)  # (p_offset, p_vaddr, p_filesz)
+
+    def offset_to_vaddr(self, off: int) -> int | None:
+        for p_off, p_vaddr, p_filesz in self.loads:
+            if p_off <= off < p_off + max(p_filesz, 1):
+                return off - p_off + p_vaddr
+        return None
+
+    def vaddr_to_offset(self, vaddr: int) -> int | None:
+        for p_off, p_vaddr, p_filesz in self.loads:
+            if p_vaddr <= vaddr < p_vaddr + max(p_filesz, 1):
+                return vaddr - p_vaddr + p_off
+        return None
+
+    def function_at(self, vaddr: int) -> tuple[str, int] | None:
+        """(name, offset into it) of the function containing vaddr."""
+        i = bisect.bisect_right(self.funcs_start, vaddr) - 1
+        while i >= 0:
+            value, size, name = self.funcs[i]
+            if vaddr < value + max(size, 1):
+                return name, vaddr - value
+            if size:
+                return None
+            i -= 1
+        return None
+
+
+@lru_cache(maxsize=256)
+def _elf_symbols_cached(path: str, key: tuple[int, int, int]) -> ElfSymbols:
+    return _parse_elf(path)
+
+
+def elf_symbols(path: str) -> ElfSymbols:
+    """Parsed symbols of an ELF file, cached by (device, inode, mtime). Raises OSError/ValueError."""
+    st = os.stat(path)
+    return _elf_symbols_cached(path, (st.st_dev, st.st_ino, int(st.st_mtime_ns)))
+
+
+def _parse_elf(path: str) -> ElfSymbols:
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path}: not a little-endian ELF64 file")
+    e_phoff = int.from_bytes(data[32:40], "little")
+    e_shoff = int.from_bytes(data[40:48], "little")
+    e_phentsize, e_phnum = (int.from_bytes(data[54:56], "little"), int.from_bytes(data[56:58], "little"))
+    e_shentsize, e_shnum = (int.from_bytes(data[58:60], "little"), int.from_bytes(data[60:62], "little"))
+    loads = []
+    for i in range(e_phnum):
+        ph = data[e_phoff + i * e_phentsize : e_phoff + (i + 1) * e_phentsize]
+        if int.from_bytes(ph[0:4], "little") == 1:  # PT_LOAD
+            loads.append((int.from_bytes(ph[8:16], "little"), int.from_bytes(ph[16:24], "little"),
+                          int.from_bytes(ph[32:40], "little")))
+    sections = []
+    for i in range(e_shnum):
+        sh = data[e_shoff + i * e_shentsize : e_shoff + (i + 1) * e_shentsize]
+        sections.append((int.from_bytes(sh[4:8], "little"), int.from_bytes(sh[24:32], "little"),
+                         int.from_bytes(sh[32:40], "little"), int.from_bytes(sh[40:44], "little")))
+    by_name: dict[str, tuple[int, int, int]] = {}
+    funcs: dict[int, tuple[int, str]] = {}
+    for sh_type, sh_offset, sh_size, sh_link in sections:
+        if sh_type not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        _, str_off, str_size, _ = sections[sh_link]
+        strtab = data[str_off : str_off + str_size]
+        syms = np.frombuffer(data, dtype=_SYM_DTYPE, count=sh_size // 24, offset=sh_offset)
+        for s in syms[syms["value"] != 0]:
+            end = strtab.find(b"\0", int(s["name"]))
+            name = strtab[int(s["name"]) : end].decode(errors="replace")
+            if not name:
+                continue
+            typ = int(s["info"]) & 0xF
+            value, size = int(s["value"]), int(s["size"])
+            by_name.setdefault(name, (value, size, typ))
+            if typ in (STT_FUNC, STT_GNU_IFUNC):
+                # Prefer the longer, non-versioned, non-alias name only when none was seen.
+                funcs.setdefault(value, (size, name))
+    ordered = sorted((v, s, n) for v, (s, n) in funcs.items())
+    return ElfSymbols(path, by_name, [v for v, _, _ in ordered], ordered, loads)
+
+
+def symbol_address(pid: int, path: str, name: str, maps: list[Mapping] | None = None) -> int | None:
+    """Run-time address of a symbol of a library mapped into a process (e.g. ompi_mpi_comm_world)."""
+    try:
+        syms = elf_symbols(path)
+    except (OSError, ValueError):
+        return None
+    sym = syms.by_name.get(name)
+    if sym is None:
+        return None
+    # Load bias = where the segment at file offset 0 is mapped minus its link-time address; a
+    # symbol in .bss lies past the file's bytes, so it is found by address, not by file offset.
+    first = min(syms.loads, default=None)
+    if first is None:
+        return None
+    real = os.path.realpath(path)
+    for m in maps if maps is not None else read_maps(pid):
+        if m.offset == first[0] and m.path and (m.path == path or os.path.realpath(m.path) == real
+                                                or path.endswith(m.path)):
+            return m.start - first[1] + sym[0]
+    return None
+
+
+def defined_functions(path: str, names: Iterable[str]) -> set[str]:
+    """Which of the names the ELF file defines (so a missing one is reported, not a failed attach)."""
+    try:
+        syms = elf_symbols(path).by_name
+    except (OSError, ValueError):
+        return set()
+    return {n for n in names if n in syms and syms[n][2] in (STT_FUNC, STT_GNU_IFUNC)}
+
+
+# --- the shared BCC object -----------------------------------------------------------------------
+# BPF programs compiled for each mode. Only what exists is listed: stacks, off-CPU and kernels
+# (bpf/stacks.c, offcpu.c, kernels.c) are not written yet (docs/probes.md, "Not yet").
+MODE_SWITCHES: dict[str, tuple[str, ...]] = {
+    "collectives": ("GP_WITH_COLLECTIVES",),
+}
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def inline_includes(path: Path, seen: set[Path] | None = None) -> str:
+    """The source with its local #include "x" files pasted in (each once, with #line markers).
+
+    BCC generates tracepoint argument structs (TRACEPOINT_PROBE) and rewrites map calls only in the
+    main file it compiles, so the separate C files are joined here rather than included by clang.
+    """
+    seen = set() if seen is None else seen
+    seen.add(path)
+    text = path.read_text()
+
+    def paste(m: re.Match[str]) -> str:
+        inc = (path.parent / m[1]).resolve()
+        if not inc.exists():
+            return m[0]
+        if inc in seen:
+            return ""
+        return f'#line 1 "{inc}"\n{inline_includes(inc, seen)}\n#line {text.count(chr(10), 0, m.end()) + 1} "{path}"'
+
+    return _LOCAL_INCLUDE.sub(paste, text)
+
+
+class BpfHub:
+    """One BCC compile per collector for all BPF sources of the job (each compile is ~0.9 s CPU and
+    ~170 MB peak RSS): the first source to start compiles gpuprof.c with the switches of every BPF
+    mode of the job, the others reuse it; the last to stop frees it."""
+
+    _lock = threading.Lock()
+    _instance: BpfHub | None = None
+
+    def __init__(self, switches: tuple[str, ...], defines: dict[str, str]) -> None:
+        reason = bpf_unavailable_reason()
+        if reason:
+            raise SourceUnavailable(reason)
+        from bcc import BPF  # imported here: only nodes that run BPF sources need BCC
+
+        cflags = [f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"]
+        cflags += [f"-D{s}=1" for s in switches]
+        cflags += [f"-D{k}={v}" for k, v in defines.items()]
+        self.switches = switches
+        self.users = 0
+        self.attach_lock = threading.Lock()
+        try:
+            self.bpf = BPF(text=inline_includes(MAIN_SOURCE).encode(), cflags=cflags)
+        except Exception as e:  # noqa: BLE001 - BCC raises bare Exception for compile and load failures
+            raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
+        self.job_pids = self.bpf[b"gp_job_pids"]
+        self._known: set[int] = set()
+
+    @classmethod
+    def acquire(cls, modes: Iterable[str], defines_for: Callable[[tuple[str, ...]], dict[str, str]]) -> BpfHub:
+        """The shared object, compiled on first use with everything the job's modes need."""
+        with cls._lock:
+            if cls._instance is None:
+                switches = tuple(s for m in modes for s in MODE_SWITCHES.get(m, ()))
+                cls._instance = BpfHub(switches, defines_for(switches))
+            cls._instance.users += 1
+            return cls._instance
+
+    def release(self) -> None:
+        with BpfHub._lock:
+            self.users -= 1
+            if self.users <= 0 and BpfHub._instance is self:
+                BpfHub._instance = None
+                self.bpf.cleanup()
+
+    def has(self, switch: str) -> bool:
+        return switch in self.switches
+
+    def set_pids(self, pids: Iterable[int]) -> None:
+        """Add the job's pids to the kernel's set (children are added there at fork)."""
+        table = self.job_pids
+        one = table.Leaf(1)
+        for pid in pids:
+            if pid not in self._known or table.get(table.Key(pid)) is None:
+                table[table.Key(pid)] = one
+                self._known.add(pid)
+
+
+def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:
+    """Compile-time constants of every BPF source; imported lazily to keep the modules independent."""
+    out: dict[str, str] = {}
+    if "GP_WITH_COLLECTIVES" in switches:
+        from collector.sources.bpf_collectives import collectives_defines
+
+        out.update(collectives_defines())
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
+
+
+def read_ring_drops(table: Any) -> list[int]:
+    """Sum a BPF_PERCPU_ARRAY of u64 counters over CPUs."""
+    return [int(sum(v)) for _, v in sorted(table.items(), key=lambda kv: kv[0].value)]
+
+
+if __name__ == "__main__":
+    print(ops_header(), end="")

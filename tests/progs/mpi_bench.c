@@ -1,0 +1,51 @@
+/* Benchmark program of tests/bench/bench_probes.py.
+ *   mpi_bench paced N PERIOD_US : N MPI_Allreduce of one double on MPI_COMM_WORLD, each after
+ *                                 PERIOD_US of busy computation (so any time added to a call
+ *                                 adds to the run time), like a tightly coupled code
+ *   mpi_bench tight N           : N MPI_Allreduce on MPI_COMM_SELF back to back (the cost of the
+ *                                 call itself, to measure what instrumentation adds per call)
+ * Prints one JSON line from rank 0: {"calls": N, "seconds": wall time of the loop}.
+ */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (argc < 3) {
+        fprintf(stderr, "usage: mpi_bench paced N PERIOD_US | tight N\n");
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    long n = atol(argv[2]);
+    int paced = strcmp(argv[1], "paced") == 0;
+    double period = paced && argc > 3 ? atof(argv[3]) * 1e-6 : 0;
+    MPI_Comm comm = paced ? MPI_COMM_WORLD : MPI_COMM_SELF;
+    double in = 1, out = 0;
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = now();
+    for (long i = 0; i < n; i++) {
+        if (paced) {
+            double until = now() + period;
+            while (now() < until)
+                ;
+        }
+        MPI_Allreduce(&in, &out, 1, MPI_DOUBLE, MPI_SUM, comm);
+    }
+    double t1 = now();
+    if (rank == 0)
+        printf("{\"calls\": %ld, \"seconds\": %.6f}\n", n, t1 - t0);
+    MPI_Finalize();
+    return 0;
+}

@@ -1,0 +1,99 @@
+"""A known mix of MPI calls, for the collectives tests and the benchmark (run under mpirun).
+
+Every rank makes exactly the calls of PLAN (tests/test_bpf_collectives.py counts them): on
+MPI_COMM_WORLD, on a communicator split by rank parity, on a dup of that split, then frees both.
+Buffers are numpy arrays so that mpi4py calls the C functions (its lower-case pickle forms do not).
+Usage: mpi_collectives.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+
+import numpy as np
+
+if typing.TYPE_CHECKING:
+    from mpi4py import MPI
+
+# op -> (calls per repeat on WORLD, elements, numpy dtype); bytes = elements * itemsize
+WORLD_PLAN = {
+    "MPI_Allreduce": (3, 10, np.float64),
+    "MPI_Reduce": (2, 7, np.int32),  # root 1: arguments 6 (root) and 7 (comm, on the stack)
+    "MPI_Bcast": (2, 5, np.float64),
+    "MPI_Barrier": (2, 0, None),
+    "MPI_Allgather": (1, 3, np.float64),  # comm is argument 7 (stack)
+    "MPI_Gather": (1, 4, np.int64),  # root 2 (stack), comm (stack)
+    "MPI_Alltoall": (1, 2, np.float32),
+    "MPI_Scan": (1, 6, np.int32),
+    "MPI_Iallreduce": (1, 8, np.float64),  # + one MPI_Wait row naming it
+}
+SPLIT_PLAN = {"MPI_Allreduce": (4, 16, np.float32), "MPI_Bcast": (1, 3, np.int32)}
+DUP_PLAN = {"MPI_Barrier": (2, 0, None), "MPI_Allreduce": (1, 1, np.float64)}
+SENDRECV_TAG = 7
+
+
+def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
+    from mpi4py import MPI
+
+    size = comm.Get_size()
+    for _ in range(repeat):
+        for op, (n, elems, dt) in plan.items():
+            for _ in range(n):
+                buf = np.arange(elems, dtype=dt) if dt is not None else None
+                out = np.zeros(elems, dtype=dt) if dt is not None else None
+                if op == "MPI_Allreduce":
+                    comm.Allreduce(buf, out, op=MPI.SUM)
+                elif op == "MPI_Reduce":
+                    comm.Reduce(buf, out, op=MPI.SUM, root=1 % size)
+                elif op == "MPI_Bcast":
+                    comm.Bcast(buf, root=0)
+                elif op == "MPI_Barrier":
+                    comm.Barrier()
+                elif op == "MPI_Allgather":
+                    comm.Allgather(buf, np.zeros(elems * size, dtype=dt))
+                elif op == "MPI_Gather":
+                    comm.Gather(buf, np.zeros(elems * size, dtype=dt), root=2 % size)
+                elif op == "MPI_Alltoall":
+                    comm.Alltoall(np.arange(elems * size, dtype=dt), np.zeros(elems * size, dtype=dt))
+                elif op == "MPI_Scan":
+                    comm.Scan(buf, out, op=MPI.SUM)
+                elif op == "MPI_Iallreduce":
+                    comm.Iallreduce(buf, out, op=MPI.SUM).Wait()
+                else:
+                    raise ValueError(op)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    from mpi4py import MPI  # imported here so that tests can read the plan without starting MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    run_plan(world, WORLD_PLAN, args.repeat)
+    # Point to point: a ring of MPI_Sendrecv (12 arguments: 7..12 on the stack), then Send/Recv.
+    right, left = (rank + 1) % size, (rank - 1) % size
+    send = np.full(9, rank, dtype=np.int32)
+    recv = np.zeros(9, dtype=np.int32)
+    world.Sendrecv(send, dest=right, sendtag=SENDRECV_TAG, recvbuf=recv, source=left, recvtag=SENDRECV_TAG)
+    if rank == 0:
+        world.Send(np.zeros(11, dtype=np.float64), dest=1 % size, tag=3)
+    elif rank == 1:
+        world.Recv(np.zeros(11, dtype=np.float64), source=0, tag=3)
+    split = world.Split(color=rank % 2, key=rank)
+    split.Get_rank(), split.Get_size()
+    run_plan(split, SPLIT_PLAN, args.repeat)
+    dup = split.Dup()
+    run_plan(dup, DUP_PLAN, args.repeat)
+    dup.Free()
+    split.Free()
+    print(json.dumps({"rank": rank, "size": size}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Uprobe path of mode `collectives`, for real: a 4-rank Open MPI job, and the real libnccl."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+from harness import (
+    PROGS,
+    GatedProcess,
+    bpf_skip_reason,
+    check_mpi_plan,
+    check_nccl,
+    collect,
+    make_ctx,
+    mpi_skip_reason,
+    mpirun_cmd,
+    nccl_library,
+    python,
+    run_source_over,
+)
+
+NCCL_LIB = nccl_library()
+
+from collector import schema
+from collector.bpf_support import OPS_HEADER, ops_header
+from collector.sources import bpf_collectives as bc
+
+NRANKS = 4
+
+
+def test_ops_header_matches_schema() -> None:
+    assert OPS_HEADER.read_text() == ops_header(), "regenerate: python -m collector.bpf_support > bpf/gpuprof_ops.h"
+
+
+def test_probe_table_is_consistent() -> None:
+    assert len(bc.PROBES) <= 128 and len(bc.PROBE_IDS) == len(bc.PROBES)
+    for p in bc.PROBES:
+        p.op_code  # every op is a schema enum value  # noqa: B018
+        args = [getattr(p, f) for f in ("comm", "count", "dtype", "peer", "tag", "request", "stream")]
+        assert all(0 <= a <= 14 for a in args), p
+
+
+def test_ids_rules() -> None:
+    reg = bc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": str(pid),
+                                                     "OMPI_COMM_WORLD_SIZE": "2"},
+                          mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
+    init = schema.COMMUNICATOR_OPS.index("MPI_Init")
+    split = schema.COMMUNICATOR_OPS.index("MPI_Comm_split")
+    ev = {"t_ns": 1, "pid": 0, "handle": 0, "parent": 0, "index": 0, "uid_hash": 0, "color": 0, "key": 0, "rank": -1, "size": -1,
+              "ret": 0, "op": init, "library": 0, "uid": b""}
+    for pid in (1, 2):
+        reg.on_comm({**ev, "pid": pid})
+        reg.on_comm({**ev, "pid": pid, "op": split, "t_ns": 2, "handle": 0x99 + pid, "parent": 0x10,
+                     "color": 5})
+    w1, w2 = reg.lookup(1, 0x10, 3, 0), reg.lookup(2, 0x10, 3, 0)
+    assert w1.comm_id == w2.comm_id and (w1.rank, w1.size) == (1, 2)
+    assert reg.lookup(1, 0x9A, 3, 0).comm_id == reg.lookup(2, 0x9B, 3, 0).comm_id != w1.comm_id
+    assert bc.fnv1a64(b"") == 0xCBF29CE484222325
+
+
+@pytest.fixture(scope="module")
+def mpi_run() -> tuple[Any, Any, list[str]]:
+    reason = bpf_skip_reason() or mpi_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    gated = GatedProcess(mpirun_cmd(NRANKS, [python(), str(PROGS / "mpi_collectives.py")]))
+    # An MPI job outside the job's pid set runs at the same time: none of its calls may show up.
+    outsider = GatedProcess(mpirun_cmd(1, [python(), str(PROGS / "mpi_collectives.py")]))
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), errors=errors,
+                   config={"sources.collectives": {"mpi_path": "uprobe", "nccl_path": "uprobe"}})
+    src = bc.BpfCollectivesSource()
+    outsider.go()
+    batches, (rc, _out, err) = run_source_over(src, ctx, gated)
+    outsider.wait()
+    assert rc == 0, err[-2000:]
+    return collect(batches, schema.COLLECTIVE_CALLS), collect(batches, schema.COMMUNICATORS), errors
+
+
+@pytest.mark.bpf
+@pytest.mark.mpi
+def test_mpi_job_every_call_once(mpi_run: tuple[Any, Any, list[str]]) -> None:
+    calls, comms, errors = mpi_run
+    assert not errors, errors
+    assert set(calls["path"]) == {0} and set(calls["library"]) == {0}
+    check_mpi_plan(calls, comms, NRANKS)
+
+
+@pytest.mark.bpf
+@pytest.mark.mpi
+def test_mpi_times_ordered(mpi_run: tuple[Any, Any, list[str]]) -> None:
+    calls, _, _ = mpi_run
+    assert np.all(calls["t_exit_ns"] >= calls["t_enter_ns"]) and np.all(calls["t_enter_ns"] > 0)
+
+
+# --- NCCL: the real library, called through ctypes with a NULL communicator ------------------------
+
+
+def nccl_skip_reason() -> str | None:
+    if NCCL_LIB is None:
+        return "nvidia-nccl-cu12 is not installed in this environment (test extra)"
+    return bpf_skip_reason()
+
+
+@pytest.mark.bpf
+def test_nccl_arguments_decoded() -> None:
+    reason = nccl_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    gated = GatedProcess([python(), str(PROGS / "nccl_calls.py"), str(NCCL_LIB)])
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), errors=errors)
+    src = bc.BpfCollectivesSource(("nccl",))
+    src.keep_raw = True
+    src.start(ctx)
+    try:
+        # The wheel's libnccl is not in the linker cache: attach to it as the process scan would.
+        attached = src.attach_library("nccl", str(NCCL_LIB))
+        assert {p.symbol for p in bc.PROBES if p.library == "nccl"} <= set(attached)
+        gated.go()
+        rc, out, err = gated.wait()
+        assert rc == 0, err
+        batches = list(src.final(0))
+    finally:
+        src.stop()
+    assert not errors, errors
+    expected = json.loads(out.strip().splitlines()[-1])
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    raw = np.concatenate(src.raw_calls)
+    check_nccl(calls, raw, src.events_comm, expected)

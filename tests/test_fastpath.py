@@ -1,0 +1,156 @@
+"""Fast path of mode `collectives`: the LD_PRELOAD interposers and the ring drain, for real.
+
+The same checks as the uprobe path (tests/progs/harness.py check_mpi_plan / check_nccl) on the
+same programs: a 4-rank Open MPI job and the real libnccl called with a NULL communicator. No
+root needed: the rings live in a temporary directory of the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+from harness import (
+    PROGS,
+    REPO,
+    GatedProcess,
+    check_mpi_plan,
+    check_nccl,
+    collect,
+    make_ctx,
+    mpi_skip_reason,
+    mpirun_cmd,
+    nccl_library,
+    python,
+    run_source_over,
+)
+
+from collector import schema
+from collector.sources import fastpath as fp
+
+FASTPATH = {"sources.collectives": {"mpi_path": "fastpath", "nccl_path": "fastpath"}}
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, Path]:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build bpf/fastpath")
+    proc = subprocess.run(["make", "-C", str(REPO / "bpf" / "fastpath")], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    libs = fp.built_libraries()
+    assert libs["mpi"] and libs["nccl"]
+    return {k: v for k, v in libs.items() if v}
+
+
+def fastpath_env(ring_dir: Path, job: str, lib: Path, records: int | None = None) -> dict[str, str]:
+    env = {"LD_PRELOAD": str(lib), "GPUPROF_FASTPATH_JOB": job, "GPUPROF_FASTPATH_DIR": str(ring_dir)}
+    if records:
+        env["GPUPROF_FASTPATH_RECORDS"] = str(records)
+    return env
+
+
+def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: int | None = None,
+            sample: bool = True) -> tuple[Any, Any, fp.FastpathSource, list[str]]:
+    reason = mpi_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    job = f"t{uuid.uuid4().hex[:8]}"
+    env = fastpath_env(tmp_path, job, built["mpi"], records)
+    gated = GatedProcess(mpirun_cmd(4, [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat)],
+                                    env=env))
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    batches, (rc, _out, err) = run_source_over(src, ctx, gated, sample=sample)
+    assert rc == 0, err[-2000:]
+    return collect(batches, schema.COLLECTIVE_CALLS), collect(batches, schema.COMMUNICATORS), src, errors
+
+
+@pytest.mark.mpi
+def test_mpi_job_every_call_once(built: dict[str, Path], tmp_path: Path) -> None:
+    calls, comms, _, errors = run_mpi(built, tmp_path)
+    assert not errors, errors
+    assert set(calls["path"]) == {1}
+    check_mpi_plan(calls, comms, 4)
+    assert not list(tmp_path.iterdir()), "rings are removed when the source stops"
+
+
+@pytest.mark.mpi
+def test_full_ring_drops_and_never_stalls(built: dict[str, Path], tmp_path: Path) -> None:
+    """A ring of 64 records, drained only at the end: the job runs to completion, the surplus is
+    counted as dropped, and what was kept is a prefix in order."""
+    calls, _comms, src, _ = run_mpi(built, tmp_path, repeat=20, records=64, sample=False)
+    assert 0 < len(calls) <= 4 * 64
+    assert src.dropped_total > 20 * 4 * 10  # the plan makes > 25 calls per repeat and rank
+    # The newest records are the ones dropped: each rank kept its first calls, seq 0, 1, 2...
+    import mpi_collectives as plan
+
+    names = {*plan.WORLD_PLAN, *plan.SPLIT_PLAN, *plan.DUP_PLAN}
+    coll = np.isin(calls["op"], [schema.COLLECTIVE_OPS.index(o) for o in names])
+    for pid, cid in set(zip(calls["pid"][coll], calls["comm_id"][coll])):
+        mine = calls[coll & (calls["pid"] == pid) & (calls["comm_id"] == cid)]
+        assert list(mine["seq"]) == list(range(len(mine)))
+
+
+def test_exports_contract(built: dict[str, Path]) -> None:
+    lines = fp.fastpath_exports(("metrics", "collectives"), make_ctx(lambda: frozenset(), ()).config | FASTPATH,
+                                "77", existing_ld_preload="/opt/x.so")
+    assert lines[0] == f"export LD_PRELOAD={built['mpi']}:{built['nccl']}:/opt/x.so"
+    assert "export GPUPROF_FASTPATH_JOB=77" in lines
+    assert fp.fastpath_exports(("metrics",), make_ctx(lambda: frozenset(), ()).config, "77") == []
+    uprobe = {"sources.collectives": {"mpi_path": "uprobe", "nccl_path": "uprobe"}}
+    assert fp.fastpath_exports(("collectives",), make_ctx(lambda: frozenset(), ()).config | uprobe, "77") == []
+
+
+def test_foreign_and_corrupt_rings_ignored(built: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "gpuprof-99-123").write_bytes(b"\0" * 100)  # never initialized: retried, not read
+    (tmp_path / "gpuprof-99-124").write_bytes(b"junk" * 100)  # no magic: treated as not ready
+    os.symlink("/etc/passwd", tmp_path / "gpuprof-99-125")
+    errors: list[str] = []
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    src.start(make_ctx(lambda: frozenset(), ("collectives",), errors=errors, config=FASTPATH, job_id="99"))
+    batches = src.sample(0)
+    assert all(len(rows) == 0 for _, rows in batches)
+    assert len(errors) == 1 and "gpuprof-99-125" in errors[0]  # O_NOFOLLOW refuses the link
+    src.stop()
+
+
+def test_layout_matches_bpf_struct(built: dict[str, Path]) -> None:
+    """The decoded field names of the ring records are those of the BPF path."""
+    from collector.sources.bpf_collectives import CALL_FIELDS
+
+    lay = fp.layout()
+    assert [f[0] for f in lay["call"]] == list(CALL_FIELDS)
+    offsets = [f[1] for f in lay["call"]]
+    assert offsets == sorted(offsets) and lay["record_size"] >= offsets[-1]
+
+
+def test_nccl_arguments_decoded(built: dict[str, Path], tmp_path: Path) -> None:
+    lib = nccl_library()
+    if lib is None:
+        pytest.skip("nvidia-nccl-cu12 is not installed in this environment (test extra)")
+    job = f"t{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, **fastpath_env(tmp_path, job, built["nccl"])}
+    gated = GatedProcess([python(), str(PROGS / "nccl_calls.py"), str(lib), "--global"], env=env)
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    src.keep_raw = True
+    batches, (rc, out, err) = run_source_over(src, ctx, gated)
+    assert rc == 0, err
+    assert not errors, errors
+    expected = json.loads(out.strip().splitlines()[-1])
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    assert set(calls["path"]) == {1}
+    check_nccl(calls, np.concatenate(src.raw_calls), src.events_comm, expected)
