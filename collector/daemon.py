@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import pkgutil
 import signal
 import threading
 import time
@@ -33,7 +32,7 @@ import numpy as np
 from collector import schema
 from collector.ring import Ring, split_capacity
 from collector.schema import Table
-from collector.sources.base import Source, SourceContext, SourceUnavailable
+from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from collector.sources.clock import ClockSource, clock_pair
 from collector.writer import NodeMeta, NodeTraceWriter
 from slurm_hooks import environment as env
@@ -79,10 +78,22 @@ class _SourceState:
     stopped: threading.Event = field(default_factory=threading.Event)
 
 
+# Sources each mode brings beyond the clock: (module, class). Constructed without arguments; their
+# start() reads the config. Importing a module may fail (no BCC): that source is then reported
+# unavailable and the others run.
+MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
+    "metrics": (),  # built below: they take their rates from the config at construction
+    "collectives": (
+        ("collector.sources.bpf_collectives", "BpfCollectivesSource"),
+        ("collector.sources.fastpath", "FastpathSource"),
+    ),
+    "stacks": (),
+    "kernels": (),
+}
+
+
 def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -> list[Source]:
-    """The sources the modes ask for. eBPF sources are found in collector/sources/bpf_*.py: each such
-    module lists its Source classes in SOURCES, each class names its modes in a `modes` attribute
-    and is built with the config (`cls(config)`)."""
+    """The sources the modes ask for (MODE_SOURCES), in a stable order."""
     sources: list[Source] = [ClockSource(float(config["collector"]["clock_interval_s"]))]
     if "metrics" in modes:
         from collector.sources.host import HostSource
@@ -90,20 +101,44 @@ def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -
 
         sources.append(HostSource(float(config["sources.host"]["rate_hz"])))
         sources.append(NvmlSource(config["sources.nvml"]))
-    import collector.sources as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("bpf_"):
-            continue
-        try:
-            mod = importlib.import_module(f"collector.sources.{info.name}")
-        except ImportError as e:  # e.g. bcc missing: those sources are unavailable, the rest runs
-            log.warning("source module %s not importable: %s", info.name, e)
-            continue
-        for cls in getattr(mod, "SOURCES", ()):
-            if set(getattr(cls, "modes", ())) & set(modes):
-                sources.append(cls(config))
+    seen: set[tuple[str, str]] = set()
+    for mode in modes:
+        for module_name, class_name in MODE_SOURCES.get(mode, ()):
+            if (module_name, class_name) in seen:
+                continue
+            seen.add((module_name, class_name))
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as e:
+                sources.append(UnavailableSource(f"{module_name}.{class_name}", f"cannot import: {e}"))
+                continue
+            sources.append(getattr(module, class_name)())
     return sources
+
+
+def _source_drops(source: Source) -> int:
+    counter = getattr(source, "drops", None)
+    if counter is None:
+        return 0
+    try:
+        return int(counter())
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("drop counter of %s unreadable: %s", source.name, e)
+        return 0
+
+
+class UnavailableSource(Source):
+    """Stands for a source whose module cannot even be imported, so the reason reaches the file."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name.rsplit(".", 1)[-1]
+        self.reason = reason
+
+    def start(self, ctx: SourceContext) -> None:
+        raise SourceUnavailable(self.reason)
+
+    def sample(self, now_ns: int) -> list[Batch]:
+        return []
 
 
 class Collector:
@@ -141,6 +176,7 @@ class Collector:
         self._last_error_at: dict[tuple[str, str], float] = {}
         self._records: dict[str, int] = {}
         self._drops_written: dict[str, int] = {}
+        self._source_drops_max: dict[str, int] = {}
         self.stop_event = threading.Event()
         self.stop_reason = ""
         self._sources_stop = threading.Event()
@@ -189,7 +225,12 @@ class Collector:
 
     # --- status (control socket) ------------------------------------------------------------------
     def drops(self) -> dict[str, int]:
-        d = {name: st.ring.dropped for name, st in self._states.items()}
+        # Records lost before they reached our rings (a full BPF ring buffer, a full interposer
+        # ring) count as well: a source that can lose data says how much through drops().
+        # Kept as a running maximum: a source's counter goes away with it (rings removed at stop).
+        for name, st in self._states.items():
+            self._source_drops_max[name] = max(self._source_drops_max.get(name, 0), _source_drops(st.source))
+        d = {name: st.ring.dropped + self._source_drops_max[name] for name, st in self._states.items()}
         d[TRACKER_RING] = self._tracker_ring.dropped
         d[DIAG_RING] = self._diag_ring.dropped
         return d

@@ -145,7 +145,8 @@ def analyze(
         with_calls = [s.node for s in nodes if s.n_calls]
         reference = with_calls[0] if with_calls else (names[0] if names else "")
     if names:
-        clock = fit_clocks(inst, names, reference, clock_params)
+        clock = fit_clocks(inst, names, reference, clock_params,
+                           clock_domains=[f"{s.hostname}/{s.boot_id}" for s in nodes])
     else:
         clock = ClockFit(reference, clock_params.method, [], [])
     for m in clock.models:

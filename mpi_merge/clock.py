@@ -128,8 +128,17 @@ def components(present: np.ndarray) -> list[list[int]]:
 
 
 def fit_clocks(
-    inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS
+    inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS,
+    clock_domains: list[str] | None = None,
 ) -> ClockFit:
+    """Per node clock models against the reference node.
+
+    clock_domains (one per node, e.g. the boot id): nodes that read the same clock (several virtual
+    Slurm nodes on one host share CLOCK_MONOTONIC and CLOCK_REALTIME) are one clock. Their offset to
+    each other is zero by construction, not by estimate, and they are fitted as one column, so the
+    estimate between hosts uses every rank of both."""
+    if clock_domains is not None and len(set(clock_domains)) < len(clock_domains):
+        return _fit_by_domain(inst, node_names, reference, params, clock_domains)
     if params.method not in METHODS:
         raise ValueError(f"unknown clock method {params.method!r}; one of {METHODS}")
     n_nodes = len(node_names)
@@ -163,6 +172,10 @@ def fit_clocks(
         if ni in by_node:
             models.append(by_node[ni])
             continue
+        if ni == ref:  # the reference is its own clock, partner or not
+            models.append(NodeClockModel(node_names[ni], True, "", np.zeros(1), np.zeros(1), np.zeros(1), 0.0,
+                                         int(present[:, ni].sum()), 0.0, is_reference=True))
+            continue
         if not present[:, ni].any():
             why = "no N-to-N collective instance on this node (nothing to align with)"
         else:
@@ -170,6 +183,42 @@ def fit_clocks(
                    "its times stay on its own realtime (NTP) clock")
         models.append(NodeClockModel(node_names[ni], False, why, empty, empty, empty,
                                      n_points=int(present[:, ni].sum())))
+    return fit
+
+
+def _fit_by_domain(inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams,
+                   clock_domains: list[str]) -> ClockFit:
+    groups: dict[str, list[int]] = {}
+    for i, d in enumerate(clock_domains):
+        groups.setdefault(d, []).append(i)
+    doms = list(groups.values())
+    rep = [node_names[g[0]] for g in doms]
+    ref_dom = next(k for k, g in enumerate(doms) if node_names.index(reference) in g)
+    with quiet_nan():
+        collapsed = NodeInstances(
+            np.column_stack([np.nanmax(inst.enter_max[:, g], axis=1) for g in doms]),
+            np.column_stack([np.nanmin(inst.exit_min[:, g], axis=1) for g in doms]),
+            np.column_stack([np.nanmedian(inst.exit_med[:, g], axis=1) for g in doms]),
+            inst.comm_id, inst.seq,
+        )
+    sub = fit_clocks(collapsed, rep, rep[ref_dom], params)
+    by_rep = {m.node: m for m in sub.models}
+    models: list[NodeClockModel] = []
+    for k, g in enumerate(doms):
+        for i in g:
+            m = by_rep[rep[k]]
+            npts = int((np.isfinite(inst.exit_med[:, i]) & np.isfinite(inst.enter_max[:, i])).sum())
+            models.append(NodeClockModel(node_names[i], m.aligned, m.reason, m.seg_start, m.seg_offset,
+                                         m.seg_drift_ppm, m.residual_ns, npts, m.uncertainty_ns,
+                                         is_reference=node_names[i] == reference))
+    models.sort(key=lambda m: node_names.index(m.node))
+    fit = ClockFit(reference, params.method, models,
+                   [[node_names[i] for k in comp for i in doms[rep.index(k)]] for comp in sub.components],
+                   sub.causality_violations, sub.instances_used, list(sub.notes))
+    for g in doms:
+        if len(g) > 1:
+            fit.notes.append(f"{', '.join(node_names[i] for i in g)} read one clock (same boot id): "
+                             "zero offset between them by construction")
     return fit
 
 

@@ -32,7 +32,9 @@ class StragglerParams:
     window_s: float = 10.0
     score_threshold: float = 0.9
     last_share_z: float = 6.0
-    min_instances: int = 50  # windows with fewer complete instances are not judged
+    # windows with fewer complete instances are not judged; a short job's windows are stretched to
+    # hold this many (20 arrivals: a rank last every time has z = 7.7 at 4 ranks, chance cannot do it)
+    min_instances: int = 20
     gpu_delta_points: float = 5.0  # SM activity this much above peers = GPU-bound evidence
     cpu_ratio: float = 1.25  # CPU use this much above peers = host-bound evidence
     algorithm: str = "score_or_last"  # "score", "last_share", "score_or_last"
@@ -74,8 +76,20 @@ class Finding:
         return d
 
 
+def stretched_window_s(tk: np.ndarray, window_s: float, min_instances: int) -> float:
+    """The window, made long enough to hold min_instances on average (a short or slow job would
+    otherwise never be judged)."""
+    if len(tk) < 2:
+        return window_s
+    span_s = float(tk.max() - tk.min()) / 1e9
+    per_window = len(tk) * window_s / max(span_s, 1e-9)
+    if per_window >= min_instances:
+        return window_s
+    return max(window_s, span_s * min_instances / len(tk) * 1.0001)
+
+
 def window_metrics(t: CommTable, w: CommWaits, enter: np.ndarray, exit_: np.ndarray, window_s: float,
-                   t0: float) -> tuple[RankWindowMetrics, dict[str, np.ndarray]]:
+                   t0: float, min_instances: int = 1) -> tuple[RankWindowMetrics, dict[str, np.ndarray]]:
     comp = w.complete.copy()
     comp[0] = False  # the first instance has no predecessor
     prev_ok = np.concatenate([[False], w.complete[:-1]])
@@ -90,6 +104,7 @@ def window_metrics(t: CommTable, w: CommWaits, enter: np.ndarray, exit_: np.ndar
         comp_int = E - Xp
         compute_excess = comp_int - np.median(comp_int, axis=1)[:, None]
     tk = w.last_enter[k]
+    window_s = stretched_window_s(tk, window_s, min_instances)
     win = np.floor((tk - t0) / (window_s * 1e9)).astype(np.int64) if len(k) else np.zeros(0, np.int64)
     nw = int(win.max()) + 1 if len(win) else 0
     size = t.size
@@ -111,6 +126,7 @@ def window_metrics(t: CommTable, w: CommWaits, enter: np.ndarray, exit_: np.ndar
         z[i] = (share[i] - p0) / np.sqrt(p0 * (1 - p0) / n[i])
     per_inst = {"k": k, "win": win, "last": last, "lateness": late, "exit_excess": exit_excess,
                 "compute_excess": compute_excess, "t": tk}
+    per_inst["window_s"] = np.array(window_s)
     return RankWindowMetrics(t0 + np.arange(nw) * window_s * 1e9, score, share, z, n), per_inst
 
 
@@ -174,7 +190,8 @@ def find_stragglers(
     for t, w, E, X in zip(comms, waits, enter_al, exit_al):
         if t.size < 2 or w.complete.sum() < 2:
             continue
-        m, inst = window_metrics(t, w, E, X, params.window_s, t0)
+        m, inst = window_metrics(t, w, E, X, params.window_s, t0, params.min_instances)
+        window_s = float(inst["window_s"])
         flags = detector(m, params)
         judged = m.n >= params.min_instances
         with quiet_nan():
@@ -193,7 +210,7 @@ def find_stragglers(
             in_win = np.isin(inst["win"], np.flatnonzero(fw))
             times_last = int(np.isin(inst["last"], ranks).sum())
             rl = ranks[0]
-            ranges = [(float(m.t_start[i]), float(m.t_start[i] + params.window_s * 1e9)) for i in np.flatnonzero(fw)]
+            ranges = [(float(m.t_start[i]), float(m.t_start[i] + window_s * 1e9)) for i in np.flatnonzero(fw)]
             f = Finding(
                 node=node_names[ni] if ni >= 0 else "?", comm_id=t.comm_id, ranks=ranks, cause="",
                 windows_flagged=int(fw.sum()), windows_judged=int(judged.sum()),
@@ -262,6 +279,14 @@ def _attribute(f: Finding, inst: dict[str, np.ndarray], sel: np.ndarray, r: int,
             f.evidence.append(f"off-CPU / run-queue time {o_me / 1e6:.1f} ms/s vs peers {o_peer / 1e6:.1f} ms/s")
         if np.isfinite(dg):
             f.evidence.append(f"GPU SM activity {g_me:.0f}% vs peers {g_peer:.0f}%: the GPU waited for the host")
+    elif not np.isfinite(g_me) and not np.isfinite(g_peer) and cx > 0:
+        # No GPU anywhere in the job: the longer compute interval before the collective can only have
+        # been spent on the host (on its CPU, or blocked in it). Busy-polling MPI ranks keep their
+        # CPU busy while they wait, so CPU use alone cannot tell the straggler from its peers here.
+        f.cause = "host"
+        f.evidence.append("no GPU metrics on any node: the longer compute interval ran on the host"
+                          + (f" (job processes used {c_me:.2f} CPU cores vs peers {c_peer:.2f})"
+                             if np.isfinite(c_me) and np.isfinite(c_peer) else ""))
     else:
         f.cause = "compute (unattributed)"
         f.evidence.append("no GPU or host metric differs from the peers enough to name a cause"

@@ -11,6 +11,16 @@ GPUPROF_CONFIG = "GPUPROF_CONFIG"  # path of the TOML config (lookup order: docs
 GPUPROF_NVML_LIBRARY = "GPUPROF_NVML_LIBRARY"  # explicit libnvidia-ml.so path (tests load a double)
 GPUPROF_MODES = "GPUPROF_MODES"  # modes exported to the job by the TaskProlog
 
+# The collectives fast path (bpf/fastpath interposers), exported to the job by the TaskProlog.
+LD_PRELOAD = "LD_PRELOAD"
+GPUPROF_FASTPATH_JOB = "GPUPROF_FASTPATH_JOB"  # job id: names the rings /dev/shm/gpuprof-<job>-<pid>
+GPUPROF_FASTPATH_DIR = "GPUPROF_FASTPATH_DIR"  # where the rings are created
+GPUPROF_FASTPATH_RECORDS = "GPUPROF_FASTPATH_RECORDS"  # ring size in records (interposer side)
+# Read by the interposers (C) to identify the MPI launch, so COMM_WORLD gets the same id on all ranks.
+PMIX_NAMESPACE = "PMIX_NAMESPACE"
+OMPI_MCA_ESS_BASE_JOBID = "OMPI_MCA_ess_base_jobid"
+PMI_KVSNAME = "PMI_KVSNAME"
+
 # The --profile-gpu option as Slurm forwards it, value as typed (plugin "gpuprof", option
 # "profile-gpu"); with no value Slurm forwards the literal string "(null)". Set only when given.
 SPANK_OPTION_HOOK = "SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu"  # Prolog, Epilog, EpilogSlurmctld

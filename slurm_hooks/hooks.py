@@ -207,6 +207,23 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         _watchdog(lock, log)
         if state_dir.is_dir() and not state_dir.is_symlink():
             shutil.rmtree(state_dir, ignore_errors=True)
+        _remove_fastpath_rings(job_id, log)
+
+
+def _remove_fastpath_rings(job_id: str, log: logging.Logger) -> None:
+    """The collector removes the job's shared-memory rings when it stops; one that died cannot."""
+    from collector.sources.fastpath import RING_DIR
+
+    for ring in Path(RING_DIR).glob(f"gpuprof-{job_id}-*"):
+        pid = ring.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _process_alive(int(pid)):
+            continue  # a writer still runs (another virtual node of this host may drain it)
+        try:
+            ring.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("cannot remove fast-path ring %s: %s", ring, e.strerror)
 
 
 def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:

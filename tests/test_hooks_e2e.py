@@ -115,11 +115,13 @@ def test_job_without_flag_costs_nothing(cluster: Cluster, user_tmpdir: Path, tes
 def test_modes_reach_prolog_and_task_prolog(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
                                             fake_dcgmi_log: Path) -> None:
     hook_config(base_config(cluster, fake_dcgmi_log))
-    job = cluster.sbatch(["-N1", "--profile-gpu=collectives,metrics", "--wrap", "srun env | grep ^GPUPROF_"],
-                         user=test_user, cwd=user_tmpdir)
+    job = cluster.sbatch(["-N1", "--profile-gpu=collectives,metrics", "--wrap",
+                          "srun env | grep -E '^(GPUPROF_|LD_PRELOAD)'"], user=test_user, cwd=user_tmpdir)
     assert cluster.wait_job(job)["JobState"] == "COMPLETED"
     out = (user_tmpdir / f"slurm-{job}.out").read_text()
     assert "GPUPROF_MODES=metrics,collectives" in out
+    # the TaskProlog put the collectives fast path into the job (auto = fast path once built)
+    assert "libgpuprof_pmpi.so" in out and f"GPUPROF_FASTPATH_JOB={job}" in out
     f = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
     wait_files(f.parent, [f.name])
     assert open_node_trace(f).attrs["modes"] == "metrics,collectives"

@@ -103,6 +103,9 @@ static int gp_open(void)
     h->capacity = cap;
     h->pid = gp_pid();
     h->header_size = sizeof(struct gp_ring_header);
+    const char *node = getenv("SLURMD_NODENAME");
+    if (node)
+        strncpy(h->node, node, sizeof(h->node) - 1);
     slots = (struct gp_record *)((char *)p + sizeof(struct gp_ring_header));
     mask = cap - 1;
     /* magic last: the collector reads a ring only once it is complete */

@@ -24,7 +24,9 @@ struct gp_ring_header {
     u64 capacity; /* records, a power of two */
     u32 pid;
     u32 header_size;
-    u64 pad0[4];
+    /* $SLURMD_NODENAME of the writer: several virtual Slurm nodes can share one host and its
+     * /dev/shm, and each node's collector drains only its own node's rings. */
+    char node[32];
     u64 head; /* next slot to claim (producers): its own cache line */
     u64 pad1[7];
     u64 tail; /* next slot to read (collector) */

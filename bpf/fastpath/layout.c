@@ -22,6 +22,7 @@ int main(void)
     F(struct gp_ring_header, capacity, "<u8");
     F(struct gp_ring_header, pid, "<u4");
     F(struct gp_ring_header, header_size, "<u4");
+    F(struct gp_ring_header, node, "S32");
     F(struct gp_ring_header, head, "<u8");
     F(struct gp_ring_header, tail, "<u8");
     F(struct gp_ring_header, dropped, "<u8");

@@ -56,7 +56,7 @@ def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], 
         if not job_id:
             return []  # no job to name the rings after: the uprobe path still sees the calls
     if existing_ld_preload is None:
-        existing_ld_preload = env.get("LD_PRELOAD") or ""
+        existing_ld_preload = env.get(env.LD_PRELOAD) or ""
     paths = resolve_paths(config)
     built = built_libraries()
     libs = [str(built[lib]) for lib in ("mpi", "nccl") if paths[lib] == "fastpath" and built[lib] is not None]
@@ -108,6 +108,8 @@ class Ring:
             if cap < 64 or cap > 1 << 24 or cap & (cap - 1):
                 raise ValueError(f"bad capacity {cap}")
             self.capacity = cap
+            # The writer's node ($SLURMD_NODENAME), '' when it ran outside a Slurm step.
+            self.node = bytes(h["node"]).split(b"\0", 1)[0].decode("utf-8", "replace")
             self.pid = int(h["pid"])
             self.tail = int(h["tail"])
         except BaseException:
@@ -222,7 +224,13 @@ class FastpathSource(Source):
                     self.bad.add(path)
                     self.ctx.report_error(self.name, f"ring {name} ignored: {e}"[:230])
                 continue
-            if ring.pid != int(m[1]) or not (ring.pid in self.job_pids or ring.uid in self.job_uids):
+            if ring.node and ring.node != self.ctx.node:
+                # Another virtual node of this host (they share /dev/shm): its own collector drains it.
+                ring.close()
+                self.bad.add(path)
+                continue
+            ours = ring.pid in self.job_pids or ring.uid in self.job_uids
+            if ring.pid != int(m[1]) or not ours:
                 ring.close()
                 self.bad.add(path)
                 self.ctx.report_error(self.name, f"ring {name} ignored: not written by a job process")

@@ -116,8 +116,9 @@ elif ! grep -qE '^[^ ]+ /sys/fs/cgroup/freezer cgroup ' /proc/mounts; then
     fi
 fi
 
-# --- 5. SPANK plugin ----------------------------------------------------------------------------
+# --- 5. SPANK plugin and the fast-path interposers (LD_PRELOAD libraries) ------------------------
 make -s -C "$REPO/slurm_hooks/spank"
+make -s -C "$REPO/bpf/fastpath"
 
 # --- 6. Python virtual environment --------------------------------------------------------------
 VENV="$REPO/.venv"
