@@ -7,3 +7,13 @@
 #ifdef GP_WITH_COLLECTIVES
 #include "collectives.c"
 #endif
+
+#ifdef GP_WITH_STACKS
+#include "stacks.c"
+#endif
+#ifdef GP_WITH_OFFCPU
+#include "offcpu.c"
+#endif
+#ifdef GP_WITH_KERNELS
+#include "kernels.c"
+#endif

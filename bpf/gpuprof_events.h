@@ -67,4 +67,63 @@ struct gp_comm {
     u8 uid[128]; /* NCCL: the ncclUniqueId passed by value (BPF path only) */
 };
 
+/* --- stacks, off-CPU, CUDA launches (bpf/stacks.c, offcpu.c, kernels.c) ------------------------ */
+
+/* Aggregation key of CPU samples and off-CPU episodes. gen is the window half (0/1) the collector
+ * flips at each drain; stack ids are ids in the program's stack trace map (negative: not captured,
+ * -EFAULT for the kernel stack of a sample taken in user mode). */
+struct gp_stack_key {
+    u32 gen;
+    u32 pid;
+    u32 tid;
+    u32 cpu; /* CPU samples only; 0 for off-CPU */
+    s32 user_stack;
+    s32 kernel_stack;
+};
+
+struct gp_off_value {
+    u64 blocked_ns;
+    u64 runnable_ns;
+    u64 count;
+};
+
+#define GP_API_CU_LAUNCH_KERNEL 0
+#define GP_API_CU_LAUNCH_KERNEL_EX 1
+#define GP_API_CUDA_LAUNCH_KERNEL 2
+#define GP_API_CUDA_LAUNCH_KERNEL_EXC 3
+
+/* One CUDA kernel launch, written at entry of the launch call. */
+struct gp_launch {
+    u64 t_ns;
+    u64 function; /* CUfunction, or the host stub address of the runtime API */
+    u64 stream;
+    u64 ret_addr; /* the return address at entry (SP): the caller, which the frame-pointer walk
+                     of user_stack skips because the probed function has no frame yet */
+    u32 pid;
+    u32 tid;
+    u32 grid[3];
+    u32 block[3];
+    u32 shared_mem;
+    s32 user_stack;
+    u32 api; /* GP_API_* */
+    u32 pad;
+};
+
+#define GP_KF_MODULE_GET_FUNCTION 0 /* cuModuleGetFunction: handle = CUfunction */
+#define GP_KF_LIBRARY_GET_KERNEL 1  /* cuLibraryGetKernel: handle = CUkernel */
+#define GP_KF_KERNEL_GET_FUNCTION 2 /* cuKernelGetFunction: handle = CUfunction, parent = CUkernel */
+#define GP_KF_NAME_LEN 128
+
+/* A kernel handle and its name, written at return of a successful lookup call. */
+struct gp_kfunc {
+    u64 t_ns;
+    u64 handle;
+    u64 parent;
+    u32 pid;
+    u32 kind; /* GP_KF_* */
+    s32 ret;
+    u32 pad;
+    char name[GP_KF_NAME_LEN];
+};
+
 #endif

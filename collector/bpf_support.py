@@ -300,11 +300,54 @@ def defined_functions(path: str, names: Iterable[str]) -> set[str]:
     return {n for n in names if n in syms and syms[n][2] in (STT_FUNC, STT_GNU_IFUNC)}
 
 
+@lru_cache(maxsize=4096)
+def _dynamic_functions_cached(path: str, key: tuple[int, int, int]) -> frozenset[str]:
+    return _read_dynamic_functions(path)
+
+
+def dynamic_functions(path: str) -> frozenset[str]:
+    """Names of the functions an ELF file exports (.dynsym), read without loading the whole file
+    (a process maps hundreds of libraries, some of them gigabytes). Empty when not an ELF64 file."""
+    try:
+        st = os.stat(path)
+        return _dynamic_functions_cached(path, (st.st_dev, st.st_ino, int(st.st_mtime_ns)))
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def _read_dynamic_functions(path: str) -> frozenset[str]:
+    with open(path, "rb") as f:
+        eh = f.read(64)
+        if eh[:4] != b"\x7fELF" or eh[4] != 2 or eh[5] != 1:
+            return frozenset()
+        e_shoff = int.from_bytes(eh[40:48], "little")
+        e_shentsize, e_shnum = int.from_bytes(eh[58:60], "little"), int.from_bytes(eh[60:62], "little")
+        f.seek(e_shoff)
+        raw = f.read(e_shentsize * e_shnum)
+        secs = [(int.from_bytes(raw[i + 4 : i + 8], "little"), int.from_bytes(raw[i + 24 : i + 32], "little"),
+                 int.from_bytes(raw[i + 32 : i + 40], "little"), int.from_bytes(raw[i + 40 : i + 44], "little"))
+                for i in range(0, len(raw) - e_shentsize + 1, e_shentsize)]
+        out: set[str] = set()
+        for sh_type, off, size, link in secs:
+            if sh_type != 11 or link >= len(secs):  # SHT_DYNSYM
+                continue
+            f.seek(off)
+            syms = np.frombuffer(f.read(size), dtype=_SYM_DTYPE, count=size // 24)
+            f.seek(secs[link][1])
+            strtab = f.read(secs[link][2])
+            typ = syms["info"] & 0xF
+            for s in syms[(syms["value"] != 0) & ((typ == STT_FUNC) | (typ == STT_GNU_IFUNC))]:
+                end = strtab.find(b"\0", int(s["name"]))
+                out.add(strtab[int(s["name"]) : end].decode(errors="replace"))
+        return frozenset(out)
+
+
 # --- the shared BCC object -----------------------------------------------------------------------
-# BPF programs compiled for each mode. Only what exists is listed: stacks, off-CPU and kernels
-# (bpf/stacks.c, offcpu.c, kernels.c) are not written yet (docs/probes.md, "Not yet").
+# BPF programs compiled for each mode (bpf/gpuprof.c includes one C file per switch).
 MODE_SWITCHES: dict[str, tuple[str, ...]] = {
     "collectives": ("GP_WITH_COLLECTIVES",),
+    "stacks": ("GP_WITH_STACKS", "GP_WITH_OFFCPU"),
+    "kernels": ("GP_WITH_KERNELS",),
 }
 
 
@@ -317,8 +360,9 @@ def inline_includes(path: Path, seen: set[Path] | None = None) -> str:
     BCC generates tracepoint argument structs (TRACEPOINT_PROBE) and rewrites map calls only in the
     main file it compiles, so the separate C files are joined here rather than included by clang.
     """
+    # `seen` holds the files of the current include chain only: a header pasted inside one
+    # #ifdef GP_WITH_* block must be pasted again in the next one (its include guard keeps it once).
     seen = set() if seen is None else seen
-    seen.add(path)
     text = path.read_text()
 
     def paste(m: re.Match[str]) -> str:
@@ -327,7 +371,8 @@ def inline_includes(path: Path, seen: set[Path] | None = None) -> str:
             return m[0]
         if inc in seen:
             return ""
-        return f'#line 1 "{inc}"\n{inline_includes(inc, seen)}\n#line {text.count(chr(10), 0, m.end()) + 1} "{path}"'
+        body = inline_includes(inc, seen | {path})
+        return f'#line 1 "{inc}"\n{body}\n#line {text.count(chr(10), 0, m.end()) + 1} "{path}"'
 
     return _LOCAL_INCLUDE.sub(paste, text)
 
@@ -358,6 +403,11 @@ class BpfHub:
             raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
         self.job_pids = self.bpf[b"gp_job_pids"]
         self._known: set[int] = set()
+        # State the sources of one object share (the stack store of stacks, off-CPU and kernels).
+        self.shared: dict[str, Any] = {}
+        # BCC consumes all ring buffers of the object in one call, running every source's
+        # callbacks: sources that read rings consume under this lock (consume_rings).
+        self.ring_lock = threading.Lock()
 
     @classmethod
     def acquire(cls, modes: Iterable[str], defines_for: Callable[[tuple[str, ...]], dict[str, str]]) -> BpfHub:
@@ -375,6 +425,11 @@ class BpfHub:
             if self.users <= 0 and BpfHub._instance is self:
                 BpfHub._instance = None
                 self.bpf.cleanup()
+
+    def consume_rings(self) -> None:
+        """Run the callbacks of every ring buffer of the object, one thread at a time."""
+        with self.ring_lock:
+            self.bpf.ring_buffer_consume()
 
     def has(self, switch: str) -> bool:
         return switch in self.switches

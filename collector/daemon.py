@@ -87,8 +87,11 @@ MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
         ("collector.sources.bpf_collectives", "BpfCollectivesSource"),
         ("collector.sources.fastpath", "FastpathSource"),
     ),
-    "stacks": (),
-    "kernels": (),
+    "stacks": (
+        ("collector.sources.bpf_stacks", "BpfStacksSource"),
+        ("collector.sources.bpf_offcpu", "BpfOffcpuSource"),
+    ),
+    "kernels": (("collector.sources.bpf_kernels", "BpfKernelsSource"),),
 }
 
 

@@ -305,8 +305,102 @@ COMMUNICATORS = Table(
     enums={"library": ("mpi", "nccl"), "op": COMMUNICATOR_OPS},
 )
 
-# Tables of the eBPF sources (stacks, off-CPU, CUDA kernels) are appended here by bpf sources.
-BPF_TABLES: tuple[Table, ...] = ()
+# --- CPU stacks, off-CPU time, CUDA launches (eBPF; docs/probes.md) ------------------------------
+_STACK_COLS = (
+    C("user_stack", "<u4", "", "stack id in /stacks/frames (0 = none, 4294967295 = not captured)"),
+    C("kernel_stack", "<u4", "", "stack id in /stacks/frames (0 = none: the thread was in user mode)"),
+)
+STACK_SAMPLES = Table(
+    "stacks",
+    "samples",
+    "CPU samples of job threads (perf event at sources.stacks.rate_hz per CPU), counted per window "
+    "and (pid, tid, cpu, user stack, kernel stack)",
+    (
+        C("t_ns", "<u8", "ns", "CLOCK_MONOTONIC start of the window (windows end at the next one)"),
+        C("pid", "<u4", "", "process id"),
+        C("tid", "<u4", "", "thread id"),
+        C("cpu", "<u2", "", "CPU the samples were taken on"),
+        *_STACK_COLS,
+        C("count", "<u4", "samples", "samples in the window"),
+    ),
+)
+OFFCPU_INTERVALS = Table(
+    "offcpu",
+    "intervals",
+    "off-CPU time of job threads per window and (pid, tid, stacks at switch-out): blocked (switch-out "
+    "in a sleeping state to wakeup) and runnable (wakeup or preemption to switch-in); an episode "
+    "counts in the window in which the thread ran again",
+    (
+        C("t_ns", "<u8", "ns", "CLOCK_MONOTONIC start of the window"),
+        C("pid", "<u4", "", "process id (0 = a new thread that exited before its process was read)"),
+        C("tid", "<u4", "", "thread id"),
+        *_STACK_COLS,
+        C("blocked_ns", "<u8", "ns", "time asleep (waiting for I/O, a lock, a timer, a message)"),
+        C("runnable_ns", "<u8", "ns", "time runnable but waiting for a CPU (run queue)"),
+        C("count", "<u4", "", "off-CPU episodes"),
+    ),
+)
+STACK_FRAMES = Table(
+    "stacks",
+    "frames",
+    "frames of every stack id used by /stacks/samples, /offcpu/intervals and /kernels/launches "
+    "(written at seal)",
+    (
+        C("stack_id", "<u4", "", "stack id"),
+        C("depth", "<u2", "", "0 = innermost frame (where the thread was), then its callers"),
+        C("symbol_id", "<u4", "", "row of /stacks/symbols"),
+    ),
+)
+STACK_SYMBOLS = Table(
+    "stacks",
+    "symbols",
+    "function names of the frames (written at seal; '[unknown]' = not resolved, docs/probes.md)",
+    (
+        C("symbol_id", "<u4", "", "symbol id"),
+        C("name", "S200", "", "function (demangled), Python 'py::' frame, or '[unknown]'"),
+        C("module", "S64", "", "file name of the ELF object, '[kernel]', or perf-PID.map"),
+    ),
+)
+KERNEL_APIS: tuple[str, ...] = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaLaunchKernelExC")
+KERNEL_LAUNCHES = Table(
+    "kernels",
+    "launches",
+    "CUDA kernel launches of job processes (uprobes at entry of the launch call)",
+    (
+        T_NS,
+        C("pid", "<u4", "", "process id"),
+        C("tid", "<u4", "", "thread id"),
+        C("api", "u1", "", "launch entry point (the _ptsz forms count as theirs)"),
+        C("grid_x", "<u4", "", "grid dimension x"),
+        C("grid_y", "<u4", "", "grid dimension y"),
+        C("grid_z", "<u4", "", "grid dimension z"),
+        C("block_x", "<u4", "", "block dimension x"),
+        C("block_y", "<u4", "", "block dimension y"),
+        C("block_z", "<u4", "", "block dimension z"),
+        C("shared_mem_bytes", "<u4", "bytes", "dynamic shared memory"),
+        C("stream", "<u8", "", "CUstream / cudaStream_t handle (0 = default stream)"),
+        C("function", "<u8", "", "CUfunction, or the host stub address (runtime API): see /kernels/functions"),
+        C("user_stack", "<u4", "", "CPU stack at the launch, id in /stacks/frames"),
+    ),
+    enums={"api": KERNEL_APIS},
+)
+KERNEL_FUNCTIONS = Table(
+    "kernels",
+    "functions",
+    "kernel names of the (pid, function) pairs of /kernels/launches (written at seal)",
+    (
+        C("pid", "<u4", "", "process id"),
+        C("function", "<u8", "", "as in /kernels/launches"),
+        C("name", "S200", "", "kernel name (demangled), '' when not resolved"),
+        C("source", "u1", "", "where the name came from"),
+    ),
+    enums={"source": ("stub_symbol", "cuModuleGetFunction", "cuLibraryGetKernel", "unresolved")},
+)
+
+# Tables of the eBPF sources (stacks, off-CPU, CUDA kernels).
+BPF_TABLES: tuple[Table, ...] = (
+    STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS, KERNEL_LAUNCHES, KERNEL_FUNCTIONS,
+)
 
 ALL_TABLES: tuple[Table, ...] = (
     CLOCK_PAIRS,
@@ -332,8 +426,8 @@ ALWAYS = (CLOCK_PAIRS, DIAG_ERRORS, DIAG_MISSING, DIAG_DROPS, PROCESS_EVENTS)
 MODE_TABLES: dict[str, tuple[Table, ...]] = {
     "metrics": (HOST_NODE, HOST_PROCS, GPU_DEVICES, GPU_SAMPLES, GPU_GPM, GPU_PROCESSES, GPU_EVENTS),
     "collectives": (COLLECTIVE_CALLS, COMMUNICATORS),
-    "stacks": (),
-    "kernels": (),
+    "stacks": (STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS),
+    "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS),
 }
 VALID_MODES = ("metrics", "stacks", "collectives", "kernels")
 DEFAULT_MODES = ("metrics", "stacks", "collectives")

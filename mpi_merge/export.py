@@ -128,25 +128,20 @@ def export_perfetto(f: h5py.File, out: Path) -> int:
     return n
 
 
-def _stack_rows(f: h5py.File) -> Counter[str]:
-    """Folded stacks from the eBPF stack tables, when the node files have them: any table with a
-    string column 'stack' (frames joined by ';', root first) and optionally a 'count' column."""
+def _stack_rows(f: h5py.File, table: str = "stacks/samples", weight: str = "count") -> Counter[str]:
+    """Folded stacks of every node from the eBPF stack tables (stack ids resolved through the node's
+    /stacks/frames and /stacks/symbols), the node name as the root frame."""
+    from collector.symbolize import folded_stacks
+
     folded: Counter[str] = Counter()
     found = False
     for node in json.loads(f.attrs["nodes"]):
         g = f[f"nodes/{node}"]
-
-        def visit(name: str, obj: Any, node: str = node) -> None:
-            nonlocal found
-            if isinstance(obj, h5py.Dataset) and obj.dtype.names and "stack" in obj.dtype.names:
-                found = True
-                rows = obj[()]
-                counts = rows["count"] if "count" in obj.dtype.names else np.ones(len(rows), np.int64)
-                for s, c in zip(rows["stack"], counts):
-                    st = s.decode(errors="replace") if isinstance(s, bytes) else str(s)
-                    folded[f"{node};{st}"] += int(c)
-
-        g.visititems(visit)
+        if table not in g:
+            continue
+        found = True
+        for stack, n in folded_stacks(g, table, weight).items():
+            folded[f"{node};{stack}"] += int(n)
     if not found:
         raise TraceFormatError(
             "no CPU stack table in this job file: the job ran without the 'stacks' mode, or its collector "

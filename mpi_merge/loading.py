@@ -128,7 +128,9 @@ def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str
     p = Path(path)
     size = p.stat().st_size if p.exists() else 0
     s = NodeSummary(file=str(p), file_bytes=size)
-    wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES)
+    # Of the eBPF tables only the off-CPU one feeds the summary (run-queue evidence); stacks and
+    # kernel launches can be large and go to the job file through the staged part, not through here.
+    wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES if t.group == "offcpu")
     try:
         trace = open_node_trace(p, tables=wanted)
     except TraceFormatError as e:

@@ -170,7 +170,9 @@ def _node_metric(series: dict[str, Series], kind: str) -> list[Series]:
     if kind == "cpu":
         return [s for k, s in series.items() if k == "host:cpu_cores"]
     if kind == "offcpu":
-        return [s for k, s in series.items() if ("offcpu" in k or "off_cpu" in k or "runq" in k)]
+        # Run-queue wait only: blocked time is highest on the early ranks, which block inside the
+        # collective waiting for the straggler, so it would point at the wrong rank.
+        return [s for k, s in series.items() if k.endswith("offcpu/intervals:runnable_ns")]
     return []
 
 

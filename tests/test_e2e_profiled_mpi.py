@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -107,6 +108,13 @@ def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user
     assert top["cause"] == "host", top
     text = results[1].read_text()
     assert "node3" in text
+    # The CPU stacks (mode `stacks`, on by default) reach the job file: a flame graph per node.
+    folded = results[0].with_suffix(".folded")
+    p = subprocess.run([str(REPO / ".venv" / "bin" / "gpuprof"), "export", str(results[0]), "--format",
+                        "collapsed", "-o", str(folded)], capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
+    roots = {line.split(";", 1)[0] for line in folded.read_text().splitlines()}
+    assert roots == set(NODES), roots
 
 
 @pytest.fixture(scope="module")

@@ -613,10 +613,13 @@ class BpfCollectivesSource(Source):
         assert self.hub is not None
         # Calls first, then communicators: a communicator created before a call entered is already
         # in its ring when the call is read, so it is applied first (CommRegistry.lookup).
-        self.hub.bpf.ring_buffer_consume()
-        calls = np.array(self._calls, dtype=CALL_DTYPE)
-        comms = self._comms
-        self._calls, self._comms = [], []
+        # One BPF object serves every eBPF source, and consuming runs all their callbacks: take the
+        # hub's lock so another source's drain cannot append while this one swaps its lists.
+        with self.hub.ring_lock:
+            self.hub.bpf.ring_buffer_consume()
+            calls = np.array(self._calls, dtype=CALL_DTYPE)
+            comms = self._comms
+            self._calls, self._comms = [], []
         return calls, comms
 
     def sample(self, now_ns: int) -> list[Batch]:

@@ -7,8 +7,11 @@ collective_overhead  per-call cost of the uprobe path and of the fast path (tigh
                      MPI_Allreduce on MPI_COMM_SELF), and the slowdown of a 2-rank program doing one
                      MPI_Allreduce after every 100 us of computation
 collective_loss      calls made vs rows captured at about 10,000 collectives/s on the node, per path
-stack_sampling       not measured yet: the stacks source is not written (docs/probes.md)
-Needs root and BCC for the uprobe figures, mpicc/mpirun for all.
+stack_sampling       the stacks source at 99 Hz over a program with 16 busy threads: the collector's
+                     CPU time while sampling (and at seal, symbolizing), bytes per sample on disk
+                     including the stack table (gzip as the writer), the BPF program's cost per
+                     sample (kernel.bpf_stats_enabled) and the program's slowdown against a plain run
+Needs root and BCC for the uprobe and stack figures, mpicc/mpirun for the collective ones, gcc.
 """
 
 from __future__ import annotations
@@ -119,6 +122,110 @@ def collective_loss(quick: bool) -> list[dict[str, Any]]:
     return lines
 
 
+def _hot_run(seconds: float, threads: int, src: Any = None) -> dict[str, Any]:
+    """cpu_work hot THREADS SECONDS, plain or under the stacks source (one drain per second)."""
+    import time
+
+    import native_progs
+
+    gated = GatedProcess([str(native_progs.cpu_work()), "hot", str(threads), str(seconds)])
+    out: dict[str, Any] = {}
+    if src is None:
+        gated.go()
+        rc, _, err = gated.wait(timeout=seconds + 60)
+    else:
+        ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",))
+        src.start(ctx)  # the compile (about 1 s of CPU, once per collector) is not part of the figure
+        batches = []
+        try:
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            gated.go()
+            while gated.proc.poll() is None:
+                time.sleep(src.interval_s)
+                batches.extend(src.sample(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+            rc, _, err = gated.wait()
+            batches.extend(src.final(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+            out["cpu_s"], out["wall_s"] = time.process_time() - cpu0, time.monotonic() - wall0
+            out["bpf"] = _prog_stats(src)
+        finally:
+            src.stop()
+        out["batches"] = batches
+    if rc != 0:
+        raise RuntimeError(f"cpu_work failed: {err[-500:]}")
+    out["iterations"] = json.loads(err.strip().splitlines()[-1])["iterations"]
+    return out
+
+
+def _prog_stats(src: Any) -> tuple[int, int] | None:
+    """(run_time_ns, run_cnt) of the sampling program from its fdinfo (kernel.bpf_stats_enabled)."""
+    try:
+        fd = src.hub.bpf.funcs[b"gp_cpu_sample"].fd
+        info = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
+                    if ":" in line)
+        return int(info["run_time_ns"]), int(info["run_cnt"])
+    except (KeyError, OSError, ValueError, AttributeError):
+        return None
+
+
+def stack_sampling(quick: bool) -> dict[str, Any]:
+    """99 Hz over 16 busy threads: collector CPU, bytes per sample on disk, BPF cost, slowdown."""
+    import tempfile
+    import time
+
+    import h5py
+
+    from collector.sources.bpf_stacks import BpfStacksSource
+    from collector.writer import CHUNK_ROWS, compression_kwargs
+
+    reason = bpf_skip_reason()
+    if reason:
+        return {"bench": "stack_sampling", "cpu_percent_of_core": None, "bytes_per_sample": None, "missing": reason}
+    seconds, threads = (5.0 if quick else 20.0), 16
+    stats = Path("/proc/sys/kernel/bpf_stats_enabled")
+    old_stats = stats.read_text().strip() if stats.exists() else None
+    if old_stats is not None:
+        stats.write_text("1")
+    try:
+        plain = _hot_run(seconds, threads)
+        src = BpfStacksSource(99)
+        run_ = _hot_run(seconds, threads, src)
+    finally:
+        if old_stats is not None:
+            stats.write_text(old_stats)
+    rows = collect(run_["batches"], schema.STACK_SAMPLES)
+    samples = int(rows["count"].sum())
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "node.h5"
+        with h5py.File(path, "w", libver="latest") as f:
+            for t in (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS):
+                f.create_dataset(t.path, shape=(0,), maxshape=(None,), dtype=t.dtype, chunks=(CHUNK_ROWS,),
+                                 **compression_kwargs("gzip"))
+            # as the writer appends: one batch per drain
+            for _, part in run_["batches"]:
+                ds = f[schema.STACK_SAMPLES.path]
+                n = ds.shape[0]
+                ds.resize((n + len(part),))
+                ds[n:] = part
+        seal0 = time.process_time()
+        with h5py.File(path, "r+") as f:
+            src.at_seal(f)
+        seal_cpu = time.process_time() - seal0
+        with h5py.File(path, "r") as f:
+            stored = {t.name: f[t.path].id.get_storage_size()
+                      for t in (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS)}
+            n_stacks = len(set(f[schema.STACK_FRAMES.path]["stack_id"].tolist()))
+    bpf = run_["bpf"]
+    return {
+        "bench": "stack_sampling",
+        "cpu_percent_of_core": round(run_["cpu_s"] / run_["wall_s"] * 100, 3),
+        "bytes_per_sample": round(sum(stored.values()) / max(1, samples), 3),
+        "samples": samples, "rows": len(rows), "stacks": n_stacks, "bytes": stored,
+        "threads": threads, "seconds": seconds, "seal_cpu_s": round(seal_cpu, 3),
+        "bpf_ns_per_sample": round(bpf[0] / bpf[1]) if bpf and bpf[1] else None,
+        "job_slowdown_percent": round((plain["iterations"] / max(1, run_["iterations"]) - 1) * 100, 2),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs (noisier figures)")
@@ -127,8 +234,7 @@ def main() -> int:
     print(json.dumps(collective_overhead(args.quick)), flush=True)
     for line in collective_loss(args.quick):
         print(json.dumps(line), flush=True)
-    print(json.dumps({"bench": "stack_sampling", "cpu_percent_of_core": None, "bytes_per_sample": None,
-                      "missing": "stacks source not implemented yet (docs/probes.md)"}), flush=True)
+    print(json.dumps(stack_sampling(args.quick)), flush=True)
     return 0
 
 

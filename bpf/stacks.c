@@ -1,0 +1,53 @@
+/* CPU stacks of the job's threads (mode `stacks`): a perf event at sources.stacks.rate_hz on every
+ * CPU (CPU_CLOCK, attached by collector/sources/bpf_stacks.py) runs gp_cpu_sample, which counts one
+ * sample per (window, pid, tid, cpu, user stack, kernel stack) in gp_cpu_counts. Nothing leaves the
+ * kernel per sample: the collector flips gp_cpu_gen once per window and drains the other half.
+ * Other processes' samples return at the first lookup (gp_in_job).
+ */
+#include "gpuprof_events.h"
+
+#ifndef GP_CPU_STACK_ENTRIES
+#define GP_CPU_STACK_ENTRIES 8192
+#endif
+#ifndef GP_CPU_COUNT_ENTRIES
+#define GP_CPU_COUNT_ENTRIES 32768
+#endif
+
+BPF_STACK_TRACE(gp_cpu_stacks, GP_CPU_STACK_ENTRIES);
+BPF_HASH(gp_cpu_counts, struct gp_stack_key, u64, GP_CPU_COUNT_ENTRIES);
+BPF_ARRAY(gp_cpu_gen, u32, 1);
+BPF_PERCPU_ARRAY(gp_cpu_drops, u64, 2); /* [0] counts map full, [1] stack not stored (collision/full) */
+
+int gp_cpu_sample(struct bpf_perf_event_data *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (tgid == 0 || !gp_in_job(tgid))
+        return 0;
+    int zero = 0;
+    u32 *gen = gp_cpu_gen.lookup(&zero);
+    struct gp_stack_key key = {};
+    key.gen = gen ? *gen : 0;
+    key.pid = tgid;
+    key.tid = (u32)id;
+    key.cpu = bpf_get_smp_processor_id();
+    key.user_stack = gp_cpu_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    key.kernel_stack = gp_cpu_stacks.get_stackid(ctx, 0);
+    if (key.user_stack == -EEXIST || key.user_stack == -ENOMEM || key.kernel_stack == -EEXIST
+        || key.kernel_stack == -ENOMEM) {
+        int one = 1;
+        u64 *d = gp_cpu_drops.lookup(&one);
+        if (d)
+            (*d)++;
+    }
+    u64 init = 0;
+    u64 *n = gp_cpu_counts.lookup_or_try_init(&key, &init);
+    if (n) {
+        __sync_fetch_and_add(n, 1);
+    } else {
+        u64 *d = gp_cpu_drops.lookup(&zero);
+        if (d)
+            (*d)++;
+    }
+    return 0;
+}

@@ -1,0 +1,353 @@
+"""Stacks of the eBPF sources (CPU samples, off-CPU episodes, CUDA launches): one id space per
+collector, frames kept as (module, offset) while the job runs, names resolved at seal.
+
+The BPF programs store stacks in kernel stack-trace maps; every drain reads the frames of the ids
+that its rows reference, turns each address into (module, file offset) with the process's mappings
+as last read from /proc/PID/maps (read when a pid is first seen, again when an address falls outside
+them or the pid exec'd), and gives the whole stack an id of its own. So a process that exited before
+seal still symbolizes: its libraries are named by path, and their symbols are read from the files at
+seal (`ElfSymbols`: .symtab when present, else .dynsym), with BCC's resolver (`BPF.sym`, which also
+follows debuglink/build-id debug files) for what the file alone does not name while the process is
+still alive. Kernel frames: BCC's `BPF.ksym`. Frames in anonymous executable memory (JIT code,
+Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map when the process wrote one.
+
+Written at seal (docs/probes.md): /stacks/frames (stack_id, depth, symbol_id; depth 0 = innermost)
+and /stacks/symbols (symbol_id, name, module). Stack id 0 = no stack, STACK_LOST = not captured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import h5py
+import numpy as np
+
+from collector import schema
+from collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
+
+STACK_NONE = 0
+STACK_LOST = 0xFFFFFFFF  # the kernel could not store the stack (map full, hash collision)
+KERNEL = 0  # module index of kernel frames
+UNKNOWN_NAME = "[unknown]"
+
+Frame = tuple[int, int]  # (module index, offset: file offset for ELF files, address otherwise)
+
+
+@dataclass(frozen=True)
+class Module:
+    kind: str  # "kernel", "elf", "perfmap" (anonymous executable memory of pid), "none"
+    path: str = ""  # ELF: a path the collector can open; perfmap: the perf map file
+    pid: int = 0
+    name: str = ""  # shown in /stacks/symbols.module
+
+
+@dataclass
+class _ProcMaps:
+    exe: str
+    starts: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, module index)
+    offsets: list[int] = field(default_factory=list)  # file offset of each span's start (ELF)
+
+
+class StackStore:
+    """Stack ids shared by the tables of one collector's eBPF sources (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.modules: list[Module] = [Module("kernel", name="[kernel]")]
+        self._module_ids: dict[Module, int] = {self.modules[0]: KERNEL}
+        self.bases: dict[int, tuple[int, int]] = {}  # module -> (pid, load address of offset 0)
+        self.stacks: list[tuple[Frame, ...]] = [()]  # index = stack id (0: no stack)
+        self._ids: dict[tuple[Frame, ...], int] = {(): STACK_NONE}
+        self._maps: dict[int, _ProcMaps] = {}
+        self._refreshed: set[int] = set()  # pids whose maps were re-read in the current drain
+        self.written: set[str] = set()
+
+    # --- while the job runs --------------------------------------------------------------------
+    def new_drain(self) -> None:
+        """Each drain may re-read a process's maps once (an address outside them: dlopen)."""
+        self._refreshed.clear()
+
+    def watch(self, pids: Iterable[int]) -> None:
+        """Read the maps of pids not seen before, or that exec'd since (cheap: one readlink each)."""
+        with self.lock:
+            for pid in pids:
+                pm = self._maps.get(pid)
+                if pm is None or pm.exe != _exe(pid):
+                    self._read_maps(pid)
+
+    def update_maps(self, pid: int, maps: list[Any]) -> None:
+        """Mappings a source has just read for its own purposes (saves reading them again)."""
+        with self.lock:
+            self._read_maps(pid, maps)
+
+    def _module(self, m: Module) -> int:
+        i = self._module_ids.get(m)
+        if i is None:
+            i = self._module_ids[m] = len(self.modules)
+            self.modules.append(m)
+        return i
+
+    def _read_maps(self, pid: int, maps: list[Any] | None = None) -> _ProcMaps | None:
+        maps = read_maps(pid) if maps is None else maps
+        if not maps:
+            return self._maps.get(pid)
+        pm = _ProcMaps(_exe(pid))
+        for m in sorted(maps, key=lambda m: m.start):
+            if "x" not in m.perms:
+                continue
+            if m.path.startswith("/") and not m.path.endswith(" (deleted)"):
+                idx = self._module(Module("elf", attach_path(pid, m.path), 0, os.path.basename(m.path)))
+                self.bases.setdefault(idx, (pid, m.start - m.offset))
+                off = m.offset
+            elif m.path in ("[vdso]", "[vsyscall]"):
+                idx, off = self._module(Module("none", name=m.path)), m.start
+            else:  # anonymous executable memory: JIT code, perf trampolines
+                idx = self._module(Module("perfmap", f"/tmp/perf-{pid}.map", pid, f"perf-{pid}.map"))
+                off = m.start
+            pm.starts.append(m.start)
+            pm.spans.append((m.start, m.end, idx))
+            pm.offsets.append(off)
+        self._maps[pid] = pm
+        self._refreshed.add(pid)
+        return pm
+
+    def _user_frame(self, pid: int, addr: int) -> Frame:
+        pm = self._maps.get(pid)
+        for attempt in (0, 1):
+            if pm is not None:
+                i = bisect.bisect_right(pm.starts, addr) - 1
+                if i >= 0 and addr < pm.spans[i][1]:
+                    start, _, idx = pm.spans[i]
+                    kind = self.modules[idx].kind
+                    return idx, (addr - start + pm.offsets[i]) if kind == "elf" else addr
+            if attempt == 0 and pid not in self._refreshed and pid_alive(pid):
+                pm = self._read_maps(pid)
+        return self._module(Module("none", name=f"pid {pid}")), addr
+
+    def intern_user(self, pid: int, addrs: Iterable[int]) -> int:
+        """Stack id of a user stack (innermost first) of process pid."""
+        with self.lock:
+            # return addresses point past the call: step back into it (the leaf is exact)
+            frames = tuple(self._user_frame(pid, a if d == 0 else a - 1) for d, a in enumerate(addrs))
+            return self._intern(frames)
+
+    def intern_kernel(self, addrs: Iterable[int]) -> int:
+        with self.lock:
+            return self._intern(tuple((KERNEL, a if d == 0 else a - 1) for d, a in enumerate(addrs)))
+
+    def _intern(self, frames: tuple[Frame, ...]) -> int:
+        i = self._ids.get(frames)
+        if i is None:
+            i = self._ids[frames] = len(self.stacks)
+            self.stacks.append(frames)
+        return i
+
+    def module_frame_address(self, pid: int, addr: int) -> tuple[str, int] | None:
+        """(ELF path, file offset) of an address in a process (kernel function pointers at seal)."""
+        with self.lock:
+            idx, off = self._user_frame(pid, addr)
+            m = self.modules[idx]
+            return (m.path, off) if m.kind == "elf" else None
+
+    # --- at seal -------------------------------------------------------------------------------
+    def symbol_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(/stacks/frames rows, /stacks/symbols rows) of every stack interned so far."""
+        with self.lock:
+            stacks = list(self.stacks)
+            modules = list(self.modules)
+            bases = dict(self.bases)
+        resolver = Resolver(modules, bases)
+        sym_ids: dict[tuple[str, str], int] = {}
+        frames = schema.STACK_FRAMES.empty(sum(len(s) for s in stacks))
+        k = 0
+        for sid, st in enumerate(stacks):
+            for depth, (mod, off) in enumerate(st):
+                key = resolver.resolve(mod, off)
+                frames[k] = (sid, depth, sym_ids.setdefault(key, len(sym_ids)))
+                k += 1
+        symbols = schema.STACK_SYMBOLS.empty(len(sym_ids))
+        for (name, module), i in sym_ids.items():
+            symbols[i] = (i, _fit(name, 200), _fit(module, 64))
+        return frames, symbols
+
+    def write(self, f: h5py.File) -> None:
+        """Append the stack table to a sealed file once (every stack source calls this at seal)."""
+        if f.filename in self.written or schema.STACK_FRAMES.path not in f:
+            return
+        self.written.add(f.filename)
+        frames, symbols = self.symbol_tables()
+        for table, rows in ((schema.STACK_FRAMES, frames), (schema.STACK_SYMBOLS, symbols)):
+            ds = f[table.path]
+            n = ds.shape[0]
+            ds.resize((n + len(rows),))
+            ds[n:] = rows
+
+
+def _fit(s: str, n: int) -> bytes:
+    b = s.encode(errors="replace")
+    return b if len(b) <= n else b[: n - 3] + b"..."
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+class Resolver:
+    """(module, offset) -> (function name, module name), each module's symbols loaded once."""
+
+    def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]]) -> None:
+        self.modules = modules
+        self.bases = bases
+        self._perfmaps: dict[int, tuple[list[int], list[tuple[int, int, str]]]] = {}
+
+    def resolve(self, mod: int, off: int) -> tuple[str, str]:
+        m = self.modules[mod]
+        name: str | None = None
+        if m.kind == "kernel":
+            name = _ksym(off)
+        elif m.kind == "elf":
+            name = self._elf(mod, m, off)
+        elif m.kind == "perfmap":
+            name = self._perfmap(mod, m, off)
+        return name or UNKNOWN_NAME, m.name
+
+    def _elf(self, mod: int, m: Module, off: int) -> str | None:
+        try:
+            syms = elf_symbols(m.path)
+        except (OSError, ValueError):
+            syms = None
+        if syms is not None:
+            vaddr = syms.offset_to_vaddr(off)
+            hit = syms.function_at(vaddr) if vaddr is not None else None
+            if hit is not None:
+                return demangle(hit[0])
+        base = self.bases.get(mod)
+        if base is not None and pid_alive(base[0]):
+            # BCC also reads separate debug files (debuglink, build-id) the file itself lacks
+            return _bcc_sym(base[1] + off, base[0])
+        return None
+
+    def _perfmap(self, mod: int, m: Module, addr: int) -> str | None:
+        pm = self._perfmaps.get(mod)
+        if pm is None:
+            pm = self._perfmaps[mod] = read_perf_map(m.pid)
+        starts, entries = pm
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < entries[i][0] + max(entries[i][1], 1):
+            return entries[i][2]
+        return None
+
+
+def read_perf_map(pid: int) -> tuple[list[int], list[tuple[int, int, str]]]:
+    """/tmp/perf-PID.map ("START SIZE name" in hex, as perf and Python's -X perf write it), looked
+    for in the process's own /tmp while it lives, else in ours."""
+    entries: list[tuple[int, int, str]] = []
+    for path in (f"/proc/{pid}/root/tmp/perf-{pid}.map", f"/tmp/perf-{pid}.map"):
+        try:
+            with open(path, errors="replace") as fh:
+                for line in fh:
+                    parts = line.rstrip("\n").split(" ", 2)
+                    if len(parts) == 3:
+                        try:
+                            entries.append((int(parts[0], 16), int(parts[1], 16), parts[2]))
+                        except ValueError:
+                            continue
+            break
+        except OSError:
+            continue
+    entries.sort()
+    return [e[0] for e in entries], entries
+
+
+@lru_cache(maxsize=65536)
+def _ksym(addr: int) -> str | None:
+    try:
+        from bcc import BPF
+    except ImportError:
+        return None
+    name = BPF.ksym(addr)
+    if not name or name == b"[unknown]":
+        return None
+    return name.decode(errors="replace")
+
+
+def _bcc_sym(addr: int, pid: int) -> str | None:
+    try:
+        from bcc import BPF
+    except ImportError:
+        return None
+    name = BPF.sym(addr, pid)
+    if not name or name == b"[unknown]":
+        return None
+    return name.decode(errors="replace")
+
+
+_cxa: Any = None
+
+
+@lru_cache(maxsize=65536)
+def demangle(name: str) -> str:
+    """C++ names through libstdc++'s __cxa_demangle (others unchanged)."""
+    global _cxa
+    if not name.startswith("_Z"):
+        return name
+    if _cxa is None:
+        try:
+            lib = ctypes.CDLL("libstdc++.so.6")
+            _cxa = lib.__cxa_demangle
+            _cxa.restype = ctypes.c_void_p
+            _cxa.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        except (OSError, AttributeError):
+            _cxa = False
+    if not _cxa:
+        return name
+    status = ctypes.c_int()
+    p = _cxa(name.encode(), None, None, ctypes.byref(status))
+    if not p or status.value != 0:
+        return name
+    try:
+        return ctypes.string_at(p).decode(errors="replace")
+    finally:
+        ctypes.CDLL(None).free(ctypes.c_void_p(p))
+
+
+# --- reading the tables back -----------------------------------------------------------------------
+def stack_names(g: h5py.Group) -> dict[int, list[str]]:
+    """stack id -> frame names, innermost first, from a node file (or its group in a job file)."""
+    if "stacks/frames" not in g or "stacks/symbols" not in g:
+        return {}
+    frames = g["stacks/frames"][()]
+    symbols = g["stacks/symbols"][()]
+    names = {int(s["symbol_id"]): s["name"].decode(errors="replace") for s in symbols}
+    out: dict[int, list[tuple[int, str]]] = {}
+    for r in frames:
+        out.setdefault(int(r["stack_id"]), []).append((int(r["depth"]), names.get(int(r["symbol_id"]), "?")))
+    return {k: [n for _, n in sorted(v)] for k, v in out.items()}
+
+
+def folded_stacks(g: h5py.Group, table: str = "stacks/samples", weight: str = "count") -> Counter[str]:
+    """Folded stacks (root first, frames joined by ';', kernel frames after user frames) weighted by
+    a column of /stacks/samples (count) or /offcpu/intervals (blocked_ns, runnable_ns)."""
+    out: Counter[str] = Counter()
+    if table not in g:
+        return out
+    names = stack_names(g)
+    rows = g[table][()]
+    for r in rows:
+        user = names.get(int(r["user_stack"]), [])
+        kern = names.get(int(r["kernel_stack"]), [])
+        key = ";".join([*reversed(user), *reversed(kern)]) or "[no stack]"
+        out[key] += int(r[weight])
+    return out

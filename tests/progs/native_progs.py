@@ -1,0 +1,71 @@
+"""Builds the C test programs of the stacks, off-CPU and kernels tests into tests/progs/build/
+(git-ignored) and reads their stack tables back; shared by those tests and tests/bench."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from collector import schema
+
+PROGS = Path(__file__).resolve().parent
+BUILD = PROGS / "build"
+# Frame pointers everywhere (leaves included) so that the BPF unwinder sees every frame.
+CFLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]
+
+
+def cc_skip_reason() -> str | None:
+    return None if shutil.which("gcc") else "gcc not found (apt-get install build-essential)"
+
+
+def _cc(out: Path, args: list[str], sources: list[Path]) -> Path:
+    BUILD.mkdir(parents=True, exist_ok=True)
+    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in sources):
+        subprocess.run(["gcc", *CFLAGS, "-o", str(out), *map(str, sources), *args], check=True)
+    return out
+
+
+def cpu_work() -> Path:
+    return _cc(BUILD / "cpu_work", ["-pthread"], [PROGS / "cpu_work.c"])
+
+
+def fake_cuda() -> Path:
+    """The CUDA launch TEST DOUBLE (a shared library)."""
+    return _cc(BUILD / "libgpuprof_fake_cuda.so", ["-shared", "-fPIC"], [PROGS / "fake_cuda.c"])
+
+
+def cuda_launches() -> Path:
+    return _cc(BUILD / "cuda_launches", ["-ldl"], [PROGS / "cuda_launches.c"])
+
+
+def cudart_library() -> Path | None:
+    """libcudart.so.12 of the nvidia-cuda-runtime-cu12 wheel, when installed."""
+    try:
+        import nvidia.cuda_runtime as m  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    for base in getattr(m, "__path__", []):
+        p = Path(base) / "lib" / "libcudart.so.12"
+        if p.exists():
+            return p
+    return None
+
+
+def sealed_file(path: Path, sources: list[Any], batches: list[Any], modes: tuple[str, ...]) -> None:
+    """A minimal file with the modes' tables, the batches appended and every source's at_seal."""
+    tables = schema.tables_for_modes(modes)
+    with h5py.File(path, "w") as f:
+        for t in tables:
+            f.create_dataset(t.path, shape=(0,), maxshape=(None,), dtype=t.dtype, chunks=True, compression="gzip")
+        for table, rows in batches:
+            ds = f[table.path]
+            n = ds.shape[0]
+            ds.resize((n + len(rows),))
+            ds[n:] = rows
+        for s in sources:
+            s.at_seal(f)
+

@@ -1,0 +1,95 @@
+"""Mode `stacks`, off-CPU half, for real: blocked time attributed to the call a thread sleeps in,
+run-queue time of two threads sharing one CPU, and nothing of a process outside the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+import native_progs
+from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+
+from collector import bpf_support, schema
+from collector.sources.base import SourceUnavailable
+from collector.sources.bpf_offcpu import BpfOffcpuSource
+from collector.symbolize import folded_stacks, stack_names
+
+SECONDS = 3.0
+
+
+def _skip() -> None:
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bpf_support, "bpf_unavailable_reason", lambda: "BPF unavailable: tracefs failed")
+    with pytest.raises(SourceUnavailable, match="tracefs"):
+        BpfOffcpuSource().start(make_ctx(lambda: frozenset(), ("stacks",)))
+
+
+def run_offcpu(tmp_path: Path, args: list[str], outsider: list[str] | None = None
+               ) -> tuple[Any, dict[str, Any], h5py.File, list[str]]:
+    prog = str(native_progs.cpu_work())
+    gated = GatedProcess([prog, *args])
+    other = GatedProcess([prog, *outsider]) if outsider else None
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
+    src = BpfOffcpuSource(flush_interval_s=0.5)
+    if other:
+        other.go()
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
+    if other:
+        other.wait()
+    assert rc == 0, err
+    path = tmp_path / "node.h5"
+    native_progs.sealed_file(path, [src], batches, ("stacks",))
+    return collect(batches, schema.OFFCPU_INTERVALS), json.loads(out.strip().splitlines()[-1]), h5py.File(path), errors
+
+
+@pytest.mark.bpf
+def test_blocked_time_attributed_to_the_sleeping_call(tmp_path: Path) -> None:
+    _skip()
+    rows, info, f, errors = run_offcpu(tmp_path, ["sleepy", str(SECONDS)], outsider=["sleepy", str(SECONDS)])
+    assert not errors, errors
+    assert set(rows["pid"].tolist()) == {info["pid"]}, "rows of a process outside the job"
+    names = stack_names(f)
+    mine = rows[rows["tid"] == info["tids"][0]]
+    blocked = int(mine["blocked_ns"].sum())
+    assert blocked >= 0.8 * SECONDS * 1e9, blocked
+    in_call = sum(int(r["blocked_ns"]) for r in mine
+                  if names.get(int(r["user_stack"]), [])[:2] == ["raw_nanosleep", "sleepy_wait"])
+    assert in_call >= 0.95 * blocked, [(names.get(int(r["user_stack"])), int(r["blocked_ns"])) for r in mine]
+    kernel = {n for r in mine for n in names.get(int(r["kernel_stack"]), [])}
+    assert any("nanosleep" in n for n in kernel), kernel
+    # every 5 ms sleep is one episode: about 3 s / (5 ms + wake-up) of them
+    assert 200 <= int(mine["count"].sum()) <= 700
+    folded = folded_stacks(f, "offcpu/intervals", "blocked_ns")
+    assert any("sleepy_wait;raw_nanosleep" in k for k in folded)
+
+
+@pytest.mark.bpf
+def test_runnable_time_of_threads_sharing_a_cpu(tmp_path: Path) -> None:
+    _skip()
+    if os.cpu_count() is None:
+        pytest.skip("CPU count unknown")
+    rows, info, _, errors = run_offcpu(tmp_path, ["contend", str(SECONDS)])
+    assert not errors, errors
+    for tid in info["tids"]:
+        mine = rows[rows["tid"] == tid]
+        runnable = int(mine["runnable_ns"].sum())
+        blocked = int(mine["blocked_ns"].sum())
+        # two busy threads pinned to CPU 0: each waits for the other about half of the time
+        assert 0.3 * SECONDS * 1e9 <= runnable <= 0.7 * SECONDS * 1e9, (tid, runnable)
+        assert blocked < 0.1 * runnable, (tid, blocked)
+    assert np.all(rows["pid"] == info["pid"])
