@@ -143,7 +143,12 @@ def detect(m: RankWindowMetrics, p: StragglerParams) -> np.ndarray:
     elif p.algorithm == "last_share":
         flag = by_last
     elif p.algorithm == "score_or_last":
-        flag = by_score | by_last
+        # A slow score alone does not make a straggler: the rank must also have held the others back,
+        # i.e. been last more often than chance. (On a busy node every rank's arrival spreads, and the
+        # score of ranks that are never last drops too.)
+        size = m.score.shape[1] if m.score.ndim == 2 else 1
+        held_back = np.nan_to_num(m.last_share) > 1.0 / max(size, 1)
+        flag = (by_score & held_back) | by_last
     else:
         raise ValueError(f"unknown straggler algorithm {p.algorithm!r}")
     return flag & judged
