@@ -24,7 +24,9 @@ from collector.schema import COLLECTIVE_CALLS, COLLECTIVE_OPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.bpf, pytest.mark.mpi]
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 40
+# Long enough that the eBPF stack sampler is attached for most of the run: each collector compiles
+# its BPF object at start (seconds of CPU), and here four of them share two cores.
+STEPS = 150
 # Every rank of a communicator calls these in the same order (point to point differs per rank).
 BLOCKING_COLLECTIVES = [COLLECTIVE_OPS.index(o) for o in COLLECTIVE_OPS[:15]]
 

@@ -161,12 +161,13 @@ def test_collector_killed_mid_job(cluster: Cluster, user_tmpdir: Path, test_user
 def test_two_profiled_jobs_share_a_node(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
                                         fake_dcgmi_log: Path) -> None:
     hook_config(base_config(cluster, fake_dcgmi_log))
-    a = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu", "--wrap", "sleep 6"],
+    a = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu=metrics", "--wrap", "sleep 20"],
                        user=test_user, cwd=user_tmpdir)
     time.sleep(2)
-    b = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu", "--wrap", "sleep 1"],
+    b = cluster.sbatch(["-w", "node3", "--oversubscribe", "--profile-gpu=metrics", "--wrap", "sleep 1"],
                        user=test_user, cwd=user_tmpdir)
     assert cluster.wait_job(b)["JobState"] == "COMPLETED"
+    assert cluster.job_info(a)["JobState"] == "RUNNING", "the test needs a to outlive b"
     # b ended while a still runs: DCGM must still be paused
     assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause"]
     assert cluster.wait_job(a)["JobState"] == "COMPLETED"

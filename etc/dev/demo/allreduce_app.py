@@ -26,7 +26,7 @@ def busy(seconds: float) -> float:
 def main() -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    steps = int(os.environ.get("DEMO_STEPS", "60"))
+    steps = int(os.environ.get("DEMO_STEPS", "150"))
     slow_rank = int(os.environ.get("DEMO_SLOW_RANK", "2")) % size
     compute_s = float(os.environ.get("DEMO_COMPUTE_S", "0.02"))
     extra_s = float(os.environ.get("DEMO_EXTRA_S", "0.03"))
