@@ -214,7 +214,9 @@ def _fit_by_domain(inst: NodeInstances, node_names: list[str], reference: str, p
     models.sort(key=lambda m: node_names.index(m.node))
     fit = ClockFit(reference, params.method, models,
                    [[node_names[i] for k in comp for i in doms[rep.index(k)]] for comp in sub.components],
-                   sub.causality_violations, sub.instances_used, list(sub.notes))
+                   sub.causality_violations,
+                   int(((np.isfinite(inst.exit_med) & np.isfinite(inst.enter_max)).sum(axis=1) >= 2).sum()),
+                   list(sub.notes))
     for g in doms:
         if len(g) > 1:
             fit.notes.append(f"{', '.join(node_names[i] for i in g)} read one clock (same boot id): "
