@@ -48,13 +48,25 @@ def world_allreduces(calls: np.ndarray) -> np.ndarray:
     return world
 
 
-@pytest.fixture(scope="module")
-def demo_job(cluster: Cluster, test_user: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    work = tmp_path_factory.mktemp("demo")
+def user_workdir(factory: pytest.TempPathFactory, name: str, user: str) -> Path:
+    """A directory the job's user owns, under pytest's root-only tmp tree made traversable."""
+    work = factory.mktemp(name)
     work.chmod(0o755)
     for p in (work.parent, work.parent.parent):
         p.chmod(p.stat().st_mode | 0o011)
-    os.chown(work, pwd.getpwnam(test_user).pw_uid, -1)
+    os.chown(work, pwd.getpwnam(user).pw_uid, -1)
+    return work
+
+
+def ran_to_completion(cluster: Cluster, job: str, work: Path) -> tuple[str, Path]:
+    info = cluster.wait_job(job, timeout=300)
+    assert info["JobState"] == "COMPLETED", (work / f"slurm-{job}.out").read_text()
+    return job, work
+
+
+@pytest.fixture(scope="module")
+def demo_job(cluster: Cluster, test_user: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    work = user_workdir(tmp_path_factory, "demo", test_user)
     job = cluster.sbatch(
         ["--profile-gpu", f"--chdir={work}", str(REPO / "etc" / "dev" / "demo" / "job.sh")],
         user=test_user,
@@ -63,9 +75,7 @@ def demo_job(cluster: Cluster, test_user: str, tmp_path_factory: pytest.TempPath
              "GPUPROF_DEMO_APP": str(REPO / "etc" / "dev" / "demo" / "allreduce_app.py"),
              "DEMO_STEPS": str(STEPS)},
     )
-    info = cluster.wait_job(job, timeout=300)
-    assert info["JobState"] == "COMPLETED", (work / f"slurm-{job}.out").read_text()
-    return job, work
+    return ran_to_completion(cluster, job, work)
 
 
 def test_node_files_hold_the_collectives(demo_job: tuple[str, Path]) -> None:
@@ -120,18 +130,14 @@ def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user
 
 @pytest.fixture(scope="module")
 def hpcc_job(cluster: Cluster, test_user: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    work = tmp_path_factory.mktemp("hpcc")
-    work.chmod(0o755)
-    os.chown(work, pwd.getpwnam(test_user).pw_uid, -1)
+    work = user_workdir(tmp_path_factory, "hpcc", test_user)
     example = Path("/usr/share/doc/hpcc/examples/_hpccinf.txt")
     if not example.exists():
         pytest.skip("hpcc not installed (make setup installs it)")
     (work / "hpccinf.txt").write_text(example.read_text().replace("1000         Ns", "200          Ns"))
     job = cluster.sbatch(["-N4", "--profile-gpu=collectives", f"--chdir={work}", "--wrap",
                           "mpirun --oversubscribe hpcc"], user=test_user, cwd=work)
-    info = cluster.wait_job(job, timeout=300)
-    assert info["JobState"] == "COMPLETED", (work / f"slurm-{job}.out").read_text()
-    return job, work
+    return ran_to_completion(cluster, job, work)
 
 
 def test_debian_mpi_application_collectives_match(hpcc_job: tuple[str, Path]) -> None:
