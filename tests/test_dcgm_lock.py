@@ -1,6 +1,7 @@
 """The per-host DCGM lock: paused exactly while at least one profiled job runs, checked through the
 calls a stand-in dcgmi (tests/doubles/fake_dcgmi) records."""
 
+import itertools
 import logging
 import multiprocessing
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_concurrent_prologs_and_epilogs_balance(tmp_path: Path) -> None:
     seq = calls_of(calls)
     # Pauses and resumes alternate, start with a pause and end with a resume: never two pauses in a row.
     assert seq and seq[0] == "profile --pause" and seq[-1] == "profile --resume"
-    assert all(x != y for x, y in zip(seq, seq[1:], strict=False))
+    assert all(x != y for x, y in itertools.pairwise(seq))
 
 
 def test_site_pause_is_never_resumed_by_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +108,7 @@ def test_damaged_holder_file_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyP
     lock.acquire(holder_name("1", "n"), {"job": "1"})
     lock.state_file.write_text("{not json")
     # A damaged count must never keep DCGM paused: the next watchdog run resumes.
-    gone, r = lock.watchdog(lambda h, i: True)
+    _, r = lock.watchdog(lambda h, i: True)
     assert r.action == "resume"
     assert calls_of(calls) == ["profile --pause", "profile --resume"]
 

@@ -1,8 +1,8 @@
 """Slurm filename patterns, result paths, and placement as the job's user without following symlinks."""
 
 import os
-from collections.abc import Iterator
 import pwd
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
