@@ -469,3 +469,23 @@ def read_ring_drops(table: Any) -> list[int]:
 
 if __name__ == "__main__":
     print(ops_header(), end="")
+
+
+def attach_symbols(hub: BpfHub, path: str, symbols: Iterable[str], attached: set[tuple[str, str]],
+                   attach: Callable[[Any, bytes, bytes], None], report: Callable[[str], None]) -> list[str]:
+    """Attach probes to each symbol of the file not attached yet, under the hub's lock; `attach(bpf,
+    path, sym)` makes the BCC calls for one symbol. A symbol that fails is reported and skipped, the
+    others go on. Returns the symbols attached now (and adds them to `attached`)."""
+    done = []
+    with hub.attach_lock:
+        for sym in symbols:
+            if (path, sym) in attached:
+                continue
+            try:
+                attach(hub.bpf, path.encode(), sym.encode())
+            except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when perf_event_open fails
+                report(f"attach {sym} in {path}: {e}"[:230])
+                continue
+            attached.add((path, sym))
+            done.append(sym)
+    return done

@@ -340,14 +340,17 @@ class Collector:
     def _tracker_loop(self) -> None:
         interval = float(self.cfg["process_scan_interval_s"])
         while True:
-            try:
-                rows = self.tracker.scan(monotonic_ns())
-                if len(rows):
-                    self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
-            except Exception as e:  # noqa: BLE001
-                self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
+            self._scan_processes()
             if self._sources_stop.wait(interval):
                 return
+
+    def _scan_processes(self) -> None:
+        try:
+            rows = self.tracker.scan(monotonic_ns())
+            if len(rows):
+                self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
+        except Exception as e:  # noqa: BLE001 - a failed scan must not end the tracker; it is recorded
+            self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
 
     def _rings(self) -> list[Ring]:
         return [st.ring for st in self._states.values()] + [self._tracker_ring, self._diag_ring]
@@ -475,12 +478,7 @@ class Collector:
         start = clock_pair()
         self._spawn(self._writer_loop, "writer", self._meta(), start)
         # the tracker's first scan runs before the sources start, so their first sample sees the pids
-        try:
-            rows = self.tracker.scan(monotonic_ns())
-            if len(rows):
-                self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
-        except Exception as e:  # noqa: BLE001
-            self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
+        self._scan_processes()
         self._spawn(self._tracker_loop, "tracker")
         for st in self._states.values():
             st.thread = self._spawn(self._source_loop, f"source-{st.source.name}", st)

@@ -24,6 +24,7 @@ from collector import schema
 from collector.bpf_support import (
     INTERNAL_COMM_OPS,
     BpfHub,
+    attach_symbols,
     defined_functions,
     defines_for_all,
     mapped_libraries,
@@ -590,24 +591,15 @@ class BpfCollectivesSource(Source):
         """Attach entry and return probes to every probed symbol the file defines (all processes
         mapping it trap; only job processes are recorded). Returns the symbols attached now."""
         assert self.hub is not None
-        b = self.hub.bpf
         wanted = [p.symbol for p in PROBES if p.library == lib]
         have = defined_functions(path, wanted)
         self.missing[path] = set(wanted) - have
-        done = []
-        with self.hub.attach_lock:
-            for sym in wanted:
-                if sym not in have or (path, sym) in self.attached:
-                    continue
-                try:
-                    b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=f"gp_enter_{sym}".encode())
-                    b.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=b"gp_return")
-                except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when perf_event_open fails
-                    self.ctx.report_error(self.name, f"attach {sym} in {path}: {e}"[:230])
-                    continue
-                self.attached.add((path, sym))
-                done.append(sym)
-        return done
+        def attach(bpf: Any, name: bytes, sym: bytes) -> None:
+            bpf.attach_uprobe(name=name, sym=sym, fn_name=b"gp_enter_" + sym)
+            bpf.attach_uretprobe(name=name, sym=sym, fn_name=b"gp_return")
+
+        return attach_symbols(self.hub, path, [s for s in wanted if s in have], self.attached, attach,
+                              lambda msg: self.ctx.report_error(self.name, msg))
 
     def _drain(self) -> tuple[np.ndarray, list[dict[str, Any]]]:
         assert self.hub is not None

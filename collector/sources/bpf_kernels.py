@@ -21,6 +21,7 @@ import numpy as np
 from collector import schema
 from collector.bpf_support import (
     BpfHub,
+    attach_symbols,
     dynamic_functions,
     elf_symbols,
     read_maps,
@@ -133,24 +134,16 @@ class BpfKernelsSource(Source):
                 have |= {n for n in wanted if n in elf_symbols(path).by_name}
             except (OSError, ValueError):
                 pass
-        done = []
-        b = self.hub.bpf
-        with self.hub.attach_lock:
-            for sym in wanted:
-                if sym not in have or (path, sym) in self.attached:
-                    continue
-                try:
-                    if sym in LAUNCH_PROBES:
-                        b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=LAUNCH_PROBES[sym].encode())
-                    else:
-                        b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=LOOKUP_PROBES[sym].encode())
-                        b.attach_uretprobe(name=path.encode(), sym=sym.encode(), fn_name=b"gp_kf_return")
-                except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when perf_event_open fails
-                    self.ctx.report_error(self.name, f"attach {sym} in {path}: {e}"[:230])
-                    continue
-                self.attached.add((path, sym))
-                done.append(sym)
-        return done
+        def attach(bpf: Any, name: bytes, sym: bytes) -> None:
+            s = sym.decode()
+            if s in LAUNCH_PROBES:
+                bpf.attach_uprobe(name=name, sym=sym, fn_name=LAUNCH_PROBES[s].encode())
+            else:
+                bpf.attach_uprobe(name=name, sym=sym, fn_name=LOOKUP_PROBES[s].encode())
+                bpf.attach_uretprobe(name=name, sym=sym, fn_name=b"gp_kf_return")
+
+        return attach_symbols(self.hub, path, [s for s in wanted if s in have], self.attached, attach,
+                              lambda msg: self.ctx.report_error(self.name, msg))
 
     def _drain(self) -> list[Batch]:
         assert self.hub is not None and self.store is not None
