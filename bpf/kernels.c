@@ -106,6 +106,19 @@ int gp_cu_launch_kernel(struct pt_regs *ctx)
     return 0;
 }
 
+/* cuLaunchKernelEx and cudaLaunchKernelExC pass a config struct; both name their fields alike. */
+#define GP_LAUNCH_FROM_CONFIG(e, c)                                                                  \
+    do {                                                                                             \
+        (e)->grid[0] = (c).grid[0];                                                                  \
+        (e)->grid[1] = (c).grid[1];                                                                  \
+        (e)->grid[2] = (c).grid[2];                                                                  \
+        (e)->block[0] = (c).block[0];                                                                \
+        (e)->block[1] = (c).block[1];                                                                \
+        (e)->block[2] = (c).block[2];                                                                \
+        (e)->shared_mem = (c).shared_mem;                                                            \
+        (e)->stream = (c).stream;                                                                    \
+    } while (0)
+
 int gp_cu_launch_kernel_ex(struct pt_regs *ctx)
 {
     struct gp_launch *e = gp_launch_begin(ctx, GP_API_CU_LAUNCH_KERNEL_EX);
@@ -114,14 +127,7 @@ int gp_cu_launch_kernel_ex(struct pt_regs *ctx)
     struct gp_cu_launch_config c = {};
     bpf_probe_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx));
     e->function = PT_REGS_PARM2(ctx);
-    e->grid[0] = c.grid[0];
-    e->grid[1] = c.grid[1];
-    e->grid[2] = c.grid[2];
-    e->block[0] = c.block[0];
-    e->block[1] = c.block[1];
-    e->block[2] = c.block[2];
-    e->shared_mem = c.shared_mem;
-    e->stream = c.stream;
+    GP_LAUNCH_FROM_CONFIG(e, c);
     gp_launches.ringbuf_submit(e, 0);
     return 0;
 }
@@ -153,14 +159,7 @@ int gp_cuda_launch_kernel_exc(struct pt_regs *ctx)
     struct gp_cuda_launch_config c = {};
     bpf_probe_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx));
     e->function = PT_REGS_PARM2(ctx);
-    e->grid[0] = c.grid[0];
-    e->grid[1] = c.grid[1];
-    e->grid[2] = c.grid[2];
-    e->block[0] = c.block[0];
-    e->block[1] = c.block[1];
-    e->block[2] = c.block[2];
-    e->shared_mem = c.shared_mem;
-    e->stream = c.stream;
+    GP_LAUNCH_FROM_CONFIG(e, c);
     gp_launches.ringbuf_submit(e, 0);
     return 0;
 }

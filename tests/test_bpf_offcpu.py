@@ -3,7 +3,6 @@ run-queue time of two threads sharing one CPU, and nothing of a process outside 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
-from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+from harness import bpf_skip_reason, make_ctx
 
 from collector import bpf_support, schema
 from collector.sources.base import SourceUnavailable
@@ -40,21 +39,8 @@ def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run_offcpu(tmp_path: Path, args: list[str], outsider: list[str] | None = None
                ) -> tuple[Any, dict[str, Any], h5py.File, list[str]]:
-    prog = str(native_progs.cpu_work())
-    gated = GatedProcess([prog, *args])
-    other = GatedProcess([prog, *outsider]) if outsider else None
-    errors: list[str] = []
-    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
-    src = BpfOffcpuSource(flush_interval_s=0.5)
-    if other:
-        other.go()
-    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
-    if other:
-        other.wait()
-    assert rc == 0, err
-    path = tmp_path / "node.h5"
-    native_progs.sealed_file(path, [src], batches, ("stacks",))
-    return collect(batches, schema.OFFCPU_INTERVALS), json.loads(out.strip().splitlines()[-1]), h5py.File(path), errors
+    return native_progs.run_cpu_work_under(BpfOffcpuSource(flush_interval_s=0.5), tmp_path, args, outsider,
+                                           schema.OFFCPU_INTERVALS)
 
 
 @pytest.mark.bpf

@@ -3,7 +3,6 @@ JIT-like code named by a perf map, and nothing of a busy process outside the job
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
-from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+from harness import bpf_skip_reason, make_ctx
 
 from collector import bpf_support, schema
 from collector.sources.base import SourceUnavailable
@@ -43,21 +42,8 @@ def test_demangle() -> None:
 
 def run_stacks(tmp_path: Path, args: list[str], outsider: list[str] | None = None,
                rate_hz: float | None = None) -> tuple[Any, dict[str, Any], h5py.File, list[str]]:
-    prog = str(native_progs.cpu_work())
-    gated = GatedProcess([prog, *args])
-    other = GatedProcess([prog, *outsider]) if outsider else None
-    errors: list[str] = []
-    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
-    src = BpfStacksSource(rate_hz)
-    if other:
-        other.go()
-    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
-    if other:
-        other.wait()
-    assert rc == 0, err
-    path = tmp_path / "node.h5"
-    native_progs.sealed_file(path, [src], batches, ("stacks",))
-    return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(path), errors
+    return native_progs.run_cpu_work_under(BpfStacksSource(rate_hz), tmp_path, args, outsider,
+                                           schema.STACK_SAMPLES)
 
 
 @pytest.mark.bpf

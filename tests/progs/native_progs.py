@@ -69,3 +69,28 @@ def sealed_file(path: Path, sources: list[Any], batches: list[Any], modes: tuple
         for s in sources:
             s.at_seal(f)
 
+
+
+def run_cpu_work_under(source: Any, tmp_path: Path, args: list[str], outsider: list[str] | None,
+                       table: Any) -> tuple[Any, dict[str, Any], Any, list[str]]:
+    """Run tests/progs/cpu_work ARGS as the job (and, when given, a second copy outside the job) under
+    one eBPF source of mode `stacks`; returns the table's rows, the program's last JSON line, the
+    sealed node file (open) and the errors the source reported."""
+    import json
+
+    from harness import GatedProcess, collect, make_ctx, run_source_over
+
+    prog = str(cpu_work())
+    gated = GatedProcess([prog, *args])
+    other = GatedProcess([prog, *outsider]) if outsider else None
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
+    if other:
+        other.go()
+    batches, (rc, out, err) = run_source_over(source, ctx, gated, poll_s=0.5)
+    if other:
+        other.wait()
+    assert rc == 0, err
+    path = tmp_path / "node.h5"
+    sealed_file(path, [source], batches, ("stacks",))
+    return collect(batches, table), json.loads(out.strip().splitlines()[-1]), h5py.File(path), errors
