@@ -113,10 +113,12 @@ def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user
     for node in report["nodes"]:
         off = node["clock"]["offset_us"]
         assert off is not None and abs(off) < 500, f"{node['node']}: offset {off} us on one host"
-    world = [f for f in report["stragglers"] if f["node"] == "node3" and f["ranks"] == [2]]
-    assert world, f"the injected slow rank (2, on node3) was not found: {report['stragglers']}"
-    assert {f["node"] for f in report["stragglers"]} == {"node3"}, "only the injected rank is a straggler"
-    assert world[0]["cause"] == "host", world[0]
+    world_ids = {c["comm_id"] for c in report["communicators"] if c["size"] == len(NODES)}
+    on_world = [f for f in report["stragglers"] if f["comm_id"] in world_ids]
+    # On COMM_WORLD exactly the injected rank. (On the 2-rank sub-communicators a rank that returns late
+    # from the world allreduce can show as a follow-on "network" finding on this oversubscribed host.)
+    assert [(f["node"], f["ranks"]) for f in on_world] == [("node3", [2])], report["stragglers"]
+    assert on_world[0]["cause"] == "host", on_world[0]
     text = results[1].read_text()
     assert "node3" in text
     # The CPU stacks (mode `stacks`, on by default) reach the job file: a flame graph per node.
