@@ -10,10 +10,12 @@ PYTEST_ARGS ?=
 setup:
 	etc/dev/setup.sh
 
-# C parts: the SPANK plugin and the fast-path interposers (setup builds them too).
+# C parts: the SPANK plugin, the fast-path interposers, the collector's native sampling paths
+# (setup builds them too).
 build:
 	$(MAKE) -C slurm_hooks/spank
-	@if [ -f bpf/fastpath/Makefile ]; then $(MAKE) -C bpf/fastpath; fi
+	$(MAKE) -C bpf/fastpath
+	$(MAKE) -C collector/native
 
 # A local Slurm cluster: slurmctld + node[1-4], all state under .cluster/.
 cluster: setup

@@ -66,6 +66,35 @@ def test_ids_rules() -> None:
     assert bc.fnv1a64(b"") == 0xCBF29CE484222325
 
 
+def test_call_rows_resolve_reused_handles() -> None:
+    """A handle freed and reused: each call row gets the communicator live at its entry, as a
+    per-row lookup() gives it; calls without a communicator get id 0."""
+    reg = bc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
+                                                     "OMPI_COMM_WORLD_SIZE": "2"},
+                          mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
+    ops = schema.COMMUNICATOR_OPS
+    ev = {"t_ns": 1, "pid": 7, "handle": 0, "parent": 0, "index": 0, "uid_hash": 0, "color": 0, "key": 0,
+          "rank": -1, "size": -1, "ret": 0, "op": ops.index("MPI_Init"), "library": 0, "uid": b""}
+    reg.on_comm(ev)
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 100, "handle": 0x99, "parent": 0x10, "color": 1})
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_free"), "t_ns": 500, "handle": 0x99})
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 700, "handle": 0x99, "parent": 0x10, "color": 2,
+                 "index": 1})
+    calls = np.zeros(7, dtype=bc.CALL_DTYPE)
+    calls["pid"] = [7, 7, 7, 7, 7, 7, 8]  # pid 8: MPI_Init before the collector looked (made up from its world)
+    calls["t_enter_ns"] = [200, 800, 300, 900, 50, 400, 300]
+    calls["handle"] = [0x99, 0x99, 0x10, 0x99, 0x10, 0, 0x10]
+    calls["seq"] = [0, 0, 0, 1, 1, bc.GP_SEQ_NONE, 0]
+    rows = reg.call_rows(calls, "fastpath")
+    real = [i for i in range(7) if i != 5]
+    want = [reg.lookup(int(calls["pid"][i]), int(calls["handle"][i]), int(calls["t_enter_ns"][i]), 0) for i in real]
+    assert list(rows["comm_id"][real]) == [w.comm_id for w in want]
+    assert rows["comm_id"][0] != rows["comm_id"][1] == rows["comm_id"][3] != rows["comm_id"][2]
+    assert (rows["comm_id"][5], rows["comm_rank"][5], rows["comm_size"][5]) == (0, -1, -1)
+    assert rows["comm_size"][2] == 2
+    assert rows["comm_id"][6] == rows["comm_id"][2]  # the same MPI_COMM_WORLD on both processes
+
+
 @pytest.fixture(scope="module")
 def mpi_run() -> tuple[Any, Any, list[str]]:
     reason = bpf_skip_reason() or mpi_skip_reason()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collector import schema
+from collector import native, schema
 from collector.proctrack import ProcessTracker, find_job_cgroups, pids_in_cgroups, process_tree
 from collector.sources.base import SourceContext
 from collector.sources.host import HostSource
@@ -33,6 +34,24 @@ def family() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes],
         p.wait()
 
 
+THREADED = ("import threading, time\n"
+            "def f():\n    while True: time.sleep(0.01)\n"
+            "for _ in range(3): threading.Thread(target=f, daemon=True).start()\n"
+            "time.sleep(60)\n")
+
+
+@pytest.fixture(params=["native", "python"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both per-process readers: C (collector/native, built by make setup) and the Python fallback."""
+    if request.param == "python":
+        def unavailable() -> None:
+            raise native.NativeUnavailable("disabled by the test")
+        monkeypatch.setattr(native, "sampler", unavailable)
+    else:
+        native.sampler()  # built by make setup: its absence is a failure here, not a skip
+    return str(request.param)
+
+
 def ctx_for(pids: frozenset[int], missing: list[tuple[str, int, str, str]] | None = None) -> SourceContext:
     return SourceContext(
         job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids, cgroup_dirs=lambda: (),
@@ -45,10 +64,11 @@ def table(batches: object, t: schema.Table) -> np.ndarray:
     return next(rows for tt, rows in batches if tt is t)  # type: ignore[attr-defined]
 
 
-def test_host_metrics_of_real_processes(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+def test_host_metrics_of_real_processes(family: tuple[subprocess.Popen[bytes], ...], reader: str) -> None:
     _, busy, sleeper = family
     src = HostSource(rate_hz=10)
     src.start(ctx_for(frozenset({busy.pid, sleeper.pid})))
+    assert src.proc_reader.startswith(reader)
     try:
         first = src.sample(time.monotonic_ns())
         time.sleep(1.0)
@@ -73,16 +93,73 @@ def test_host_metrics_of_real_processes(family: tuple[subprocess.Popen[bytes], .
     assert np.isnan(table(first, schema.HOST_NODE)[0]["cpu_busy"])  # no previous sample: not a zero
 
 
-def test_exited_process_is_dropped(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+def test_exited_process_is_dropped(family: tuple[subprocess.Popen[bytes], ...], reader: str) -> None:
     _, busy, sleeper = family
     src = HostSource()
     src.start(ctx_for(frozenset({busy.pid, sleeper.pid})))
+    assert src.proc_reader.startswith(reader)
     src.sample(time.monotonic_ns())
     sleeper.kill()
     sleeper.wait()
     pids = {int(p) for p in table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["pid"]}
     src.stop()
     assert pids == {busy.pid}
+
+
+def test_readers_agree_on_a_threaded_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C reader and the Python one give the same columns; context switches are summed over
+    all threads (the leader's status alone counts only itself)."""
+    proc = subprocess.Popen([sys.executable, "-c", THREADED])
+    try:
+        time.sleep(0.5)
+        ctx = ctx_for(frozenset({proc.pid}))
+        c_src, py_src = HostSource(), HostSource()
+        c_src.start(ctx)
+        with monkeypatch.context() as m:
+            def unavailable() -> None:
+                raise native.NativeUnavailable("disabled by the test")
+            m.setattr(native, "sampler", unavailable)
+            py_src.start(ctx)
+        assert c_src.proc_reader == "native" and py_src.proc_reader.startswith("python")
+        now = time.monotonic_ns()
+        a = table(c_src.sample(now), schema.HOST_PROCS)[0]
+        b = table(py_src.sample(now), schema.HOST_PROCS)[0]
+        c_src.stop()
+        py_src.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert int(a["num_threads"]) == int(b["num_threads"]) == 4
+    assert abs(int(a["cpu_time_ns"]) - int(b["cpu_time_ns"])) <= 50_000_000
+    assert abs(int(a["rss_bytes"]) - int(b["rss_bytes"])) <= 1024**2
+    # 3 threads sleeping 10 ms for 0.5 s: well over 100 voluntary switches in all
+    assert int(a["voluntary_ctxsw"]) > 100 and abs(int(a["voluntary_ctxsw"]) - int(b["voluntary_ctxsw"])) <= 20
+    assert int(a["read_bytes"]) == int(b["read_bytes"]) and int(a["write_bytes"]) == int(b["write_bytes"])
+
+
+def test_native_reader_sees_new_switches_of_a_single_threaded_process(reader: str) -> None:
+    """The C reader reuses the last switch counts only while the task has not run (schedstat run
+    time unchanged): a process that wakes every 10 ms must show its new switches at every tick,
+    and one that sleeps throughout keeps the same counts."""
+    waker = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)\n"])
+    idle = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.3)
+        src = HostSource()
+        src.start(ctx_for(frozenset({waker.pid, idle.pid})))
+        ticks = []
+        for _ in range(4):
+            rows = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)
+            ticks.append({int(r["pid"]): int(r["voluntary_ctxsw"]) for r in rows})
+            time.sleep(0.2)
+        src.stop()
+    finally:
+        for p in (waker, idle):
+            p.kill()
+            p.wait()
+    for a, b in itertools.pairwise(ticks):
+        assert b[waker.pid] - a[waker.pid] >= 5, ticks  # ~20 sleeps in 0.2 s
+        assert b[idle.pid] == a[idle.pid] >= 1, ticks
 
 
 def test_process_tree_and_tracker_events(family: tuple[subprocess.Popen[bytes], ...]) -> None:

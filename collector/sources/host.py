@@ -13,10 +13,11 @@ import errno
 import math
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from collector import schema
+from collector import native, schema
 from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 
 # /proc/PID/io is readable only by the owner or root; an unreadable counter is this value (the
@@ -51,7 +52,7 @@ class _Fd:
 
 
 class _Proc:
-    __slots__ = ("io", "io_missing", "pid", "stat", "status", "thread_status", "threads")
+    __slots__ = ("io", "io_missing", "pid", "schedstat", "stat", "status", "thread_status", "threads")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -67,11 +68,16 @@ class _Proc:
         except FileNotFoundError:
             self.io = None
             self.io_missing = "kernel without task I/O accounting (/proc/PID/io absent)"
+        self.schedstat: _Fd | None = None  # read by the C reader only (collector/native/procsample.c)
+        try:
+            self.schedstat = _Fd(f"/proc/{pid}/schedstat")
+        except OSError:
+            pass  # kernel without CONFIG_SCHED_INFO: status is read at every tick
         self.threads = 0
         self.thread_status: dict[int, _Fd] = {}
 
     def close(self) -> None:
-        for f in (self.stat, self.status, self.io, *self.thread_status.values()):
+        for f in (self.stat, self.status, self.io, self.schedstat, *self.thread_status.values()):
             if f is not None:
                 f.close()
         self.thread_status.clear()
@@ -102,6 +108,12 @@ class HostSource(Source):
         self._loadavg: _Fd | None = None
         self._missing_reported: set[str] = set()
         self._synced: frozenset[int] | None = None  # the pid set _procs was last synced to
+        # The per-process reads run in C (collector/native/procsample.c) when it is built: one
+        # call per tick instead of Python parsing /proc text for every process.
+        self._native: Any = None
+        self.proc_reader = ""
+        self._fds = np.zeros(0, native.PROC_FDS_DTYPE)
+        self._out = np.zeros(0, native.PROC_ROW_DTYPE)
 
     def start(self, ctx: SourceContext) -> None:
         self._ctx = ctx
@@ -112,6 +124,11 @@ class HostSource(Source):
             self._loadavg = _Fd("/proc/loadavg")
         except OSError as e:
             raise SourceUnavailable(f"/proc not readable: {e}") from None
+        try:
+            self._native = native.sampler()
+            self.proc_reader = "native"
+        except native.NativeUnavailable as e:
+            self.proc_reader = f"python ({e})"
 
     # --- node ---------------------------------------------------------------------------------
     def _node_row(self, now_ns: int) -> np.ndarray:
@@ -156,6 +173,21 @@ class HostSource(Source):
                     self._procs[pid] = _Proc(pid)
                 except OSError:
                     continue  # exited before we could open it
+        self._native_fds()
+
+    def _native_fds(self) -> None:
+        """The descriptors of _procs as the C reader takes them (rebuilt when the set changes; what
+        the reader keeps per process, its last run time and switch counts, carries over)."""
+        last = {int(r["pid"]): r for r in self._fds[["pid", "last_runtime_ns", "last_vol", "last_invol"]]}
+        fds = np.zeros(len(self._procs), native.PROC_FDS_DTYPE)
+        for i, p in enumerate(self._procs.values()):
+            prev = last.get(p.pid)
+            fds[i] = (p.pid, p.stat.fd, p.status.fd, p.io.fd if p.io is not None else -1,
+                      p.schedstat.fd if p.schedstat is not None else -1, 0,
+                      int(prev["last_runtime_ns"]) if prev is not None else np.iinfo(np.uint64).max,
+                      int(prev["last_vol"]) if prev is not None else 0, int(prev["last_invol"]) if prev is not None else 0)
+        self._fds = fds
+        self._out = np.zeros(len(fds), native.PROC_ROW_DTYPE)
 
     def _thread_ctxsw(self, p: _Proc) -> tuple[int, int]:
         """Context switches summed over all threads (status of the leader counts only itself)."""
@@ -181,6 +213,8 @@ class HostSource(Source):
     def _proc_rows(self, now_ns: int) -> np.ndarray:
         assert self._ctx is not None
         self._sync_procs(self._ctx.pids())
+        if self._native is not None:
+            return self._native_rows(now_ns)
         rows = []
         gone: list[int] = []
         pread = os.pread
@@ -215,6 +249,47 @@ class HostSource(Source):
             for pid in gone:
                 self._procs.pop(pid).close()
         return np.array(rows, _PROCS_DT) if rows else _EMPTY_PROCS
+
+    def _native_rows(self, now_ns: int) -> np.ndarray:
+        assert self._ctx is not None
+        n = len(self._fds)
+        if n == 0:
+            return _EMPTY_PROCS
+        self._native.gp_sample_procs(self._fds.ctypes.data, n, self._out.ctypes.data)
+        out, fds = self._out, self._fds
+        status = out["status"]
+        if status.any():
+            gone = status == -errno.ESRCH
+            gone |= status == -errno.ENOENT
+            bad = np.flatnonzero(~gone & (status != 0))
+            if len(bad):
+                i = int(bad[0])
+                raise OSError(-int(status[i]), f"reading /proc/{int(fds['pid'][i])}: {os.strerror(-int(status[i]))}")
+            for pid in fds["pid"][gone].tolist():
+                self._procs.pop(pid).close()
+            keep = ~gone
+            self._native_fds()
+            out, fds = out[keep], fds[keep]
+        if "io_bytes" not in self._missing_reported and (fds["io_fd"] < 0).any():
+            p = self._procs[int(fds["pid"][np.argmax(fds["io_fd"] < 0)])]
+            self._missing_reported.add("io_bytes")
+            self._ctx.report_missing(self.name, -1, "read_bytes", p.io_missing[:96])
+            self._ctx.report_missing(self.name, -1, "write_bytes", p.io_missing[:96])
+        rows = np.empty(len(out), _PROCS_DT)
+        rows["t_ns"] = now_ns
+        rows["pid"] = fds["pid"]
+        rows["cpu_time_ns"] = out["cpu_ticks"] * _NS_PER_TICK
+        rows["rss_bytes"] = out["rss_pages"] * _PAGE
+        rows["num_threads"] = out["threads"]
+        rows["voluntary_ctxsw"] = out["vol_ctxsw"]
+        rows["involuntary_ctxsw"] = out["invol_ctxsw"]
+        rows["read_bytes"] = out["read_bytes"]
+        rows["write_bytes"] = out["write_bytes"]
+        return rows
+
+    def at_seal(self, f: Any) -> None:
+        if schema.HOST_PROCS.path in f:
+            f[schema.HOST_PROCS.path].attrs["reader"] = self.proc_reader
 
     def sample(self, now_ns: int) -> Iterable[Batch]:
         out: list[Batch] = [(schema.HOST_NODE, self._node_row(now_ns))]

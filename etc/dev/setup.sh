@@ -116,9 +116,10 @@ elif ! grep -qE '^[^ ]+ /sys/fs/cgroup/freezer cgroup ' /proc/mounts; then
     fi
 fi
 
-# --- 5. SPANK plugin and the fast-path interposers (LD_PRELOAD libraries) ------------------------
+# --- 5. SPANK plugin, the fast-path interposers (LD_PRELOAD libraries), the collector's C paths ---
 make -s -C "$REPO/slurm_hooks/spank"
 make -s -C "$REPO/bpf/fastpath"
+make -s -C "$REPO/collector/native"
 
 # --- 6. Python virtual environment --------------------------------------------------------------
 VENV="$REPO/.venv"

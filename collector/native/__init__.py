@@ -1,0 +1,42 @@
+"""Native hot paths of the collector, built by `make -C collector/native` (make setup) and loaded
+with ctypes. Each user keeps its Python path for when the library is not built; which path ran is
+recorded in the node file (docs/collector.md)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+LIBRARY = Path(__file__).resolve().parent / "build" / "libgpuprof_sampler.so"
+
+# struct gp_proc_fds and struct gp_proc_row of procsample.c
+PROC_FDS_DTYPE = np.dtype([("pid", "<i4"), ("stat_fd", "<i4"), ("status_fd", "<i4"), ("io_fd", "<i4"),
+                           ("schedstat_fd", "<i4"), ("pad", "<i4"), ("last_runtime_ns", "<u8"), ("last_vol", "<u8"),
+                           ("last_invol", "<u8")])
+PROC_ROW_DTYPE = np.dtype([("cpu_ticks", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
+                           ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("status", "<i4")])
+
+
+class NativeUnavailable(Exception):
+    """The library is not built, or was built from other sources than this Python expects."""
+
+
+@lru_cache(maxsize=1)
+def sampler() -> ctypes.CDLL:
+    if not LIBRARY.exists():
+        raise NativeUnavailable(f"{LIBRARY} not built (make -C collector/native)")
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+    except OSError as e:
+        raise NativeUnavailable(f"{LIBRARY}: {e}") from None
+    fds_size, row_size = ctypes.c_int(), ctypes.c_int()
+    lib.gp_proc_layout(ctypes.byref(fds_size), ctypes.byref(row_size))
+    if (fds_size.value, row_size.value) != (PROC_FDS_DTYPE.itemsize, PROC_ROW_DTYPE.itemsize):
+        raise NativeUnavailable(f"{LIBRARY}: struct sizes {fds_size.value}/{row_size.value} differ from "
+                                f"{PROC_FDS_DTYPE.itemsize}/{PROC_ROW_DTYPE.itemsize}: rebuild it")
+    lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.gp_sample_procs.restype = ctypes.c_int
+    return lib
