@@ -53,6 +53,16 @@ def built() -> dict[str, Path]:
     return {k: v for k, v in libs.items() if v}
 
 
+@pytest.fixture(params=["native", "numpy"])
+def drain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways records become rows: C (collector/native/ringrows.c, built by make setup) and numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(fp, "_native_ring_rows", lambda: None)
+    else:
+        assert fp._native_ring_rows() is not None, "collector/native not built (make setup builds it)"
+    return str(request.param)
+
+
 def fastpath_env(ring_dir: Path, job: str, lib: Path, records: int | None = None) -> dict[str, str]:
     env = {"LD_PRELOAD": str(lib), "GPUPROF_FASTPATH_JOB": job, "GPUPROF_FASTPATH_DIR": str(ring_dir)}
     if records:
@@ -78,7 +88,7 @@ def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: in
 
 
 @pytest.mark.mpi
-def test_mpi_job_every_call_once(built: dict[str, Path], tmp_path: Path) -> None:
+def test_mpi_job_every_call_once(built: dict[str, Path], tmp_path: Path, drain: str) -> None:
     calls, comms, _, errors = run_mpi(built, tmp_path)
     assert not errors, errors
     assert set(calls["path"]) == {1}
@@ -136,7 +146,7 @@ def test_layout_matches_bpf_struct(built: dict[str, Path]) -> None:
     assert offsets == sorted(offsets) and lay["record_size"] >= offsets[-1]
 
 
-def test_nccl_arguments_decoded(built: dict[str, Path], tmp_path: Path) -> None:
+def test_nccl_arguments_decoded(built: dict[str, Path], tmp_path: Path, drain: str) -> None:
     lib = nccl_library()
     if lib is None:
         pytest.skip("nvidia-nccl-cu12 is not installed in this environment (test extra)")

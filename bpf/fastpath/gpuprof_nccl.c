@@ -69,12 +69,12 @@ static void coll(u16 op, u64 t0, Comm comm, u64 bytes, s32 peer, int rc, Stream 
               bytes, peer, rc, stream);
 }
 
-static struct gp_comm *comm_event(u16 op, u64 *pos, struct gp_record **rec)
+static struct gp_fp_comm *comm_event(u16 op, u64 *pos, struct gp_record **rec)
 {
     struct gp_record *r = gp_claim(GP_REC_COMM, pos);
     if (!r)
         return NULL;
-    struct gp_comm *c = &r->u.comm;
+    struct gp_fp_comm *c = &r->u.comm;
     memset(c, 0, sizeof(*c));
     c->t_ns = gp_now();
     c->pid = gp_pid();
@@ -172,7 +172,7 @@ static void inited(u16 op, int rc, Comm *comm, int nranks, const UniqueId *id, i
 {
     u64 pos;
     struct gp_record *rec;
-    struct gp_comm *c = comm_event(op, &pos, &rec);
+    struct gp_fp_comm *c = comm_event(op, &pos, &rec);
     if (!c)
         return;
     c->handle = comm ? (u64)(uintptr_t)*comm : 0;
@@ -180,7 +180,6 @@ static void inited(u16 op, int rc, Comm *comm, int nranks, const UniqueId *id, i
     c->rank = rank;
     c->ret = rc;
     c->uid_hash = gp_fnv1a64(id->internal, sizeof(id->internal));
-    memcpy(c->uid, id->internal, sizeof(c->uid));
     gp_publish(rec, pos);
 }
 
@@ -208,7 +207,7 @@ GP_EXPORT int ncclCommInitAll(Comm *comms, int ndev, const int *devlist)
     for (int i = 0; i < ndev && i < 8; i++) {
         u64 pos;
         struct gp_record *rec;
-        struct gp_comm *c = comm_event(GP_COP_ncclCommInitAll, &pos, &rec);
+        struct gp_fp_comm *c = comm_event(GP_COP_ncclCommInitAll, &pos, &rec);
         if (!c)
             return rc;
         c->t_ns = t; /* one time for all: the collector derives the shared id from it */
@@ -230,7 +229,7 @@ GP_EXPORT int ncclCommSplit(Comm comm, int color, int key, Comm *newcomm, void *
     int rc = real_ncclCommSplit(comm, color, key, newcomm, config);
     u64 pos;
     struct gp_record *rec;
-    struct gp_comm *c = comm_event(GP_COP_ncclCommSplit, &pos, &rec);
+    struct gp_fp_comm *c = comm_event(GP_COP_ncclCommSplit, &pos, &rec);
     if (!c)
         return rc;
     c->parent = (u64)(uintptr_t)comm;
@@ -255,7 +254,7 @@ static void gone(u16 op, Comm comm, int rc)
     gp_reset(GP_SEQ_CREATE, h);
     u64 pos;
     struct gp_record *rec;
-    struct gp_comm *c = comm_event(op, &pos, &rec);
+    struct gp_fp_comm *c = comm_event(op, &pos, &rec);
     if (!c)
         return;
     c->handle = h;

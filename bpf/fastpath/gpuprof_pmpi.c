@@ -100,7 +100,7 @@ static void emit_comm(u16 op, u64 handle, u64 parent, u64 index, s32 color, s32 
     struct gp_record *r = gp_claim(GP_REC_COMM, &pos);
     if (!r)
         return;
-    struct gp_comm *c = &r->u.comm;
+    struct gp_fp_comm *c = &r->u.comm;
     memset(c, 0, sizeof(*c));
     c->t_ns = gp_now();
     c->handle = handle;

@@ -11,7 +11,7 @@
 #include "../gpuprof_events.h"
 
 #define GP_RING_MAGIC 0x31474e5246504750ULL /* "PGPFRNG1" little-endian */
-#define GP_RING_VERSION 1
+#define GP_RING_VERSION 2 /* 2: 88-byte records (gp_fp_comm without the 128-byte uid) */
 #define GP_RING_DEFAULT_RECORDS 8192
 
 #define GP_REC_CALL 1
@@ -35,13 +35,34 @@ struct gp_ring_header {
     u64 pad3[7];
 };
 
+/* gp_comm less its 128-byte ncclUniqueId copy: the interposer hashes the id itself (uid_hash),
+ * which is all the collector uses, and the record shrinks from 216 to 88 bytes. The drain reads
+ * every record the job writes, so its cost follows the bytes (docs/probes.md). */
+struct gp_fp_comm {
+    u64 t_ns;
+    u64 handle;
+    u64 parent;
+    u64 index;
+    u64 uid_hash;
+    u32 pid;
+    u32 tid;
+    s32 color;
+    s32 key;
+    s32 rank;
+    s32 size;
+    s32 ret;
+    u16 op;
+    u8 library;
+    u8 flags;
+};
+
 struct gp_record {
     u64 seq; /* position + 1 once the record is complete */
     u32 kind; /* GP_REC_CALL or GP_REC_COMM */
     u32 pad;
     union {
         struct gp_call call;
-        struct gp_comm comm;
+        struct gp_fp_comm comm;
     } u;
 };
 

@@ -39,4 +39,16 @@ def sampler() -> ctypes.CDLL:
                                 f"{PROC_FDS_DTYPE.itemsize}/{PROC_ROW_DTYPE.itemsize}: rebuild it")
     lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.gp_sample_procs.restype = ctypes.c_int
+    lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gp_records_to_rows.restype = ctypes.c_long
     return lib
+
+
+def check_ring_layout(lib: ctypes.CDLL, record_size: int, row_dtype: np.dtype) -> None:
+    """ringrows.c was built from the ring and row layouts this Python uses (else NativeUnavailable)."""
+    rec, row = ctypes.c_int(), ctypes.c_int()
+    lib.gp_ring_layout(ctypes.byref(rec), ctypes.byref(row))
+    if (rec.value, row.value) != (record_size, row_dtype.itemsize):
+        raise NativeUnavailable(f"{LIBRARY}: ring record/row sizes {rec.value}/{row.value} differ from "
+                                f"{record_size}/{row_dtype.itemsize}: rebuild it")

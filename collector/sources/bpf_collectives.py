@@ -270,6 +270,12 @@ class CommRegistry:
         if info.op >= 0:
             self.pending.append(info)
 
+    def resolve_rows(self, rows: np.ndarray) -> np.ndarray:
+        """/collectives/calls rows whose other columns are filled (the fast path's C drain): their
+        communicator columns."""
+        self._resolve_comms(rows, rows)
+        return rows
+
     def _resolve_comms(self, calls: np.ndarray, rows: np.ndarray) -> None:
         """comm_id, comm_rank, comm_size of every row, as lookup() gives them, computed per
         (pid, handle) group rather than per row: at 10,000+ calls/s per process a per-row

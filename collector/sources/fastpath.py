@@ -14,6 +14,7 @@ user) are read.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -24,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
+from collector import native, schema
 from collector.bpf_support import BPF_DIR
 from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.sources.bpf_collectives import CALL_DTYPE, CommRegistry, resolve_paths
+from collector.sources.bpf_collectives import CALL_DTYPE, PATH_CODES, CommRegistry, resolve_paths
 from slurm_hooks import environment as env
 
 BUILD_DIR = BPF_DIR / "fastpath" / "build"
@@ -118,6 +119,9 @@ class Ring:
         self.rec_dtype = _dtype(lay["record"], 0, rs)
         self.call_dtype = _dtype(lay["call"], lay["call_offset"], rs)
         self.comm_dtype = _dtype(lay["comm"], lay["call_offset"], rs)
+        self.native = _native_ring_rows()
+        self.keep_raw = False
+        self.raw = np.zeros(0, dtype=CALL_DTYPE)
         self.seq_dtype = _dtype([f for f in lay["record"] if f[0] == "seq"], 0, rs)
         self.head_offset = next(f[1] for f in lay["header"] if f[0] == "head")
         self.tail_offset = next(f[1] for f in lay["header"] if f[0] == "tail")
@@ -132,6 +136,7 @@ class Ring:
         Calls come back as a view of the ring's bytes (fields by name, CALL_FIELDS), not copied
         field by field: at 10,000 calls/s per rank the drain is the collector's hot path."""
         rs, hs, mask = self.lay["record_size"], self.lay["header_size"], self.capacity - 1
+        self.raw = self.raw[:0]
         # head (written by the producers) is only a hint of how much to read: every record is
         # still checked by its own seq before it is taken.
         raw_head = os.pread(self.fd, 8, self.head_offset)
@@ -159,18 +164,51 @@ class Ring:
         os.pwrite(self.fd, self.tail.to_bytes(8, "little"), self.tail_offset)
         buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         count = len(buf) // rs
+        if self.native is not None:
+            return self._native_rows(buf, count)
         kinds = np.frombuffer(buf, dtype=self.rec_dtype, count=count)["kind"]
         is_call = kinds == self.lay["rec_call"]
         calls = np.frombuffer(buf, dtype=self.call_dtype, count=count)
         if not is_call.all():
             calls = calls[is_call]
-        comms_v = np.frombuffer(buf, dtype=self.comm_dtype, count=count)[kinds == self.lay["rec_comm"]]
-        comms = [{name: (bytes(r[name]) if name == "uid" else int(r[name])) for name in self.comm_dtype.names or ()}
-                 for r in comms_v]
-        return calls, comms
+        return calls, self._comms(buf, count, kinds == self.lay["rec_comm"])
+
+    def _comms(self, buf: bytes, count: int, which: np.ndarray) -> list[dict[str, Any]]:
+        comms_v = np.frombuffer(buf, dtype=self.comm_dtype, count=count)[which]
+        return [{name: (bytes(r[name]) if name == "uid" else int(r[name])) for name in self.comm_dtype.names or ()}
+                for r in comms_v]
+
+    def _native_rows(self, buf: bytes, count: int) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        """The records as /collectives/calls rows straight away (collector/native/ringrows.c);
+        their communicator columns are filled by the registry."""
+        rows = schema.COLLECTIVE_CALLS.empty(count)
+        slots = np.empty(count, np.int64)
+        n_comm = ctypes.c_long()
+        n = self.native.gp_records_to_rows(buf, count, PATH_CODES["fastpath"], RECV_OP, rows.ctypes.data,
+                                           slots.ctypes.data, ctypes.byref(n_comm))
+        which = np.zeros(count, bool)
+        which[slots[: n_comm.value]] = True
+        if self.keep_raw:  # tests: the decoded records too (fields the rows do not keep, as aux)
+            kinds = np.frombuffer(buf, dtype=self.rec_dtype, count=count)["kind"]
+            self.raw = np.frombuffer(buf, dtype=self.call_dtype, count=count)[kinds == self.lay["rec_call"]]
+        return rows[:n], self._comms(buf, count, which) if n_comm.value else []
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+RECV_OP = schema.COLLECTIVE_OPS.index("MPI_Recv")
+
+
+@lru_cache(maxsize=1)
+def _native_ring_rows() -> Any:
+    """The C conversion of ring records to rows, or None (then numpy does it, column by column)."""
+    try:
+        lib = native.sampler()
+        native.check_ring_layout(lib, layout()["record_size"], schema.COLLECTIVE_CALLS.dtype)
+    except native.NativeUnavailable:
+        return None
+    return lib
 
 
 def _uid_of(pid: int) -> int | None:
@@ -243,6 +281,7 @@ class FastpathSource(Source):
                 self.bad.add(path)
                 self.ctx.report_error(self.name, f"ring {name} ignored: not written by a job process")
                 continue
+            ring.keep_raw = self.keep_raw
             self.rings[path] = ring
 
     def _rows(self, now_ns: int, final: bool) -> list[Batch]:
@@ -259,10 +298,13 @@ class FastpathSource(Source):
             for ev in comms:
                 self.registry.on_comm(ev)
             if self.keep_raw:
-                self.raw_calls.append(calls)
+                self.raw_calls.append(ring.raw if ring.native is not None else calls)
                 self.events_comm.extend(comms)
             if len(calls):
-                rows.append(self.registry.call_rows(calls, "fastpath"))
+                if ring.native is not None:  # already rows: only the communicator columns to fill
+                    rows.append(self.registry.resolve_rows(calls))
+                else:
+                    rows.append(self.registry.call_rows(calls, "fastpath"))
         calls_rows = (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else schema.COLLECTIVE_CALLS.empty()
         return [(schema.COLLECTIVE_CALLS, calls_rows),
                 (schema.COMMUNICATORS, self.registry.communicator_rows(now_ns, final))]
