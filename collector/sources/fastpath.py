@@ -133,8 +133,10 @@ class Ring:
 
     def drain(self) -> tuple[np.ndarray, list[dict[str, Any]]]:
         """Complete records from tail on, in order; stops at the first slot not yet written.
-        Calls come back as a view of the ring's bytes (fields by name, CALL_FIELDS), not copied
-        field by field: at 10,000 calls/s per rank the drain is the collector's hot path."""
+        Returns the calls, as /collectives/calls rows short of their communicator columns when the
+        C conversion is built (self.native), else as a view of the ring's bytes with the gp_call
+        field names; and the communicator records as dicts. At 10,000 calls/s per rank this is
+        the collector's hot path: nothing is copied field by field."""
         rs, hs, mask = self.lay["record_size"], self.lay["header_size"], self.capacity - 1
         self.raw = self.raw[:0]
         # head (written by the producers) is only a hint of how much to read: every record is
