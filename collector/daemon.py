@@ -19,6 +19,7 @@ import importlib
 import logging
 import math
 import os
+import resource
 import signal
 import threading
 import time
@@ -457,6 +458,18 @@ class Collector:
         except OSError as e:
             log.warning("cannot set nice %d: %s", nice, e)
 
+    @staticmethod
+    def _raise_fd_limit() -> None:
+        """Soft RLIMIT_NOFILE up to the hard one: the host source keeps two descriptors per job
+        thread open (collector/sources/host.py), and a job of 8 processes of 100 threads passes
+        the usual soft limit of 1024. Past whatever limit remains, it reads by path instead."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (OSError, ValueError) as e:
+                log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
+
     def _meta(self) -> NodeMeta:
         rates = {s.name: round(1.0 / s.interval_s, 6) for s in self.sources if s.interval_s > 0}
         rates["processes"] = round(1.0 / float(self.cfg["process_scan_interval_s"]), 6)
@@ -479,6 +492,7 @@ class Collector:
     def start(self) -> None:
         """Start every thread; returns at once. `run` is start + wait + shutdown."""
         self._apply_nice()
+        self._raise_fd_limit()
         if self.opts.control_socket is not None:
             from collector.control import ControlServer
 

@@ -162,6 +162,35 @@ def test_native_reader_sees_new_switches_of_a_single_threaded_process(reader: st
         assert b[idle.pid] == a[idle.pid] >= 1, ticks
 
 
+def test_native_reader_follows_threads_that_come_later() -> None:
+    """Threads started after the process was first read are listed at the next tick (the count in
+    /proc/PID/stat differs from the threads listed) and their switches are summed from then on."""
+    late = ("import threading, time\n"
+            "def f():\n    while True: time.sleep(0.005)\n"
+            "time.sleep(0.6)\n"
+            "for _ in range(5): threading.Thread(target=f, daemon=True).start()\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", late])
+    try:
+        time.sleep(0.2)
+        src = HostSource()
+        src.start(ctx_for(frozenset({proc.pid})))
+        assert src.proc_reader == "native"
+        first = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
+        time.sleep(1.0)
+        src.sample(time.monotonic_ns())  # sees 6 threads, 1 listed: relists
+        time.sleep(0.3)
+        last = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
+        listed = src._out["threads_read"][0]
+        src.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert int(first["num_threads"]) == 1 and int(last["num_threads"]) == 6 and listed == 6
+    # 5 threads sleeping 5 ms for 0.3 s: far more switches than the sleeping leader alone makes
+    assert int(last["voluntary_ctxsw"]) - int(first["voluntary_ctxsw"]) > 100
+
+
 def test_process_tree_and_tracker_events(family: tuple[subprocess.Popen[bytes], ...]) -> None:
     me = os.getpid()
     parent, busy, sleeper = family

@@ -12,12 +12,14 @@ import numpy as np
 
 LIBRARY = Path(__file__).resolve().parent / "build" / "libgpuprof_sampler.so"
 
-# struct gp_proc_fds and struct gp_proc_row of procsample.c
-PROC_FDS_DTYPE = np.dtype([("pid", "<i4"), ("stat_fd", "<i4"), ("status_fd", "<i4"), ("io_fd", "<i4"),
-                           ("schedstat_fd", "<i4"), ("pad", "<i4"), ("last_runtime_ns", "<u8"), ("last_vol", "<u8"),
-                           ("last_invol", "<u8")])
+# struct gp_proc_fds, gp_thread_fds and gp_proc_row of procsample.c
+PROC_FDS_DTYPE = np.dtype([("pid", "<i4"), ("stat_fd", "<i4"), ("io_fd", "<i4"), ("first_thread", "<i4"),
+                           ("n_threads", "<i4"), ("pad", "<i4")])
+THREAD_FDS_DTYPE = np.dtype([("tid", "<i4"), ("status_fd", "<i4"), ("schedstat_fd", "<i4"), ("gone", "<i4"),
+                             ("last_runtime_ns", "<u8"), ("last_vol", "<u8"), ("last_invol", "<u8")])
 PROC_ROW_DTYPE = np.dtype([("cpu_ticks", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
-                           ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("status", "<i4")])
+                           ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("threads_read", "<u4"),
+                           ("status", "<i4"), ("pad", "<i4")])
 
 
 class NativeUnavailable(Exception):
@@ -32,12 +34,12 @@ def sampler() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(LIBRARY))
     except OSError as e:
         raise NativeUnavailable(f"{LIBRARY}: {e}") from None
-    fds_size, row_size = ctypes.c_int(), ctypes.c_int()
-    lib.gp_proc_layout(ctypes.byref(fds_size), ctypes.byref(row_size))
-    if (fds_size.value, row_size.value) != (PROC_FDS_DTYPE.itemsize, PROC_ROW_DTYPE.itemsize):
-        raise NativeUnavailable(f"{LIBRARY}: struct sizes {fds_size.value}/{row_size.value} differ from "
-                                f"{PROC_FDS_DTYPE.itemsize}/{PROC_ROW_DTYPE.itemsize}: rebuild it")
-    lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    sizes = [ctypes.c_int(), ctypes.c_int(), ctypes.c_int()]
+    lib.gp_proc_layout(*(ctypes.byref(x) for x in sizes))
+    want = [PROC_FDS_DTYPE.itemsize, THREAD_FDS_DTYPE.itemsize, PROC_ROW_DTYPE.itemsize]
+    if [x.value for x in sizes] != want:
+        raise NativeUnavailable(f"{LIBRARY}: struct sizes {[x.value for x in sizes]} differ from {want}: rebuild it")
+    lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_sample_procs.restype = ctypes.c_int
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]

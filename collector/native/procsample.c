@@ -2,23 +2,23 @@
  *
  * Why C: at 10 Hz over the job's processes the Python version spent more time parsing the /proc
  * text than the kernel spent making it, and ran with cold caches at every tick. Here one ctypes
- * call per tick reads every process: /proc/PID/stat (CPU time, RSS, threads), /proc/PID/status
- * (context switches; of every thread when there are several, because the leader's status counts
- * only itself) and /proc/PID/io (storage bytes), through descriptors the caller opened once and
- * re-reads with pread at offset 0 (a /proc file regenerates its text on every such read).
+ * call per tick reads every process: /proc/PID/stat (CPU time, RSS, threads), each thread's
+ * /proc/PID/task/TID/status (context switches: a status counts only its own thread) and
+ * /proc/PID/io (storage bytes), through descriptors the caller opened once and re-reads with
+ * pread at offset 0 (a /proc file regenerates its text on every such read).
  *
- * /proc/PID/status is the dearest of the three (about 13 us of kernel time against 2-5): for a
- * single-threaded process whose run time in /proc/PID/schedstat (ns, updated at every switch
- * out) has not moved since the last call, the task has not been switched out since, so its
- * context-switch counts cannot have changed and the last ones are reused instead of re-read.
- * A sleeping process, which most of a job's processes are most of the time, costs ~10 us a tick.
+ * A status is the dearest read (about 13 us of kernel time against 2 for a schedstat): a thread
+ * whose run time in its schedstat (ns, updated at every switch out) has not moved since the last
+ * call has not been switched out since, so its context-switch counts cannot have changed and the
+ * last ones are reused instead of re-read. Most threads of a job (sleeping helpers, idle pools,
+ * launcher shells) do not run between two ticks: a process of 64 mostly idle threads costs
+ * about 64 schedstat reads a tick, not 64 statuses.
  *
- * Nothing is allocated; nothing is kept between calls except what the caller passes in. A process
- * that exited reports -ESRCH; an unreadable io file (not root) reports the io columns as
- * UINT64_MAX, as the Python path does.
+ * Nothing is allocated; nothing is kept between calls except what the caller passes in (the
+ * last counts, in the thread entries). A process that exited reports -ESRCH; an unreadable io
+ * file (not root) reports the io columns as UINT64_MAX, as the Python path does.
  */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -32,10 +32,18 @@
 struct gp_proc_fds {
     int32_t pid;
     int32_t stat_fd;
-    int32_t status_fd;    /* the leader's status */
     int32_t io_fd;        /* -1 when /proc/PID/io could not be opened */
-    int32_t schedstat_fd; /* -1 when /proc/PID/schedstat could not be opened */
+    int32_t first_thread; /* this process's threads: threads[first_thread .. + n_threads] */
+    int32_t n_threads;
     int32_t pad;
+};
+
+/* One thread of a job process, as the caller last listed /proc/PID/task. */
+struct gp_thread_fds {
+    int32_t tid;
+    int32_t status_fd;    /* -1: opened by path at every read (the caller ran out of descriptors) */
+    int32_t schedstat_fd; /* -1 when it could not be opened: status is read at every tick */
+    int32_t gone;         /* set here when the thread has exited */
     /* kept by the caller between calls (zero at first): what the last call saw */
     uint64_t last_runtime_ns; /* schedstat's run time; UINT64_MAX: none yet */
     uint64_t last_vol, last_invol;
@@ -48,8 +56,10 @@ struct gp_proc_row {
     uint64_t invol_ctxsw;
     uint64_t read_bytes;
     uint64_t write_bytes;
-    uint32_t threads;
-    int32_t status; /* 0, or -errno of the read that failed (-ESRCH: the process is gone) */
+    uint32_t threads;      /* from /proc/PID/stat */
+    uint32_t threads_read; /* listed threads still alive: the caller relists when this differs */
+    int32_t status;        /* 0, or -errno of the read that failed (-ESRCH: the process is gone) */
+    int32_t pad;
 };
 
 static ssize_t read_at0(int fd, char *buf, size_t size)
@@ -69,50 +79,56 @@ static uint64_t key_u64(const char *text, const char *key)
     return strtoull(p + strlen(key), NULL, 10);
 }
 
-static void add_ctxsw(const char *status, uint64_t *vol, uint64_t *invol)
+static void status_ctxsw(const char *status, uint64_t *vol, uint64_t *invol)
 {
     uint64_t v = key_u64(status, "\nvoluntary_ctxt_switches:");
     uint64_t n = key_u64(status, "\nnonvoluntary_ctxt_switches:");
-    if (v != UINT64_MAX)
-        *vol += v;
-    if (n != UINT64_MAX)
-        *invol += n;
+    *vol = v == UINT64_MAX ? 0 : v;
+    *invol = n == UINT64_MAX ? 0 : n;
 }
 
-/* Sum of every live thread's switches (threads are read by path: they come and go too often to
- * keep descriptors). Returns 0, or -1 when the task directory cannot be listed. */
-static int thread_ctxsw(int pid, uint64_t *vol, uint64_t *invol, char *buf, size_t size)
+/* Add one thread's context switches; returns -1 when it has exited. */
+static int thread_ctxsw(int pid, struct gp_thread_fds *t, uint64_t *vol, uint64_t *invol, char *buf, size_t size)
 {
-    char path[320];
-    snprintf(path, sizeof(path), "/proc/%d/task", pid);
-    DIR *d = opendir(path);
-    if (!d)
-        return -1;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] < '0' || e->d_name[0] > '9')
-            continue;
-        snprintf(path, sizeof(path), "/proc/%d/task/%s/status", pid, e->d_name);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-            continue; /* the thread exited since readdir */
-        if (read_at0(fd, buf, size) > 0)
-            add_ctxsw(buf, vol, invol);
-        close(fd);
+    uint64_t runtime = UINT64_MAX;
+    if (t->schedstat_fd >= 0) {
+        if (read_at0(t->schedstat_fd, buf, size) <= 0)
+            return -1;
+        runtime = strtoull(buf, NULL, 10);
     }
-    closedir(d);
+    if (runtime == UINT64_MAX || runtime != t->last_runtime_ns) {
+        ssize_t len;
+        if (t->status_fd >= 0) {
+            len = read_at0(t->status_fd, buf, size);
+        } else {
+            char path[96];
+            snprintf(path, sizeof(path), "/proc/%d/task/%d/status", pid, t->tid);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            len = fd < 0 ? -1 : read_at0(fd, buf, size);
+            if (fd >= 0)
+                close(fd);
+        }
+        if (len <= 0)
+            return -1;
+        status_ctxsw(buf, &t->last_vol, &t->last_invol);
+        t->last_runtime_ns = runtime;
+    } /* else: not switched out since the last call, so its counts cannot have changed */
+    *vol += t->last_vol;
+    *invol += t->last_invol;
     return 0;
 }
 
 /* One row per process; returns how many processes were read without error. */
-EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_proc_row *out)
+EXPORT int gp_sample_procs(const struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads,
+                           struct gp_proc_row *out)
 {
     char buf[4096];
     int ok = 0;
     for (int i = 0; i < n; i++) {
         struct gp_proc_row *r = &out[i];
+        const struct gp_proc_fds *pf = &procs[i];
         memset(r, 0, sizeof(*r));
-        ssize_t len = read_at0(procs[i].stat_fd, buf, sizeof(buf));
+        ssize_t len = read_at0(pf->stat_fd, buf, sizeof(buf));
         if (len <= 0) {
             r->status = len == 0 ? -ESRCH : -errno;
             continue;
@@ -140,27 +156,24 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_proc_row 
         r->cpu_ticks = f[11] + f[12];
         r->threads = (uint32_t)f[17];
         r->rss_pages = f[21];
-        struct gp_proc_fds *pf = &procs[i];
-        uint64_t runtime = UINT64_MAX;
-        if (r->threads <= 1 && pf->schedstat_fd >= 0 && read_at0(pf->schedstat_fd, buf, sizeof(buf)) > 0)
-            runtime = strtoull(buf, NULL, 10);
-        if (runtime != UINT64_MAX && runtime == pf->last_runtime_ns) {
-            r->vol_ctxsw = pf->last_vol; /* not switched out since the last call */
-            r->invol_ctxsw = pf->last_invol;
-        } else if (r->threads <= 1 || thread_ctxsw(pf->pid, &r->vol_ctxsw, &r->invol_ctxsw, buf, sizeof(buf)) != 0) {
-            len = read_at0(pf->status_fd, buf, sizeof(buf));
-            if (len <= 0) {
-                r->status = len == 0 ? -ESRCH : -errno;
+        uint32_t live = 0;
+        for (int t = pf->first_thread; t < pf->first_thread + pf->n_threads; t++) {
+            struct gp_thread_fds *th = &threads[t];
+            if (th->gone)
                 continue;
-            }
-            add_ctxsw(buf, &r->vol_ctxsw, &r->invol_ctxsw);
+            if (thread_ctxsw(pf->pid, th, &r->vol_ctxsw, &r->invol_ctxsw, buf, sizeof(buf)) != 0)
+                th->gone = 1;
+            else
+                live++;
         }
-        pf->last_runtime_ns = runtime;
-        pf->last_vol = r->vol_ctxsw;
-        pf->last_invol = r->invol_ctxsw;
+        r->threads_read = live;
+        if (live == 0) {
+            r->status = -ESRCH; /* every listed thread exited: the process is gone (or the list is stale) */
+            continue;
+        }
         r->read_bytes = r->write_bytes = UINT64_MAX;
-        if (procs[i].io_fd >= 0) {
-            len = read_at0(procs[i].io_fd, buf, sizeof(buf));
+        if (pf->io_fd >= 0) {
+            len = read_at0(pf->io_fd, buf, sizeof(buf));
             if (len < 0) {
                 r->status = -errno;
                 continue;
@@ -174,9 +187,10 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_proc_row 
 }
 
 /* The layout, so that the Python side checks it matches its numpy dtypes. */
-EXPORT int gp_proc_layout(int *fds_size, int *row_size)
+EXPORT int gp_proc_layout(int *fds_size, int *thread_size, int *row_size)
 {
     *fds_size = (int)sizeof(struct gp_proc_fds);
+    *thread_size = (int)sizeof(struct gp_thread_fds);
     *row_size = (int)sizeof(struct gp_proc_row);
     return 0;
 }

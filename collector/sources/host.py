@@ -52,7 +52,7 @@ class _Fd:
 
 
 class _Proc:
-    __slots__ = ("io", "io_missing", "pid", "schedstat", "stat", "status", "thread_status", "threads")
+    __slots__ = ("io", "io_missing", "pid", "stat", "status", "thread_fds", "thread_status", "threads")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -68,19 +68,41 @@ class _Proc:
         except FileNotFoundError:
             self.io = None
             self.io_missing = "kernel without task I/O accounting (/proc/PID/io absent)"
-        self.schedstat: _Fd | None = None  # read by the C reader only (collector/native/procsample.c)
-        try:
-            self.schedstat = _Fd(f"/proc/{pid}/schedstat")
-        except OSError:
-            pass  # kernel without CONFIG_SCHED_INFO: status is read at every tick
         self.threads = 0
-        self.thread_status: dict[int, _Fd] = {}
+        self.thread_status: dict[int, _Fd] = {}  # Python path: each thread's status
+        # C path: (status, schedstat) of each thread, None where it could not be opened
+        self.thread_fds: dict[int, tuple[_Fd | None, _Fd | None]] = {}
+
+    def list_threads(self) -> None:
+        """(Re)open the descriptors of the C path for the threads /proc/PID/task lists now."""
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
+        except OSError:
+            tids = set()
+        for tid in [t for t in self.thread_fds if t not in tids]:
+            for f in self.thread_fds.pop(tid):
+                if f is not None:
+                    f.close()
+        for tid in tids - self.thread_fds.keys():
+            self.thread_fds[tid] = (_open_or_none(f"/proc/{self.pid}/task/{tid}/status"),
+                                    _open_or_none(f"/proc/{self.pid}/task/{tid}/schedstat"))
 
     def close(self) -> None:
-        for f in (self.stat, self.status, self.io, self.schedstat, *self.thread_status.values()):
+        for f in (self.stat, self.status, self.io, *self.thread_status.values(),
+                  *(x for pair in self.thread_fds.values() for x in pair)):
             if f is not None:
                 f.close()
         self.thread_status.clear()
+        self.thread_fds.clear()
+
+
+def _open_or_none(path: str) -> _Fd | None:
+    """None when the file cannot be opened: out of descriptors (the C reader then opens the status
+    by path at each read), a kernel without schedstat, or a thread that just exited."""
+    try:
+        return _Fd(path)
+    except OSError:
+        return None
 
 
 def _ctxsw(status: bytes) -> tuple[int, int]:
@@ -113,6 +135,7 @@ class HostSource(Source):
         self._native: Any = None
         self.proc_reader = ""
         self._fds = np.zeros(0, native.PROC_FDS_DTYPE)
+        self._threads = np.zeros(0, native.THREAD_FDS_DTYPE)
         self._out = np.zeros(0, native.PROC_ROW_DTYPE)
 
     def start(self, ctx: SourceContext) -> None:
@@ -173,21 +196,40 @@ class HostSource(Source):
                     self._procs[pid] = _Proc(pid)
                 except OSError:
                     continue  # exited before we could open it
+                if self._native is not None:
+                    self._procs[pid].list_threads()
         self._native_fds()
 
     def _native_fds(self) -> None:
-        """The descriptors of _procs as the C reader takes them (rebuilt when the set changes; what
-        the reader keeps per process, its last run time and switch counts, carries over)."""
-        last = {int(r["pid"]): r for r in self._fds[["pid", "last_runtime_ns", "last_vol", "last_invol"]]}
+        """The descriptors of _procs and their threads as the C reader takes them (rebuilt when a
+        process or thread comes or goes; what the reader keeps per thread, its last run time and
+        switch counts, carries over)."""
+        if self._native is None:
+            return
+        last = {(int(r["pid"]), int(r["tid"])): r for r in self._thread_rows_with_pid()}
         fds = np.zeros(len(self._procs), native.PROC_FDS_DTYPE)
+        threads = np.zeros(sum(len(p.thread_fds) for p in self._procs.values()), native.THREAD_FDS_DTYPE)
+        k = 0
         for i, p in enumerate(self._procs.values()):
-            prev = last.get(p.pid)
-            fds[i] = (p.pid, p.stat.fd, p.status.fd, p.io.fd if p.io is not None else -1,
-                      p.schedstat.fd if p.schedstat is not None else -1, 0,
-                      int(prev["last_runtime_ns"]) if prev is not None else np.iinfo(np.uint64).max,
-                      int(prev["last_vol"]) if prev is not None else 0, int(prev["last_invol"]) if prev is not None else 0)
-        self._fds = fds
+            fds[i] = (p.pid, p.stat.fd, p.io.fd if p.io is not None else -1, k, len(p.thread_fds), 0)
+            for tid, (status, schedstat) in p.thread_fds.items():
+                prev = last.get((p.pid, tid))
+                threads[k] = (tid, status.fd if status is not None else -1,
+                              schedstat.fd if schedstat is not None else -1, 0,
+                              int(prev["last_runtime_ns"]) if prev is not None else np.iinfo(np.uint64).max,
+                              int(prev["last_vol"]) if prev is not None else 0,
+                              int(prev["last_invol"]) if prev is not None else 0)
+                k += 1
+        self._fds, self._threads = fds, threads
         self._out = np.zeros(len(fds), native.PROC_ROW_DTYPE)
+
+    def _thread_rows_with_pid(self) -> list[dict[str, int]]:
+        out = []
+        for f in self._fds:
+            for t in self._threads[int(f["first_thread"]): int(f["first_thread"]) + int(f["n_threads"])]:
+                out.append({"pid": int(f["pid"]), "tid": int(t["tid"]), "last_runtime_ns": int(t["last_runtime_ns"]),
+                            "last_vol": int(t["last_vol"]), "last_invol": int(t["last_invol"])})
+        return out
 
     def _thread_ctxsw(self, p: _Proc) -> tuple[int, int]:
         """Context switches summed over all threads (status of the leader counts only itself)."""
@@ -255,8 +297,17 @@ class HostSource(Source):
         n = len(self._fds)
         if n == 0:
             return _EMPTY_PROCS
-        self._native.gp_sample_procs(self._fds.ctypes.data, n, self._out.ctypes.data)
+        self._native.gp_sample_procs(self._fds.ctypes.data, n, self._threads.ctypes.data, self._out.ctypes.data)
         out, fds = self._out, self._fds
+        # Threads came or went since they were listed: relist those processes for the next tick
+        # (this tick's sums cover the listed threads that are still alive).
+        stale = np.flatnonzero((out["status"] == 0) & (out["threads_read"] != out["threads"]))
+        if len(stale):
+            for pid in fds["pid"][stale].tolist():
+                self._procs[pid].list_threads()
+            relist = True
+        else:
+            relist = False
         status = out["status"]
         if status.any():
             gone = status == -errno.ESRCH
@@ -268,7 +319,7 @@ class HostSource(Source):
             for pid in fds["pid"][gone].tolist():
                 self._procs.pop(pid).close()
             keep = ~gone
-            self._native_fds()
+            relist = True
             out, fds = out[keep], fds[keep]
         if "io_bytes" not in self._missing_reported and (fds["io_fd"] < 0).any():
             p = self._procs[int(fds["pid"][np.argmax(fds["io_fd"] < 0)])]
@@ -285,6 +336,8 @@ class HostSource(Source):
         rows["involuntary_ctxsw"] = out["invol_ctxsw"]
         rows["read_bytes"] = out["read_bytes"]
         rows["write_bytes"] = out["write_bytes"]
+        if relist:
+            self._native_fds()
         return rows
 
     def at_seal(self, f: Any) -> None:
