@@ -1,7 +1,19 @@
-"""The job-wide analysis on rank 0: node summaries in, everything the job file and reports need out.
+"""The job-wide analysis on rank 0: node summaries and calls in, everything the job file and reports need out.
 
-Pure: no MPI, no paths opened. The order of `summaries` does not matter (they are sorted by file
-name here), so every rank count gives the same result.
+No MPI and no paths: the calls arrive in a CommStore (matching.py), one node at a time, and the
+analysis reads the store back in passes over blocks of instances (common.BLOCK_CELLS cells each):
+
+  1. scan (fit_clocks): completeness and mismatch flags per instance, and the clock fit's
+     [instance x node] input appended to an InstanceTable; then the clock fit, which reads that
+     table by rows;
+  2. finish: per block, aligned times, wait states and their per-rank sums (CommSummary), the block
+     handed to a sink (the job file's /collectives in the merge, memory for library callers); then
+     mismatches, stragglers (reading aligned times by windows and by rank), the report.
+
+With the store and the instance table in an HDF5 scratch file, what stays in memory is per node
+(summaries, clock models, per-window clock estimates), per instance (vectors) or per rank (sums),
+plus one block: never the [instance x node] tables. The summaries are sorted by file name and the
+blocks depend only on the tables' widths, so every rank count gives the same result.
 """
 
 from __future__ import annotations
@@ -9,24 +21,43 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import h5py
 import numpy as np
 
 from collector import schema
-from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, fit_clocks
+from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, NodeClockModel, fit_clocks
 from mpi_merge.loading import NodeSummary
 from mpi_merge.matching import (
+    P2P_OPS,
+    CommStore,
     CommTable,
+    InstanceTable,
     Mismatch,
-    build_comms,
+    MismatchRows,
+    StoredComm,
     describe,
     find_mismatches,
+    job_comm_shapes,
     match_p2p,
+    mismatch_rows,
     node_instances,
 )
 from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, Finding, StragglerParams, find_stragglers
-from mpi_merge.waitstates import PATTERNS, CommWaits, P2PWaits, compute_p2p_waits, compute_waits, rank_summary
+from mpi_merge.waitstates import (
+    PATTERNS,
+    CommSummary,
+    CommWaits,
+    P2PWaits,
+    compute_p2p_waits,
+    compute_waits,
+    concat_waits,
+    rank_summary,
+)
+
+LANE_INSTANCES, LANE_RANKS = 60, 64  # what the HTML lanes show of the first communicator
+HEAT_COLUMNS, HEAT_CELLS = 300, 40_000  # the HTML wait heat map: groups of instances, rank x group cells
 
 
 @dataclass
@@ -34,6 +65,18 @@ class Excluded:
     file: str
     node: str
     reason: str
+
+
+@dataclass
+class Lanes:
+    """Instances of the first communicator the HTML draws as lanes (the first LANE_RANKS ranks)."""
+
+    seqs: np.ndarray  # [n]
+    enter: np.ndarray  # [n, shown] aligned float ns
+    exit: np.ndarray
+    first_enter: np.ndarray  # [n] over all ranks
+    last_exit: np.ndarray
+    last_rank: np.ndarray  # [n]
 
 
 @dataclass
@@ -45,16 +88,19 @@ class JobAnalysis:
     missing_nodes: list[str]  # expected but no file
     epoch_rt: int
     clock: ClockFit
-    comms: list[CommTable]
-    enter_al: list[np.ndarray]
-    exit_al: list[np.ndarray]
-    waits: list[CommWaits]
+    comms: list[CommSummary]  # per communicator: per-instance vectors and per-rank sums
     p2p_waits: P2PWaits | None
     mismatches: list[Mismatch]
     findings: list[Finding]
     straggler_metrics: dict[str, Any]
+    lanes: Lanes | None = None  # first communicator, for the HTML
+    heat: np.ndarray | None = None  # [size, columns] mean wait per rank and group of instances, first communicator
     partial_reasons: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    # Full [seq x rank] tables per communicator: kept by analyze() for library callers only. The
+    # merge streams them into the job file block by block and leaves these empty.
+    tables: list[CommTable] = field(default_factory=list)
+    waits: list[CommWaits] = field(default_factory=list)
 
     @property
     def node_names(self) -> list[str]:
@@ -109,6 +155,252 @@ def select_nodes(
     return chosen, excluded, missing, job_id
 
 
+@dataclass
+class Selection:
+    """The files to merge, from select_nodes, and what follows from them before any call is read."""
+
+    nodes: list[NodeSummary]
+    excluded: list[Excluded]
+    missing: list[str]
+    job_id: str
+
+    @classmethod
+    def of(cls, summaries: list[NodeSummary], job_id: str | None, expect_nodes: list[str] | None) -> Selection:
+        return cls(*select_nodes(summaries, job_id, expect_nodes))
+
+    @property
+    def epoch_rt(self) -> int:
+        return min((s.span_rt[0] for s in self.nodes if s.span_rt is not None), default=0)
+
+    def comm_shapes(self) -> dict[int, tuple[int, int]]:
+        return job_comm_shapes([s.comm_shapes for s in self.nodes])
+
+
+def p2p_rows(calls: np.ndarray) -> np.ndarray:
+    """The point-to-point calls of a node: all match_p2p reads of it."""
+    return calls[np.isin(calls["op"], list(P2P_OPS))]
+
+
+class CommSink(Protocol):
+    """Where the [seq x rank] tables of each communicator go, block by block, in seq order."""
+
+    def begin(self, c: StoredComm) -> None: ...
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None: ...
+    def end(self, summary: CommSummary) -> None: ...
+
+
+class MemorySink:
+    """Keeps every communicator's full tables (library use: analyze())."""
+
+    def __init__(self) -> None:
+        self.tables: list[CommTable] = []
+        self.waits: list[CommWaits] = []
+        self._blocks: list[CommTable] = []
+        self._waits: list[CommWaits] = []
+
+    def begin(self, c: StoredComm) -> None:
+        self._blocks, self._waits = [], []
+
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None:
+        self._blocks.append(blk)
+        self._waits.append(w)
+
+    def end(self, summary: CommSummary) -> None:
+        b = self._blocks
+
+        def whole(f: str) -> np.ndarray:
+            return np.concatenate([getattr(x, f) for x in b])
+
+        self.tables.append(CommTable(b[0].comm_id, b[0].size, b[0].node_of_rank, b[0].pid_of_rank, whole("enter"),
+                                     whole("exit"), whole("op"), whole("nbytes"), whole("root")))
+        self.waits.append(concat_waits(self._waits))
+
+
+def _models_of_rank(c: StoredComm, names: list[str], models: dict[str, NodeClockModel]) -> list[NodeClockModel | None]:
+    return [models[names[int(ni)]] if ni >= 0 else None for ni in c.node_of_rank]
+
+
+def align_columns(t: np.ndarray, models_of_rank: list[NodeClockModel | None], r0: int = 0) -> np.ndarray:
+    """Raw [rows, ranks r0..] times -> the reference node's clock, each column with its node's model."""
+    out = t.copy()
+    for j in range(t.shape[1]):
+        m = models_of_rank[r0 + j]
+        if m is not None:
+            out[:, j] = m.align(t[:, j])
+    return out
+
+
+@dataclass
+class StoreAligned:
+    """stragglers.AlignedRows of one communicator: raw times from the store, aligned on reading."""
+
+    store: CommStore
+    ci: int
+    models_of_rank: list[NodeClockModel | None]
+
+    def _read(self, name: str, seqs: np.ndarray, ranks: slice) -> np.ndarray:
+        r0 = ranks.indices(self.store.comms[self.ci].size)[0]
+        return align_columns(self.store.read(self.ci, name, seqs, ranks), self.models_of_rank, r0)
+
+    def enter(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
+        return self._read("enter", seqs, ranks)
+
+    def exit(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
+        return self._read("exit", seqs, ranks)
+
+
+class JobAnalyzer:
+    """The analysis of one selection of nodes whose calls are in `store` (node i = nodes[i])."""
+
+    def __init__(self, sel: Selection, store: CommStore, p2p_calls: list[np.ndarray], scratch: h5py.Group | None = None):
+        self.sel = sel
+        self.store = store
+        self.p2p_calls = p2p_calls
+        self.scratch = scratch
+        self.names = [s.node for s in sel.nodes]
+        self.partial: list[str] = []
+        for e in sel.excluded:
+            self.partial.append(f"excluded {Path(e.file).name}: {e.reason}")
+        for n in sel.missing:
+            self.partial.append(f"node {n}: expected, but no node file")
+        for s in sel.nodes:
+            for r in s.partial_reasons:
+                self.partial.append(f"node {s.node}: {r}")
+        for s in sel.nodes:
+            if not s.n_calls:
+                self.partial.append(f"node {s.node}: no collective calls recorded (metrics kept, clock not aligned)")
+        self.mismatch_flags: list[MismatchRows] = []
+        self.complete: list[np.ndarray] = []
+        self.clock: ClockFit | None = None
+
+    def fit_clocks(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS) -> ClockFit:
+        """Pass 1 over the store, then the clock fit. Returns the models every rank needs."""
+        nodes, names = self.sel.nodes, self.names
+        inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms), self.scratch)
+        for ci, c in enumerate(self.store.comms):
+            flags = []
+            complete = np.zeros(c.n_seq, bool)
+            for s0, s1 in self.store.blocks(ci):
+                blk = self.store.block(ci, s0, s1)
+                flags.append(mismatch_rows(blk))
+                complete[s0:s1] = blk.complete()
+                inst.append(node_instances([blk], len(nodes)))
+            self.mismatch_flags.append(MismatchRows.concat(flags))
+            self.complete.append(complete)
+        if reference and reference not in names:
+            self.partial.append(f"configured reference node {reference} not among the merged nodes; using the first")
+            reference = ""
+        if not reference:
+            with_calls = [s.node for s in nodes if s.n_calls]
+            reference = with_calls[0] if with_calls else (names[0] if names else "")
+        if names:
+            clock = fit_clocks(inst, names, reference, params,
+                               clock_domains=[f"{s.hostname}/{s.boot_id}" for s in nodes])
+        else:
+            clock = ClockFit(reference, params.method, [], [])
+        for m in clock.models:
+            if not m.aligned and nodes[names.index(m.node)].n_calls:
+                self.partial.append(f"node {m.node}: clock not aligned: {m.reason}")
+        self.clock = clock
+        return clock
+
+    def finish(self, sink: CommSink, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS) -> JobAnalysis:
+        """Pass 2 (aligned times and wait states, to the sink), mismatches, stragglers, the report."""
+        if self.clock is None:
+            raise RuntimeError("JobAnalyzer.finish before fit_clocks: no clock models to align with")
+        sel, store, names, epoch = self.sel, self.store, self.names, self.store.epoch_rt
+        models = {m.node: m for m in self.clock.models}
+        comms: list[CommSummary] = []
+        heat = None
+        for ci, c in enumerate(store.comms):
+            mr = _models_of_rank(c, names, models)
+            cs = CommSummary.empty(c.comm_id, c.size, c.n_seq, c.node_of_rank, c.pid_of_rank)
+            heat_acc = _HeatMap(self.complete[ci], c.size) if ci == 0 else None
+            sink.begin(c)
+            for s0, s1 in store.blocks(ci):
+                blk = store.block(ci, s0, s1)
+                E, X = align_columns(blk.enter, mr), align_columns(blk.exit, mr)
+                w = compute_waits(blk, E, X)
+                cs.add(s0, w, E)
+                if heat_acc is not None:
+                    heat_acc.add(s0, w)
+                sink.block(blk, E, X, w)
+            sink.end(cs)
+            comms.append(cs)
+            if heat_acc is not None:
+                heat = heat_acc.result()
+        p2p = match_p2p(self.p2p_calls, epoch)
+        p2p_waits = None
+        if len(p2p.src):
+            def al(nodes_idx: np.ndarray, t: np.ndarray) -> np.ndarray:
+                out = t.copy()
+                for ni in np.unique(nodes_idx):
+                    sel_ = nodes_idx == ni
+                    out[sel_] = models[names[int(ni)]].align(t[sel_])
+                return out
+            p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
+                                          al(p2p.recv_node, p2p.recv_enter))
+        partial_nodes = {s.node for s in sel.nodes if s.partial_reasons}
+        mism = find_mismatches(store, self.mismatch_flags, names, partial_nodes,
+                               {e.node: e.reason for e in sel.excluded if e.node})
+        for mm in mism:
+            self.partial.append(f"communicator {mm.comm_id:#x}: {mm.kind} at seq {mm.first_seq}: {mm.detail}")
+        times = [StoreAligned(store, ci, _models_of_rank(c, names, models)) for ci, c in enumerate(store.comms)]
+        findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params)
+        a = JobAnalysis(
+            job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
+            missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
+            mismatches=mism, findings=findings, straggler_metrics=smetrics,
+            lanes=_lanes(comms[0], times[0]) if comms else None, heat=heat, partial_reasons=self.partial,
+        )
+        if p2p.unmatched:
+            a.partial_reasons.append(f"{p2p.unmatched} point-to-point calls without a matching partner")
+        a.report = build_report_dict(a, p2p.unmatched)
+        return a
+
+
+class _HeatMap:
+    """Mean wait per rank over groups of the first communicator's complete instances: at most
+    HEAT_COLUMNS columns and about HEAT_CELLS cells whatever the rank count, summed block by block."""
+
+    def __init__(self, complete: np.ndarray, size: int):
+        comp = np.flatnonzero(complete)
+        n_cols = min(max(20, min(HEAT_COLUMNS, HEAT_CELLS // max(1, size))), len(comp))
+        self.group_of = np.full(len(complete), -1, np.int64)
+        for g, rows in enumerate(np.array_split(comp, n_cols) if n_cols else []):
+            self.group_of[rows] = g
+        self.sums = np.zeros((n_cols, size))
+        self.counts = np.zeros((n_cols, size), np.int64)
+
+    def add(self, s0: int, w: CommWaits) -> None:
+        g = self.group_of[s0:s0 + len(w.complete)]
+        rows = np.flatnonzero(g >= 0)
+        if not len(rows):
+            return
+        gg, W = g[rows], w.waits[rows]
+        starts = np.flatnonzero(np.diff(gg, prepend=-1))  # groups are runs of increasing seq
+        for a, b in zip(starts, np.append(starts[1:], len(gg))):
+            self.sums[gg[a]] += np.nansum(W[a:b], axis=0)
+            self.counts[gg[a]] += np.isfinite(W[a:b]).sum(axis=0)
+
+    def result(self) -> np.ndarray | None:
+        """[size, columns], NaN where a rank has no wait in a group; None without complete instances."""
+        if not len(self.sums):
+            return None
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.counts > 0, self.sums / np.maximum(self.counts, 1), np.nan).T
+
+
+def _lanes(c: CommSummary, times: StoreAligned) -> Lanes | None:
+    comp = np.flatnonzero(c.complete)
+    if not len(comp):
+        return None
+    seqs = comp[len(comp) // 2:][:LANE_INSTANCES]
+    E, X = times.enter(seqs), times.exit(seqs)
+    shown = slice(0, min(c.size, LANE_RANKS))
+    return Lanes(seqs, E[:, shown], X[:, shown], E.min(axis=1), X.max(axis=1), c.last_rank[seqs])
+
+
 def analyze(
     summaries: list[NodeSummary],
     *,
@@ -119,85 +411,22 @@ def analyze(
     straggler_params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
     release_calls: bool = False,
 ) -> JobAnalysis:
-    """`release_calls`: empty each summary's call array once matched (the merge driver's choice, to
-    bound rank 0's memory; library callers that analyze the same summaries twice keep them)."""
-    nodes, excluded, missing, job = select_nodes(summaries, job_id, expect_nodes)
-    partial: list[str] = []
-    for e in excluded:
-        partial.append(f"excluded {Path(e.file).name}: {e.reason}")
-    for n in missing:
-        partial.append(f"node {n}: expected, but no node file")
-    for s in nodes:
-        for r in s.partial_reasons:
-            partial.append(f"node {s.node}: {r}")
-    names = [s.node for s in nodes]
-    epoch = min((s.span_rt[0] for s in nodes if s.span_rt is not None), default=0)
-    calls = [s.calls for s in nodes]
-    for s in nodes:
-        if not s.n_calls:
-            partial.append(f"node {s.node}: no collective calls recorded (metrics kept, clock not aligned)")
-    comms = build_comms(calls, epoch)
-    inst = node_instances(comms, len(nodes))
-    if reference and reference not in names:
-        partial.append(f"configured reference node {reference} not among the merged nodes; using the first")
-        reference = ""
-    if not reference:
-        with_calls = [s.node for s in nodes if s.n_calls]
-        reference = with_calls[0] if with_calls else (names[0] if names else "")
-    if names:
-        clock = fit_clocks(inst, names, reference, clock_params,
-                           clock_domains=[f"{s.hostname}/{s.boot_id}" for s in nodes])
-    else:
-        clock = ClockFit(reference, clock_params.method, [], [])
-    for m in clock.models:
-        if not m.aligned and nodes[names.index(m.node)].n_calls:
-            partial.append(f"node {m.node}: clock not aligned: {m.reason}")
-    models = {m.node: m for m in clock.models}
-    enter_al, exit_al = [], []
-    for t in comms:
-        E = t.enter.copy()
-        X = t.exit.copy()
-        for col in range(t.size):
-            ni = int(t.node_of_rank[col])
-            if ni >= 0:
-                E[:, col] = models[names[ni]].align(E[:, col])
-                X[:, col] = models[names[ni]].align(X[:, col])
-        enter_al.append(E)
-        exit_al.append(X)
-    waits = [compute_waits(t, E, X) for t, E, X in zip(comms, enter_al, exit_al)]
-    p2p = match_p2p(calls, epoch)
-    p2p_waits = None
-    if len(p2p.src):
-        def al(nodes_idx: np.ndarray, t: np.ndarray) -> np.ndarray:
-            out = t.copy()
-            for ni in np.unique(nodes_idx):
-                sel = nodes_idx == ni
-                out[sel] = models[names[int(ni)]].align(t[sel])
-            return out
-        p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
-                                      al(p2p.recv_node, p2p.recv_enter))
-    # the per-call arrays are not needed past matching: release them (at 128 nodes they are the
-    # largest thing rank 0 holds), keeping only the counts the report shows
-    del calls, inst
-    if release_calls:
-        for s in nodes:
-            s.calls = s.calls[:0]
-    partial_nodes = {s.node for s in nodes if s.partial_reasons}
-    mism = find_mismatches(comms, names, partial_nodes, {e.node: e.reason for e in excluded if e.node})
-    for mm in mism:
-        partial.append(f"communicator {mm.comm_id:#x}: {mm.kind} at seq {mm.first_seq}: {mm.detail}")
-    findings, smetrics = find_stragglers(
-        comms, waits, enter_al, exit_al, names, [s.series for s in nodes], epoch, 0.0, straggler_params
-    )
-    a = JobAnalysis(
-        job_id=job, synthetic=any(s.synthetic for s in nodes), nodes=nodes, excluded=excluded,
-        missing_nodes=missing, epoch_rt=epoch, clock=clock, comms=comms, enter_al=enter_al, exit_al=exit_al,
-        waits=waits, p2p_waits=p2p_waits, mismatches=mism, findings=findings, straggler_metrics=smetrics,
-        partial_reasons=partial,
-    )
-    if p2p.unmatched:
-        a.partial_reasons.append(f"{p2p.unmatched} point-to-point calls without a matching partner")
-    a.report = build_report_dict(a, p2p.unmatched)
+    """The whole analysis in memory, from summaries that carry their calls (library use; the merge
+    driver runs the same JobAnalyzer on a scratch file). `release_calls`: empty each summary's call
+    array once it is in the store."""
+    sel = Selection.of(summaries, job_id, expect_nodes)
+    store = CommStore(sel.comm_shapes(), sel.epoch_rt)
+    p2p = []
+    for ni, s in enumerate(sel.nodes):
+        store.add_node(ni, s.calls)
+        p2p.append(p2p_rows(s.calls))
+        if release_calls:
+            s.calls = np.zeros(0, s.calls.dtype)  # not a slice, which would keep the array
+    job = JobAnalyzer(sel, store, p2p)
+    job.fit_clocks(reference, clock_params)
+    sink = MemorySink()
+    a = job.finish(sink, straggler_params)
+    a.tables, a.waits = sink.tables, sink.waits
     return a
 
 
@@ -215,7 +444,7 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
             "node": s.node, "file": Path(s.file).name, "hostname": s.hostname, "sealed": s.sealed,
             "partial_reasons": s.partial_reasons, "collective_calls": s.n_calls,
             "drops": s.drops, "drops_total": int(sum(s.drops.values())), "errors": s.errors[:20],
-            "errors_total": len(s.errors), "missing_metrics": s.missing_metrics[:20],
+            "errors_total": s.errors_total, "missing_metrics": s.missing_metrics[:20],
             "clock": {
                 "aligned": m.aligned, "reason": m.reason, "reference": m.is_reference,
                 "offset_us": _f(float(m.offset_ns(np.array([m.seg_start[0]]))[0]) / 1e3) if len(m.seg_start) else None,
@@ -236,22 +465,19 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
             elif u < 30.0:
                 idle.append({"node": s.node, "gpu": g["gpu"], "activity_mean": u, "verdict": "underused"})
     comms = []
-    for t, w in zip(a.comms, a.waits):
-        comp = w.complete
-        pat = {}
-        for pi, name in enumerate(PATTERNS):
-            sel = w.pattern == pi
-            if sel.any():
-                pat[name] = {"instances": int(sel.sum()), "wait_ms_total": float(np.nansum(w.waits[sel])) / ms}
-        skew = w.last_enter[comp] - np.nanmin(a.enter_al[a.comms.index(t)][comp], axis=1) if comp.any() else np.zeros(0)
+    for c in a.comms:
+        comp = c.complete
+        pat = {name: {"instances": int(c.pattern_instances[pi]), "wait_ms_total": float(c.pattern_wait_ns[pi]) / ms}
+               for pi, name in enumerate(PATTERNS) if c.pattern_instances[pi]}
+        skew = c.skew()
         comms.append({
-            "comm_id": f"{t.comm_id:#x}", "size": t.size, "instances": t.n_seq, "complete": int(comp.sum()),
-            "ranks_seen": int((t.node_of_rank >= 0).sum()), "patterns": pat,
+            "comm_id": f"{c.comm_id:#x}", "size": c.size, "instances": c.n_seq, "complete": int(comp.sum()),
+            "ranks_seen": int((c.node_of_rank >= 0).sum()), "patterns": pat,
             "arrival_skew_ms": {"median": _f(float(np.median(skew)) / ms) if len(skew) else None,
                                 "p99": _f(float(np.percentile(skew, 99)) / ms) if len(skew) else None},
-            "own_time_ms_median": _f(float(np.nanmedian(w.own_time[comp])) / ms) if comp.any() else None,
+            "own_time_ms_median": _f(float(np.nanmedian(c.own_time[comp])) / ms) if comp.any() else None,
         })
-    ranks = rank_summary(a.waits, a.comms, a.node_names)
+    ranks = rank_summary(a.comms, a.node_names)
     return {
         "schema": "slurm-gpuprof.report", "schema_version": 1, "job_id": a.job_id, "synthetic": a.synthetic,
         "status": "partial" if a.partial else "complete", "partial_reasons": a.partial_reasons,

@@ -22,16 +22,28 @@ Method "bounds" (ours), per window of `window_s`:
 
 The naive methods (none, constant, start_end, exit_median) are the same function with another
 `method`, so the benchmark compares them on identical data.
+
+The input is read by rows (InstanceRows): in memory (NodeInstances) or from the merge's scratch
+file (matching.InstanceTable). Every pass holds one block of about BLOCK_CELLS instance x node
+cells; what stays in memory is per instance (its time) and per window and node (the estimates).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from mpi_merge.common import nanmedian_rows, nanquantile_cols, quiet_nan
-from mpi_merge.matching import NodeInstances
+from mpi_merge.common import (
+    block_rows,
+    nanmedian_rows,
+    nanquantile_cols,
+    nanquantile_groups,
+    quiet_nan,
+    row_blocks,
+)
 
 METHODS = ("bounds", "bounds_center", "exit_median", "start_end", "constant", "none")
 
@@ -101,34 +113,147 @@ class ClockFit:
         raise KeyError(node)
 
 
-def components(present: np.ndarray) -> list[list[int]]:
-    """Groups of nodes connected by shared instances (union-find over instance rows)."""
-    n = present.shape[1]
-    parent = list(range(n))
+class InstanceRows(Protocol):
+    """Per N-to-N instance (row) and node (column): the latest enter, earliest exit and median exit
+    of the node's ranks, raw float ns from the epoch, NaN where the node took no part. Read by rows."""
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
+    @property
+    def n_rows(self) -> int: ...
+
+    @property
+    def n_cols(self) -> int: ...
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(enter_max, exit_min, exit_med) of the given rows, each [len(rows), n_cols]."""
+        ...
+
+
+def _chunked_take(src: InstanceRows, rows: np.ndarray,
+                  reduce: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """reduce(src.take(chunk)) over chunks of rows small enough for src's width, concatenated: a view
+    with fewer columns than its source reads no more than a block of the source at a time."""
+    step = block_rows(src.n_cols)
+    parts = [reduce(*src.take(rows[i:i + step])) for i in range(0, len(rows), step)]
+    if not parts:
+        return reduce(*src.take(rows))
+    return tuple(np.concatenate([p[j] for p in parts]) for j in range(3))  # type: ignore[return-value]
+
+
+@dataclass
+class _Subset:
+    """Rows `rows` (in that order) and columns `cols` of another source."""
+
+    src: InstanceRows
+    rows: np.ndarray
+    cols: list[int] | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_cols(self) -> int:
+        return self.src.n_cols if self.cols is None else len(self.cols)
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.cols is None:
+            return self.src.take(self.rows[rows])
+        cols = self.cols
+        return _chunked_take(self.src, self.rows[rows], lambda E, Xn, Xm: (E[:, cols], Xn[:, cols], Xm[:, cols]))
+
+
+@dataclass
+class _Collapsed:
+    """Columns of another source merged by group (nodes that read one clock)."""
+
+    src: InstanceRows
+    groups: list[list[int]]
+
+    @property
+    def n_rows(self) -> int:
+        return self.src.n_rows
+
+    @property
+    def n_cols(self) -> int:
+        return len(self.groups)
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def collapse(E: np.ndarray, Xn: np.ndarray, Xm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            with quiet_nan():
+                return (np.column_stack([np.nanmax(E[:, g], axis=1) for g in self.groups]),
+                        np.column_stack([np.nanmin(Xn[:, g], axis=1) for g in self.groups]),
+                        np.column_stack([np.nanmedian(Xm[:, g], axis=1) for g in self.groups]))
+
+        return _chunked_take(self.src, rows, collapse)
+
+
+def _all(k0: int, k1: int) -> np.ndarray:
+    return np.arange(k0, k1)
+
+
+class _UnionFind:
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        p = self.parent
+        while p[x] != x:
+            p[x] = p[p[x]]
+            x = p[x]
         return x
 
-    # one representative pair per distinct participation pattern is enough
-    patterns = np.unique(present, axis=0) if len(present) else np.zeros((0, n), bool)
-    for row in patterns:
+    def join_pattern(self, row: np.ndarray) -> None:
         idx = np.flatnonzero(row)
         for j in idx[1:]:
-            a, b = find(int(idx[0])), find(int(j))
+            a, b = self.find(int(idx[0])), self.find(int(j))
             if a != b:
-                parent[b] = a
-    groups: dict[int, list[int]] = {}
-    for i in range(n):
-        if present[:, i].any():
-            groups.setdefault(find(i), []).append(i)
-    return sorted(groups.values(), key=lambda g: g[0])
+                self.parent[b] = a
+
+    def groups(self, members: np.ndarray) -> list[list[int]]:
+        out: dict[int, list[int]] = {}
+        for i in np.flatnonzero(members):
+            out.setdefault(self.find(int(i)), []).append(int(i))
+        return sorted(out.values(), key=lambda g: g[0])
+
+
+def components(present: np.ndarray) -> list[list[int]]:
+    """Groups of nodes connected by shared instances (union-find over instance rows)."""
+    uf = _UnionFind(present.shape[1])
+    # one representative pair per distinct participation pattern is enough
+    for row in np.unique(present, axis=0) if len(present) else ():
+        uf.join_pattern(row)
+    return uf.groups(np.asarray(present.any(axis=0)))
+
+
+@dataclass
+class _Presence:
+    points: np.ndarray  # [n_cols] instances each node took part in
+    useful: int  # instances with at least two nodes (the others tell nothing about clocks)
+    components: list[list[int]]  # nodes connected by useful instances
+
+
+def _presence(inst: InstanceRows) -> _Presence:
+    """One pass over the rows: what components() and the point counts need."""
+    n = inst.n_cols
+    points = np.zeros(n, np.int64)
+    in_useful = np.zeros(n, bool)
+    useful = 0
+    uf = _UnionFind(n)
+    for k0, k1 in row_blocks(inst.n_rows, n):
+        E, _, Xm = inst.take(_all(k0, k1))
+        present = np.isfinite(Xm) & np.isfinite(E)
+        points += present.sum(axis=0)
+        ok = present.sum(axis=1) >= 2
+        useful += int(ok.sum())
+        in_useful |= present[ok].any(axis=0)
+        for row in np.unique(present[ok], axis=0) if ok.any() else ():
+            uf.join_pattern(row)
+    return _Presence(points, useful, uf.groups(in_useful))
 
 
 def fit_clocks(
-    inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS,
+    inst: InstanceRows, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS,
     clock_domains: list[str] | None = None,
 ) -> ClockFit:
     """Per node clock models against the reference node.
@@ -142,25 +267,26 @@ def fit_clocks(
     if params.method not in METHODS:
         raise ValueError(f"unknown clock method {params.method!r}; one of {METHODS}")
     n_nodes = len(node_names)
-    present = np.isfinite(inst.exit_med) & np.isfinite(inst.enter_max)
-    # an instance with one node tells nothing about clocks
-    useful = present.sum(axis=1) >= 2
-    comps = components(present[useful])
+    pres = _presence(inst)
+    comps = pres.components
     ref = node_names.index(reference)
     ref_comp = next((g for g in comps if ref in g), None)
     models: list[NodeClockModel] = []
     fit = ClockFit(reference, params.method, models, [[node_names[i] for i in g] for g in comps],
-                   instances_used=int(useful.sum()))
+                   instances_used=pres.useful)
     empty = np.zeros(0)
     by_node: dict[int, NodeClockModel] = {}
     if ref_comp is None:
         fit.notes.append(f"reference node {reference} shares no collective with any other node")
     else:
-        rows = useful & present[:, ref_comp].sum(axis=1).astype(bool)
-        sub = NodeInstances(
-            inst.enter_max[rows][:, ref_comp], inst.exit_min[rows][:, ref_comp], inst.exit_med[rows][:, ref_comp],
-            inst.comm_id[rows], inst.seq[rows],
-        )
+        # the useful instances of the reference's component (a useful instance lies in one component)
+        rows = []
+        for k0, k1 in row_blocks(inst.n_rows, n_nodes):
+            E, _, Xm = inst.take(_all(k0, k1))
+            present = np.isfinite(Xm) & np.isfinite(E)
+            hit = (present.sum(axis=1) >= 2) & present[:, ref_comp].any(axis=1)
+            rows.append(np.flatnonzero(hit) + k0)
+        sub = _Subset(inst, np.concatenate(rows), ref_comp)
         res = _fit_component(sub, ref_comp.index(ref), params)
         for j, ni in enumerate(ref_comp):
             m = res[j]
@@ -174,19 +300,19 @@ def fit_clocks(
             continue
         if ni == ref:  # the reference is its own clock, partner or not
             models.append(NodeClockModel(node_names[ni], True, "", np.zeros(1), np.zeros(1), np.zeros(1), 0.0,
-                                         int(present[:, ni].sum()), 0.0, is_reference=True))
+                                         int(pres.points[ni]), 0.0, is_reference=True))
             continue
-        if not present[:, ni].any():
+        if not pres.points[ni]:
             why = "no N-to-N collective instance on this node (nothing to align with)"
         else:
             why = (f"shares no collective with the reference node {reference} (disjoint communicators); "
                    "its times stay on its own realtime (NTP) clock")
         models.append(NodeClockModel(node_names[ni], False, why, empty, empty, empty,
-                                     n_points=int(present[:, ni].sum())))
+                                     n_points=int(pres.points[ni])))
     return fit
 
 
-def _fit_by_domain(inst: NodeInstances, node_names: list[str], reference: str, params: ClockParams,
+def _fit_by_domain(inst: InstanceRows, node_names: list[str], reference: str, params: ClockParams,
                    clock_domains: list[str]) -> ClockFit:
     groups: dict[str, list[int]] = {}
     for i, d in enumerate(clock_domains):
@@ -194,29 +320,20 @@ def _fit_by_domain(inst: NodeInstances, node_names: list[str], reference: str, p
     doms = list(groups.values())
     rep = [node_names[g[0]] for g in doms]
     ref_dom = next(k for k, g in enumerate(doms) if node_names.index(reference) in g)
-    with quiet_nan():
-        collapsed = NodeInstances(
-            np.column_stack([np.nanmax(inst.enter_max[:, g], axis=1) for g in doms]),
-            np.column_stack([np.nanmin(inst.exit_min[:, g], axis=1) for g in doms]),
-            np.column_stack([np.nanmedian(inst.exit_med[:, g], axis=1) for g in doms]),
-            inst.comm_id, inst.seq,
-        )
-    sub = fit_clocks(collapsed, rep, rep[ref_dom], params)
+    sub = fit_clocks(_Collapsed(inst, doms), rep, rep[ref_dom], params)
+    pres = _presence(inst)
     by_rep = {m.node: m for m in sub.models}
     models: list[NodeClockModel] = []
     for k, g in enumerate(doms):
         for i in g:
             m = by_rep[rep[k]]
-            npts = int((np.isfinite(inst.exit_med[:, i]) & np.isfinite(inst.enter_max[:, i])).sum())
             models.append(NodeClockModel(node_names[i], m.aligned, m.reason, m.seg_start, m.seg_offset,
-                                         m.seg_drift_ppm, m.residual_ns, npts, m.uncertainty_ns,
+                                         m.seg_drift_ppm, m.residual_ns, int(pres.points[i]), m.uncertainty_ns,
                                          is_reference=node_names[i] == reference))
     models.sort(key=lambda m: node_names.index(m.node))
     fit = ClockFit(reference, params.method, models,
                    [[node_names[i] for k in comp for i in doms[rep.index(k)]] for comp in sub.components],
-                   sub.causality_violations,
-                   int(((np.isfinite(inst.exit_med) & np.isfinite(inst.enter_max)).sum(axis=1) >= 2).sum()),
-                   list(sub.notes))
+                   sub.causality_violations, pres.useful, list(sub.notes))
     for g in doms:
         if len(g) > 1:
             fit.notes.append(f"{', '.join(node_names[i] for i in g)} read one clock (same boot id): "
@@ -243,8 +360,8 @@ def _window_index(t: np.ndarray, window_ns: float, min_points: int) -> tuple[np.
 
 def _group_reduce(vals: np.ndarray, win: np.ndarray, nw: int, how: str, q: float = 0.5) -> np.ndarray:
     """Per window and column: nanmin / nanmax / nanmedian / nanquantile of vals[k, a] (k sorted by window).
-    Identical to numpy's nan-functions per window, but vectorized over the columns (the clock fit's
-    hot spot: numpy's nanquantile loops over columns in Python)."""
+    Identical to numpy's nan-functions per window, but vectorized over the columns and the windows
+    (the clock fit's hot spot: numpy's nanquantile loops over columns in Python)."""
     out = np.full((nw, vals.shape[1]), np.nan)
     bounds = np.searchsorted(win, np.arange(nw + 1))
     nonempty = bounds[1:] > bounds[:-1]
@@ -255,6 +372,9 @@ def _group_reduce(vals: np.ndarray, win: np.ndarray, nw: int, how: str, q: float
         out[nonempty] = red.reduceat(vals, starts, axis=0)
         return out
     qq = 0.5 if how == "median" else q
+    together = nanquantile_groups(vals, bounds, qq)
+    if together is not None:
+        return together
     for i in np.flatnonzero(nonempty):
         out[i] = nanquantile_cols(vals[bounds[i]:bounds[i + 1]], qq)
     return out
@@ -277,15 +397,12 @@ def _fill_nan_cols(tw: np.ndarray, O: np.ndarray) -> np.ndarray:
     return out
 
 
-BLOCK_CELLS = 1 << 16  # instances x nodes per block of windows: bounds the fit's temporaries
-
-
 def _window_blocks(win: np.ndarray, nw: int, n_cols: int) -> list[tuple[int, int, int, int]]:
     """(first window, end window, first row, end row) of consecutive windows holding about
     BLOCK_CELLS cells each. Every reduction in the fit is per window (or per row), so processing a
     block at a time gives the same numbers with temporaries bounded whatever the node count."""
     bounds = np.searchsorted(win, np.arange(nw + 1))
-    rows_per_block = max(1, BLOCK_CELLS // max(1, n_cols))
+    rows_per_block = block_rows(n_cols)
     out = []
     w0 = 0
     while w0 < nw:
@@ -296,15 +413,16 @@ def _window_blocks(win: np.ndarray, nw: int, n_cols: int) -> list[tuple[int, int
     return out
 
 
-def _exit_polish(D: np.ndarray, win: np.ndarray, nw: int, q: float, rounds: int = 3) -> np.ndarray:
+def _exit_polish(read_D: Callable[[int, int], np.ndarray], n_cols: int, win: np.ndarray, nw: int, q: float,
+                 rounds: int = 3) -> np.ndarray:
     """Polish of D[k, a] = exit - t_k into per-instance c_k (median over nodes) + per-window-node theta
-    (quantile q over the window's instances)."""
-    O = np.zeros((nw, D.shape[1]))
-    blocks = _window_blocks(win, nw, D.shape[1])
+    (quantile q over the window's instances). read_D(k0, k1): rows k0..k1 of D."""
+    O = np.zeros((nw, n_cols))
+    blocks = _window_blocks(win, nw, n_cols)
     for _ in range(rounds):
         new = np.empty_like(O)
         for w0, w1, k0, k1 in blocks:
-            Db, wb = D[k0:k1], win[k0:k1] - w0
+            Db, wb = read_D(k0, k1), win[k0:k1] - w0
             c = nanmedian_rows(Db - O[win[k0:k1]])
             new[w0:w1] = _group_reduce(Db - c[:, None], wb, w1 - w0, "quantile", q)
         O = np.where(np.isfinite(new), new, 0.0)
@@ -324,28 +442,36 @@ def _others_extreme(V: np.ndarray, how: str) -> np.ndarray:
     return -res if how == "max" else res
 
 
-def _fit_component(inst: NodeInstances, ref: int, p: ClockParams) -> list[NodeClockModel]:
-    E, Xmin, Xmed = inst.enter_max, inst.exit_min, inst.exit_med
-    n = E.shape[1]
-    t = nanmedian_rows(Xmed)
+def _fit_component(inst: InstanceRows, ref: int, p: ClockParams) -> list[NodeClockModel]:
+    n = inst.n_cols
+    # the instances in time order (median exit over nodes), and each node's number of points
+    t = np.empty(inst.n_rows)
+    npts = np.zeros(n, np.int64)
+    for k0, k1 in row_blocks(inst.n_rows, n):
+        Xm = inst.take(_all(k0, k1))[2]
+        t[k0:k1] = nanmedian_rows(Xm)
+        npts += np.isfinite(Xm).sum(axis=0)
     order = np.argsort(t, kind="stable")
-    E, Xmin, Xmed, t = E[order], Xmin[order], Xmed[order], t[order]
-    npts = np.isfinite(Xmed).sum(axis=0)
-    empty = np.zeros(0)
+    t = t[order]
+    rows = _Subset(inst, order)
     if p.method == "none" or n == 1:
         return [NodeClockModel("", True, "", np.array([t[0]]), np.zeros(1), np.zeros(1), 0.0, int(npts[a]))
                 for a in range(n)]
-    D = Xmed - t[:, None]
+
+    def read_D(k0: int, k1: int) -> np.ndarray:
+        return rows.take(_all(k0, k1))[2] - t[k0:k1, None]
+
     if p.method in ("constant", "start_end"):
         if p.method == "constant":
             win = np.zeros(len(t), np.int64)
-            O = _exit_polish(D, win, 1, p.exit_quantile)
+            O = _exit_polish(read_D, n, win, 1, p.exit_quantile)
             tw = np.array([np.median(t)])
         else:
             k = min(p.start_end_points, len(t) // 2) or 1
             sel = np.concatenate([np.arange(k), np.arange(len(t) - k, len(t))])
             win = np.concatenate([np.zeros(k, np.int64), np.ones(k, np.int64)])
-            O = _exit_polish(D[sel], win, 2, p.exit_quantile)
+            D_sel = rows.take(sel)[2] - t[sel][:, None]
+            O = _exit_polish(lambda k0, k1: D_sel[k0:k1], n, win, 2, p.exit_quantile)
             tw = np.array([np.median(t[:k]), np.median(t[-k:])])
         O = O - O[:, ref:ref + 1]
         models = []
@@ -357,7 +483,7 @@ def _fit_component(inst: NodeInstances, ref: int, p: ClockParams) -> list[NodeCl
 
     win, nw = _window_index(t, p.window_s * 1e9, p.min_points)
     tw = _group_reduce(t[:, None], win, nw, "median")[:, 0]
-    O = _exit_polish(D, win, nw, p.exit_quantile)
+    O = _exit_polish(read_D, n, win, nw, p.exit_quantile)
     O = O - O[:, ref:ref + 1]
     half_width = np.full(n, np.nan)
     if p.method in ("bounds", "bounds_center"):
@@ -366,8 +492,9 @@ def _fit_component(inst: NodeInstances, ref: int, p: ClockParams) -> list[NodeCl
         for _ in range(p.iterations):
             RH, RL, RX = (np.full((nw, n), np.nan) for _ in range(3))
             for w0, w1, k0, k1 in blocks:
+                E, Xmin, Xmed = rows.take(_all(k0, k1))
                 Th = _interp_cols(t[k0:k1], tw, O)
-                Ea, Xa, Xm = E[k0:k1] - Th, Xmin[k0:k1] - Th, Xmed[k0:k1] - Th
+                Ea, Xa, Xm = E - Th, Xmin - Th, Xmed - Th
                 c = nanmedian_rows(Xm)
                 wb, nb = win[k0:k1] - w0, w1 - w0
                 RH[w0:w1] = _group_reduce(Xa - _others_extreme(Ea, "max"), wb, nb, "min")
@@ -393,7 +520,6 @@ def _fit_component(inst: NodeInstances, ref: int, p: ClockParams) -> list[NodeCl
         starts, offs, drifts, resid = segment_fit(tw, O[:, a], p.segment_tol_us)
         models.append(NodeClockModel("", True, "", starts, offs, drifts, resid, int(npts[a]),
                                      float(half_width[a])))
-    del empty
     return models
 
 
@@ -452,10 +578,13 @@ def segment_fit(
     return starts, offs, drifts, float(np.sqrt(np.mean((y - model) ** 2)))
 
 
-def _violations(inst: NodeInstances, models: list[NodeClockModel], tol_ns: float = 1000.0) -> int:
+def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float = 1000.0) -> int:
     """Instances where, after alignment, some node left before the last node entered (beyond tol)."""
-    Ea = np.column_stack([m.align(inst.enter_max[:, a]) for a, m in enumerate(models)])
-    Xa = np.column_stack([m.align(inst.exit_min[:, a]) for a, m in enumerate(models)])
-    with quiet_nan():
-        bad = np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns
-    return int(bad.sum())
+    bad = 0
+    for k0, k1 in row_blocks(inst.n_rows, inst.n_cols):
+        E, Xmin, _ = inst.take(_all(k0, k1))
+        Ea = np.column_stack([m.align(E[:, a]) for a, m in enumerate(models)])
+        Xa = np.column_stack([m.align(Xmin[:, a]) for a, m in enumerate(models)])
+        with quiet_nan():
+            bad += int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
+    return bad

@@ -5,8 +5,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeAlias
 
+import h5py
 import numpy as np
+
+# A 2-D table that is either in memory or in an HDF5 file (the merge driver's scratch file).
+ArrayLike2D: TypeAlias = np.ndarray | h5py.Dataset
 
 
 @contextmanager
@@ -40,6 +45,31 @@ def nanquantile_cols(blk: np.ndarray, q: float) -> np.ndarray:
     return np.where(n > 0, out, np.nan)
 
 
+def nanquantile_groups(vals: np.ndarray, bounds: np.ndarray, q: float) -> np.ndarray | None:
+    """nanquantile_cols of each group of rows bounds[i]:bounds[i+1], for all groups with one sort:
+    the groups are laid side by side, padded with NaN (which sorts last and is not counted), so
+    every group and column gives the same numbers as nanquantile_cols. None when the padding would
+    exceed a few blocks (very uneven groups); the caller then goes group by group."""
+    sizes = np.diff(bounds)
+    n_groups, n_cols = len(sizes), vals.shape[1]
+    longest = int(sizes.max()) if n_groups else 0
+    if not longest or n_groups * longest * n_cols > 4 * max(BLOCK_CELLS, vals.size):
+        return None
+    group = np.repeat(np.arange(n_groups), sizes)
+    pad = np.full((n_groups, longest, n_cols), np.nan)
+    pad[group, np.arange(bounds[0], bounds[-1]) - bounds[group]] = vals[bounds[0]:bounds[-1]]
+    s = np.sort(pad, axis=1)  # NaN sort last
+    n = np.isfinite(pad).sum(axis=1)  # [groups, cols]
+    vi = q * (n - 1).astype(np.float64)
+    lo = np.floor(vi).astype(np.int64)
+    hi = np.minimum(lo + 1, n - 1)
+    g = vi - lo
+    lo_c, hi_c = np.clip(lo, 0, None), np.clip(hi, 0, None)
+    a = np.take_along_axis(s, lo_c[:, None, :], axis=1)[:, 0, :]
+    b = np.take_along_axis(s, hi_c[:, None, :], axis=1)[:, 0, :]
+    return np.where(n > 0, _lerp(a, b, g), np.nan)
+
+
 def nanmedian_rows(m: np.ndarray) -> np.ndarray:
     """np.nanmedian(m, axis=1), vectorized (mean of the two middle values for an even count)."""
     if m.ndim != 2 or not m.shape[1]:
@@ -51,3 +81,40 @@ def nanmedian_rows(m: np.ndarray) -> np.ndarray:
     hi = np.clip(n // 2, 0, None)
     out = (s[rows, lo] + s[rows, hi]) / 2
     return np.where(n > 0, out, np.nan)
+
+
+# Cells (instances x nodes or ranks) of one block of the job-wide analyses: every pass over the
+# [instance x node] and [seq x rank] tables holds one block at a time, so its temporaries have the
+# same size at 16 and at 1024 nodes (docs/merge.md, "Rank 0's memory").
+BLOCK_CELLS = 1 << 16
+
+
+def block_rows(n_cols: int) -> int:
+    """Rows per block for a table of n_cols columns (at least one row)."""
+    return max(1, BLOCK_CELLS // max(1, n_cols))
+
+
+def row_blocks(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
+    """(first row, end row) of consecutive blocks of about BLOCK_CELLS cells."""
+    step = block_rows(n_cols)
+    return [(k, min(n_rows, k + step)) for k in range(0, n_rows, step)]
+
+
+def read_rows(arr: ArrayLike2D, idx: np.ndarray, axis: int = 0, other: slice = slice(None)) -> np.ndarray:
+    """arr[idx] along `axis` (0 or 1), restricted to `other` along the other axis, for a numpy
+    array or an h5py dataset; idx in any order, repeats allowed.
+
+    h5py reads only increasing slices, so the distinct indices are read as contiguous runs (one run
+    in the usual case of consecutive instances) and then put in the order asked for."""
+    idx = np.asarray(idx, dtype=np.int64)
+    if isinstance(arr, np.ndarray):
+        return arr[idx, other] if axis == 0 else arr[other, idx]
+    if not len(idx):
+        n_other = len(range(*other.indices(arr.shape[1 - axis])))
+        return np.zeros((0, n_other) if axis == 0 else (n_other, 0), arr.dtype)
+    uniq, inverse = np.unique(idx, return_inverse=True)  # idx == uniq[inverse]
+    starts = np.flatnonzero(np.diff(uniq, prepend=uniq[0] - 2) != 1)
+    ends = np.append(starts[1:], len(uniq))
+    cut = [slice(int(uniq[a]), int(uniq[b - 1]) + 1) for a, b in zip(starts, ends)]
+    got = np.concatenate([arr[c, other] if axis == 0 else arr[other, c] for c in cut], axis=axis)
+    return got[inverse] if axis == 0 else got[:, inverse]

@@ -1,16 +1,21 @@
-"""The job file (schema in docs/job-format.md): one HDF5 file per job, written by rank 0.
+"""The job file (schema in docs/job-format.md): one HDF5 file per job.
 
 Bulk per-node data never passes through rank 0's memory: each rank writes a part file per node it
-read (the node's tables plus the aligned times), and rank 0 copies those part files' groups into the
-job file with HDF5's object copy, which moves stored chunks without holding a whole table.
-The job file is written under a temporary name and renamed into place, so a reader sees the old
-result or the new one, never half of one.
+read (the node's tables, later the aligned times), and the job file's writer (the last rank; rank 0
+when alone) copies those part files' groups into the job file with HDF5's object copy, which moves
+stored chunks without holding a whole table (copy_node_tables, then copy_aligned_times), while rank
+0 analyzes. Rank 0 writes the [seq x rank] tables of /collectives into a part file of its own block
+by block as the analysis produces them (CollectivesWriter, one chunk per block), and at the end adds
+them, /clock, /analysis and the root attributes to the job file (finish_job_file). The job file is
+written under a temporary name and renamed into place, so a reader sees the old result or the new
+one, never half of one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +25,12 @@ import numpy as np
 from collector import schema
 from mpi_merge.analysis import JobAnalysis
 from mpi_merge.clock import NodeClockModel
+from mpi_merge.common import block_rows
 from mpi_merge.loading import ClockMap
-from mpi_merge.waitstates import PATTERNS
+from mpi_merge.matching import CommTable, StoredComm
+from mpi_merge.waitstates import PATTERNS, CommSummary, CommWaits
 from slurm_hooks import __version__
+from slurm_hooks.errors import MergeError
 
 JOB_SCHEMA = "slurm-gpuprof.job"
 JOB_SCHEMA_VERSION = 1
@@ -53,20 +61,24 @@ def stage_node_part(node_file: str | os.PathLike[str], part: str | os.PathLike[s
 
 
 def add_aligned_times(part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
-                      epoch_rt: int) -> None:
-    """Add /collectives/calls_aligned to a staged part: reference-clock realtime ns of each call's
-    enter and exit (-1 where the call never returned), computed chunk by chunk."""
-    with h5py.File(part, "a", libver="latest") as dst:
-        calls_path = schema.COLLECTIVE_CALLS.path
-        if calls_path in dst:
-            ds = dst[calls_path]
-            out = dst.create_dataset(
+                      epoch_rt: int, out: str | os.PathLike[str] | None = None) -> None:
+    """/collectives/calls_aligned of a staged part: reference-clock realtime ns of each call's enter
+    and exit (-1 where the call never returned), computed chunk by chunk. Written into `out` (a new
+    file) when given, so the part is only ever read while the job file's writer may be copying it;
+    else into the part itself. Nothing is written for a node without calls."""
+    calls_path = schema.COLLECTIVE_CALLS.path
+    with h5py.File(part, "r" if out is not None else "a", libver="latest") as src:
+        if calls_path not in src:
+            return
+        ds = src[calls_path]
+        with (h5py.File(out, "w", libver="latest") if out is not None else nullcontext(src)) as dst:
+            al_ds = dst.create_dataset(
                 "/collectives/calls_aligned", shape=(ds.shape[0],), maxshape=(None,), dtype=ALIGNED_DTYPE,
                 chunks=(min(CHUNK, max(1, ds.shape[0])),), **FILTERS,
             )
-            out.attrs["doc"] = ("enter/exit of each row of calls on the reference node's realtime clock "
-                                "(ns since the epoch); -1 = never returned")
-            out.attrs["aligned"] = model.aligned
+            al_ds.attrs["doc"] = ("enter/exit of each row of calls on the reference node's realtime clock "
+                                  "(ns since the epoch); -1 = never returned")
+            al_ds.attrs["aligned"] = model.aligned
             for i in range(0, ds.shape[0], CHUNK):
                 rows = ds[i:i + CHUNK]
                 blk = np.zeros(len(rows), ALIGNED_DTYPE)
@@ -75,7 +87,7 @@ def add_aligned_times(part: str | os.PathLike[str], clock_map: ClockMap, model: 
                     rel = (rt - epoch_rt).astype(np.float64)
                     al = np.round(model.align(rel)).astype(np.int64) + epoch_rt
                     blk[dcol] = np.where(rows[col] == 0, -1, al) if col == "t_exit_ns" else al
-                out[i:i + len(rows)] = blk
+                al_ds[i:i + len(rows)] = blk
 
 
 def _table(g: h5py.Group, name: str, rows: list[dict[str, Any]], doc: str) -> None:
@@ -110,11 +122,106 @@ def _table(g: h5py.Group, name: str, rows: list[dict[str, Any]], doc: str) -> No
     ds.attrs["doc"] = doc
 
 
-def write_job_file(
-    a: JobAnalysis, tmp_path: Path, parts: dict[str, Path], *, merge_ranks: int, merged_at_ns: int
-) -> None:
-    """Write the analysis and copy each included node's part file into /nodes/<node>."""
-    with h5py.File(tmp_path, "w", libver="latest") as f:
+def _ns(v: np.ndarray, epoch_rt: int) -> np.ndarray:
+    """Float ns from the epoch -> int64 ns since the Unix epoch, -1 where absent."""
+    return np.where(np.isfinite(v), np.round(v) + epoch_rt, -1).astype(np.int64)
+
+
+def _rounded(v: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(v), np.round(v), -1).astype(np.int64)
+
+
+# /collectives/comm_*: the [seq x rank] datasets, in the order they are written, and their dtypes
+COMM_MATRICES = (("enter_aligned_ns", "<i8"), ("exit_aligned_ns", "<i8"), ("enter_raw_ns", "<i8"),
+                 ("exit_raw_ns", "<i8"), ("op", "<i2"), ("bytes", "<i8"), ("wait_ns", "<i8"))
+
+
+class CollectivesWriter:
+    """analysis.CommSink that writes /collectives/comm_<id> of `f` block by block.
+
+    A chunk is one block of seqs across all ranks, so every chunk is compressed and written once
+    and nothing of a communicator is held beyond the block being written."""
+
+    def __init__(self, f: h5py.File, node_names: list[str], epoch_rt: int):
+        self.col = f.create_group("collectives")
+        self.col.attrs["patterns"] = json.dumps(PATTERNS)
+        self.node_names = node_names
+        self.epoch_rt = epoch_rt
+        self.g: h5py.Group | None = None
+
+    def begin(self, c: StoredComm) -> None:
+        g = self.col.create_group(f"comm_{c.comm_id:016x}")
+        g.attrs["comm_id"] = np.uint64(c.comm_id)
+        g.attrs["size"] = c.size
+        g.attrs["node_of_rank_json"] = json.dumps([self.node_names[int(n)] if n >= 0 else None for n in c.node_of_rank])
+        g.attrs["pid_of_rank"] = c.pid_of_rank
+        shape = (c.n_seq, c.size)
+        for name, dtype in COMM_MATRICES:
+            if c.n_seq * c.size:
+                g.create_dataset(name, shape=shape, dtype=dtype, chunks=(min(block_rows(c.size), c.n_seq), c.size),
+                                 **FILTERS)
+            else:
+                g.create_dataset(name, data=np.zeros(shape, dtype))
+        self.g = g
+
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None:
+        if self.g is None:
+            raise RuntimeError("CollectivesWriter.block before begin")
+        rows = slice(blk.seq0, blk.seq0 + blk.n_seq)
+        e = self.epoch_rt
+        for name, data in (
+            ("enter_aligned_ns", _ns(enter_al, e)), ("exit_aligned_ns", _ns(exit_al, e)),
+            ("enter_raw_ns", _ns(blk.enter, e)), ("exit_raw_ns", _ns(blk.exit, e)), ("op", blk.op),
+            ("bytes", blk.nbytes), ("wait_ns", _rounded(w.waits)),
+        ):
+            self.g[name][rows] = data
+
+    def end(self, cs: CommSummary) -> None:
+        if self.g is None:
+            raise RuntimeError("CollectivesWriter.end before begin")
+        for name, data in (
+            ("complete", cs.complete), ("pattern", cs.pattern), ("last_rank", cs.last_rank),
+            ("last_enter_aligned_ns", _ns(cs.last_enter, self.epoch_rt)), ("own_time_ns", _rounded(cs.own_time)),
+        ):
+            chunks = (min(4096, max(1, data.shape[0])),) if data.size else None
+            self.g.create_dataset(name, data=data, chunks=chunks, **(FILTERS if data.size else {}))
+        self.g = None
+
+
+def copy_node_tables(job_tmp: Path, parts: list[tuple[str, Path]]) -> None:
+    """Create the job file with /nodes/<node>: the attributes and every table of each node's part."""
+    with h5py.File(job_tmp, "w", libver="latest") as f:
+        f.create_group("nodes")
+    # One open of the job file per node: closing it empties HDF5's metadata cache, which would
+    # otherwise grow with every copied object and make the writer's memory grow with the node count.
+    for name, part in parts:
+        if not part.exists():
+            raise MergeError(f"node {name}: its staged part file {part} is missing (was it removed during the merge?)")
+        with h5py.File(job_tmp, "a", libver="latest") as f, h5py.File(part, "r") as src:
+            g = f["nodes"].create_group(name)
+            for k, v in src.attrs.items():
+                g.attrs[k] = v
+            for obj in src:
+                src.copy(src[obj], g, name=obj)
+
+
+def copy_aligned_times(job_tmp: Path, aligned: list[tuple[str, Path]]) -> None:
+    """Add /nodes/<node>/collectives/calls_aligned from each node's file of add_aligned_times(out=),
+    for every node whose tables include calls."""
+    for name, path in aligned:
+        with h5py.File(job_tmp, "a", libver="latest") as f:
+            if f"nodes/{name}/{schema.COLLECTIVE_CALLS.path.lstrip('/')}" not in f:
+                continue
+            if not path.exists():
+                raise MergeError(f"node {name}: no aligned call times at {path} (its rank did not write them)")
+            with h5py.File(path, "r") as src:
+                src.copy(src["collectives/calls_aligned"], f[f"nodes/{name}/collectives"], name="calls_aligned")
+
+
+def finish_job_file(job_tmp: Path, a: JobAnalysis, collectives_part: Path, *, merge_ranks: int,
+                    merged_at_ns: int) -> None:
+    """Root attributes, /clock, /collectives (copied from rank 0's part) and /analysis into the job file."""
+    with h5py.File(job_tmp, "a", libver="latest") as f:
         f.attrs["schema"] = JOB_SCHEMA
         f.attrs["schema_version"] = JOB_SCHEMA_VERSION
         f.attrs["job_id"] = a.job_id
@@ -148,29 +255,8 @@ def write_job_file(
         _table(clk, "segments", seg_rows,
                "piecewise linear offset (node realtime - reference realtime) from t_start_ns (node realtime, "
                "ns since the epoch) until the next segment: offset_ns + drift_ppm*1e-6*(t - t_start_ns)")
-        col = f.create_group("collectives")
-        col.attrs["patterns"] = json.dumps(PATTERNS)
-        for t, w, E, X in zip(a.comms, a.waits, a.enter_al, a.exit_al):
-            g = col.create_group(f"comm_{t.comm_id:016x}")
-            g.attrs["comm_id"] = np.uint64(t.comm_id)
-            g.attrs["size"] = t.size
-            g.attrs["node_of_rank_json"] = json.dumps(
-                [a.node_names[int(n)] if n >= 0 else None for n in t.node_of_rank])
-            g.attrs["pid_of_rank"] = t.pid_of_rank
-
-            def ns(v: np.ndarray) -> np.ndarray:
-                return np.where(np.isfinite(v), np.round(v) + a.epoch_rt, -1).astype(np.int64)
-
-            for name, data in (
-                ("enter_aligned_ns", ns(E)), ("exit_aligned_ns", ns(X)), ("enter_raw_ns", ns(t.enter)),
-                ("exit_raw_ns", ns(t.exit)), ("op", t.op), ("bytes", t.nbytes),
-                ("wait_ns", np.where(np.isfinite(w.waits), np.round(w.waits), -1).astype(np.int64)),
-                ("complete", w.complete), ("pattern", w.pattern), ("last_rank", w.last_rank),
-                ("last_enter_aligned_ns", ns(w.last_enter)),
-                ("own_time_ns", np.where(np.isfinite(w.own_time), np.round(w.own_time), -1).astype(np.int64)),
-            ):
-                chunks = (min(4096, max(1, data.shape[0])),) + data.shape[1:] if data.size else None
-                g.create_dataset(name, data=data, chunks=chunks, **(FILTERS if data.size else {}))
+        with h5py.File(collectives_part, "r") as src:
+            src.copy(src["collectives"], f, name="collectives")
         an = f.create_group("analysis")
         _table(an, "mismatches", a.report["mismatches"], "first mismatch per communicator (flight recorder style)")
         _table(an, "stragglers", [{**s, "evidence": " | ".join(s["evidence"]), "ranks": json.dumps(s["ranks"]),
@@ -178,19 +264,6 @@ def write_job_file(
                "straggler findings with their cause and evidence")
         _table(an, "excluded", a.report["excluded"], "node files left out of the merge, and why")
         an.attrs["report_json"] = json.dumps(a.report, sort_keys=True, default=_json_default)
-        f.create_group("nodes")
-    # One open of the job file per node: closing it empties HDF5's metadata cache, which would
-    # otherwise grow with every copied object and make rank 0's memory grow with the node count.
-    for name in a.node_names:
-        part = parts.get(name)
-        if part is None:
-            continue
-        with h5py.File(tmp_path, "a", libver="latest") as f, h5py.File(part, "r") as src:
-            g = f["nodes"].create_group(name)
-            for k, v in src.attrs.items():
-                g.attrs[k] = v
-            for obj in src:
-                src.copy(src[obj], g, name=obj)
 
 
 def _json_default(o: Any) -> Any:

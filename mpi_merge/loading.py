@@ -1,8 +1,12 @@
 """Loading: node files -> per-node summaries (small, picklable), the only part that reads paths.
 
-A summary holds what the job-wide analyses need (collective calls on the node's realtime clock,
-binned GPU and host series, diagnostics) and nothing bulky, so rank 0 can hold one per node
-however many nodes the job had. Bulk tables are streamed into the job file later (jobfile.py).
+A summary holds what the job-wide analyses need of a node apart from its collective calls: the
+binned series the straggler evidence and the HTML timelines use, per-GPU figures, diagnostics, and
+the shape of each communicator the node took part in. Its size does not depend on how many nodes
+the job had, so rank 0 can hold one per node. The calls themselves (`calls`) are filled for
+library callers; the merge driver saves them beside the part file and drops them from the summary,
+and rank 0 loads them one node at a time. Bulk tables go to the job file through the part files
+(jobfile.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from collector import schema
 from collector.reader import NodeTrace, open_node_trace
+from mpi_merge.matching import COLLECTIVE_SET
 from slurm_hooks.errors import TraceFormatError
 
 # The calls of one node, with times mapped to that node's CLOCK_REALTIME (ns since the epoch).
@@ -35,6 +40,11 @@ SUMMARY_TABLES = (
     schema.DIAG_MISSING.path, schema.DIAG_DROPS.path,
 )
 MAX_BINS = 2000  # per series: enough for the HTML timelines and the straggler evidence
+# The series the job-wide analysis reads (name suffixes): GPU activity for the straggler cause and
+# the HTML timelines, the job's CPU use and run-queue time for the host cause. Other metrics stay in
+# the node's tables in the job file; binning them would only grow every node's summary.
+SUMMARY_SERIES = (":util_gpu", ":sm_activity", "host:cpu_cores", "offcpu/intervals:runnable_ns")
+MAX_ERRORS = 20  # error messages a summary keeps (the report shows as many, and the total)
 
 
 @dataclass
@@ -80,12 +90,19 @@ class NodeSummary:
     error: str | None = None  # the file could not be used at all (then nothing else is filled)
     attrs: dict[str, Any] = field(default_factory=dict)
     clock: ClockMap | None = None
-    calls: np.ndarray = field(default_factory=lambda: np.zeros(0, CALL_DTYPE))  # released after matching
+    # The node's calls, on its realtime clock. Library callers get them here; the merge driver
+    # saves them to a file and drops them from the summary (they are as many as the job's
+    # instances): rank 0 loads them one node at a time when it builds the job-wide tables.
+    calls: np.ndarray = field(default_factory=lambda: np.zeros(0, CALL_DTYPE))
     n_calls: int = 0
+    # comm_id -> (largest comm_size, largest seq) of the node's collective calls: rank 0 sizes the
+    # job-wide [seq x rank] tables from these before any call arrives
+    comm_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: index, name, uuid, stats
     series: dict[str, Series] = field(default_factory=dict)  # "gpu0:util_gpu", "host:cpu_cores", ...
     drops: dict[str, int] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS
+    errors_total: int = 0
     missing_metrics: list[str] = field(default_factory=list)
     table_rows: dict[str, int] = field(default_factory=dict)
     span_rt: tuple[int, int] | None = None
@@ -155,15 +172,9 @@ def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str
 
     calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
     if calls is not None and len(calls):
-        c = np.zeros(len(calls), CALL_DTYPE)
-        for f in ("comm_id", "seq", "comm_rank", "comm_size", "op", "bytes", "root_or_peer", "tag", "pid"):
-            c[f] = calls[f]
-        c["enter_rt"] = cm.to_realtime(calls["t_enter_ns"])
-        # t_exit_ns == 0: the call was entered and never returned (the job hung or was killed in it)
-        c["returned"] = calls["t_exit_ns"] != 0
-        c["exit_rt"] = np.where(c["returned"], cm.to_realtime(calls["t_exit_ns"]), -1)
-        s.calls = c
-        s.n_calls = len(c)
+        s.calls = call_rows(calls, cm)
+        s.n_calls = len(s.calls)
+        s.comm_shapes = comm_shapes(s.calls)
 
     # span on the realtime clock, from start attributes to the last record we know of
     start = int(cm.to_realtime(np.array([int(a["start_monotonic_ns"])]))[0])
@@ -183,6 +194,28 @@ def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str
     return s
 
 
+def call_rows(calls: np.ndarray, cm: ClockMap) -> np.ndarray:
+    """Rows of /collectives/calls -> CALL_DTYPE, times on the node's realtime clock."""
+    c = np.zeros(len(calls), CALL_DTYPE)
+    for f in ("comm_id", "seq", "comm_rank", "comm_size", "op", "bytes", "root_or_peer", "tag", "pid"):
+        c[f] = calls[f]
+    c["enter_rt"] = cm.to_realtime(calls["t_enter_ns"])
+    # t_exit_ns == 0: the call was entered and never returned (the job hung or was killed in it)
+    c["returned"] = calls["t_exit_ns"] != 0
+    c["exit_rt"] = np.where(c["returned"], cm.to_realtime(calls["t_exit_ns"]), -1)
+    return c
+
+
+def comm_shapes(calls: np.ndarray) -> dict[int, tuple[int, int]]:
+    """comm_id -> (largest comm_size, largest seq) over the collective calls of one node."""
+    coll = calls[np.isin(calls["op"], list(COLLECTIVE_SET))]
+    out = {}
+    for cid in np.unique(coll["comm_id"]):
+        rows = coll[coll["comm_id"] == cid]
+        out[int(cid)] = (int(rows["comm_size"].max()), int(rows["seq"].max()))
+    return out
+
+
 def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
     assert s.span_rt is not None
     t0, t1 = s.span_rt
@@ -192,6 +225,8 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
     tb = t0 + np.arange(nb, dtype=np.int64) * bin_ns
 
     def add(name: str, unit: str, t_mono: np.ndarray, v: np.ndarray) -> None:
+        if not name.endswith(SUMMARY_SERIES):
+            return
         s.series[name] = Series(name, unit, tb, bin_ns, _bin(cm.to_realtime(t_mono), v.astype(np.float64), t0, bin_ns, nb))
 
     devs = trace.tables.get(schema.GPU_DEVICES.path)
@@ -208,8 +243,7 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
         info: dict[str, Any] = {"gpu": g, "name": names.get(g, ("", ""))[0], "uuid": names.get(g, ("", ""))[1]}
         if samples is not None and len(samples):
             rows = samples[samples["gpu"] == g]
-            for col, unit in (("util_gpu", "percent"), ("power_w", "W"), ("mem_used_bytes", "bytes")):
-                add(f"gpu{g}:{col}", unit, rows["t_ns"], rows[col])
+            add(f"gpu{g}:util_gpu", "percent", rows["t_ns"], rows["util_gpu"])
             info["samples"] = len(rows)
             u = rows["util_gpu"].astype(np.float64)
             info["util_gpu_mean"] = float(np.nanmean(u)) if np.isfinite(u).any() else None
@@ -243,29 +277,27 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
             # bin means of per-pid rates, times the pid count, give the summed cores
             npid = len(t_all)
             add("host:cpu_cores", "cores", t, v * npid)
-    hn = trace.tables.get(schema.HOST_NODE.path)
-    if hn is not None and len(hn):
-        add("host:cpu_busy", "fraction", hn["t_ns"], hn["cpu_busy"])
     for tbl in schema.BPF_TABLES:
         rows = trace.tables.get(tbl.path)
         if rows is None or not len(rows) or "t_ns" not in (rows.dtype.names or ()):
             continue
         # a duration column (off-CPU, run-queue wait, kernel time) binned as ns per second of wall time
         for col in rows.dtype.names or ():
-            if col.endswith("_ns") and col != "t_ns" and rows.dtype[col].kind in "uif":
+            name = f"{tbl.group}/{tbl.name}:{col}"
+            if col.endswith("_ns") and col != "t_ns" and rows.dtype[col].kind in "uif" and name.endswith(SUMMARY_SERIES):
                 per_s = bin_ns / 1e9
                 idx = ((cm.to_realtime(rows["t_ns"]) - t0) // bin_ns).astype(np.int64)
                 ok = (idx >= 0) & (idx < nb)
                 tot = np.bincount(idx[ok], weights=rows[col][ok].astype(np.float64), minlength=nb)
-                s.series[f"{tbl.group}/{tbl.name}:{col}"] = Series(
-                    f"{tbl.group}/{tbl.name}:{col}", "ns/s", tb, bin_ns, tot / per_s
-                )
+                s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
 
 
 def _summarize_diagnostics(trace: NodeTrace, s: NodeSummary) -> None:
     errs = trace.tables.get(schema.DIAG_ERRORS.path)
     if errs is not None:
-        s.errors = [f"{r['source'].decode(errors='replace')}: {r['message'].decode(errors='replace')}" for r in errs]
+        s.errors = [f"{r['source'].decode(errors='replace')}: {r['message'].decode(errors='replace')}"
+                    for r in errs[:MAX_ERRORS]]
+        s.errors_total = len(errs)
     miss = trace.tables.get(schema.DIAG_MISSING.path)
     if miss is not None:
         seen: set[str] = set()

@@ -3,6 +3,10 @@ plus the mismatch analysis a flight recorder's analyzer does for a hung job.
 
 Takes arrays (the calls of each node on its own realtime clock), never paths. Times here are
 float64 ns relative to the job epoch, raw (not yet aligned); alignment is applied by the caller.
+
+The job-wide [seq x rank] tables of the merge live in a CommStore: filled node by node, read back
+by blocks of sequence numbers, either in memory (library use) or in an HDF5 scratch file (the merge
+driver on rank 0, whose memory then holds one block at a time, whatever the node count).
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
 import numpy as np
 
 from collector.schema import COLLECTIVE_OPS
-from mpi_merge.common import quiet_nan
+from mpi_merge.common import ArrayLike2D, quiet_nan, read_rows, row_blocks
 
 OPS = COLLECTIVE_OPS
 _I = {name: i for i, name in enumerate(OPS)}
@@ -29,6 +34,7 @@ OTHER_BLOCKING = frozenset({_I["MPI_Scan"]})
 COLLECTIVE_SET = NXN_OPS | BARRIER_OPS | ONE_TO_N_OPS | N_TO_ONE_OPS | OTHER_BLOCKING
 SEND_OPS = frozenset({_I["MPI_Send"], _I["ncclSend"]})
 RECV_OPS = frozenset({_I["MPI_Recv"], _I["ncclRecv"]})
+P2P_OPS = SEND_OPS | RECV_OPS
 NCCL_OPS = frozenset(i for i, n in enumerate(OPS) if n.startswith("nccl"))
 # Ops whose buffers must have the same size on every rank (v-variants legitimately differ).
 SAME_SIZE_OPS = frozenset(_I[n] for n in (
@@ -51,6 +57,7 @@ class CommTable:
     op: np.ndarray  # [n_seq, size] int16, -1 = no call
     nbytes: np.ndarray  # [n_seq, size] int64
     root: np.ndarray  # [n_seq, size] int32
+    seq0: int = 0  # seq of the first row: a CommStore block holds rows seq0 .. seq0 + n_seq - 1
 
     @property
     def n_seq(self) -> int:
@@ -136,75 +143,213 @@ def build_comms(calls_by_node: list[np.ndarray], epoch_rt: int) -> list[CommTabl
     return tables
 
 
+# The fields of a communicator's [seq x rank] table: name, dtype, value where a rank made no call.
+STORE_FIELDS: tuple[tuple[str, str, float], ...] = (
+    ("enter", "<f8", np.nan), ("exit", "<f8", np.nan), ("op", "<i2", -1), ("nbytes", "<i8", 0), ("root", "<i4", -1),
+)
+
+
+def job_comm_shapes(per_node: list[dict[int, tuple[int, int]]]) -> dict[int, tuple[int, int]]:
+    """comm_id -> (size, number of seqs) of the job-wide tables, from each node's
+    {comm_id: (largest comm_size, largest seq)} (loading.comm_shapes): what build_comms would size."""
+    out: dict[int, tuple[int, int]] = {}
+    for shapes in per_node:
+        for cid, (size, last_seq) in shapes.items():
+            old = out.get(cid, (0, 0))
+            out[cid] = (max(old[0], size), max(old[1], last_seq + 1))
+    return out
+
+
+@dataclass
+class StoredComm:
+    """One communicator of a CommStore. Tables are rank-major, [size, n_seq]: a node writes its
+    ranks as whole rows, and a block of seqs is read across all ranks."""
+
+    comm_id: int
+    size: int
+    n_seq: int
+    node_of_rank: np.ndarray  # [size], -1 when no calls were seen
+    pid_of_rank: np.ndarray  # [size]
+    data: dict[str, ArrayLike2D]  # STORE_FIELDS name -> [size, n_seq]
+    written: np.ndarray  # [size] bool: a node has filled this rank's row
+
+
+class CommStore:
+    """The job-wide tables of every communicator (what build_comms makes), filled one node at a time
+    and read back by blocks of seqs. `scratch`: an HDF5 group to keep them in instead of memory."""
+
+    def __init__(self, shapes: dict[int, tuple[int, int]], epoch_rt: int, scratch: h5py.Group | None = None):
+        self.epoch_rt = epoch_rt
+        self.comms: list[StoredComm] = []
+        for ci, cid in enumerate(sorted(shapes)):
+            size, n_seq = shapes[cid]
+            data: dict[str, ArrayLike2D] = {}
+            for name, dtype, fill in STORE_FIELDS:
+                if scratch is None:
+                    data[name] = np.full((size, n_seq), fill, dtype)
+                else:
+                    data[name] = scratch.create_dataset(f"comm{ci}/{name}", shape=(size, n_seq), dtype=dtype,
+                                                        fillvalue=fill)
+            self.comms.append(StoredComm(cid, size, n_seq, np.full(size, -1, np.int64), np.zeros(size, np.int64),
+                                         data, np.zeros(size, bool)))
+        self._index = {c.comm_id: ci for ci, c in enumerate(self.comms)}
+
+    def add_node(self, ni: int, calls: np.ndarray) -> None:
+        """The collective calls of node `ni` (its index in the job's node list) into the tables, as
+        build_comms does: rows of a rank outside the communicator are dropped, and a rank that a
+        later node claims too keeps the earlier node's entries where the later one has none."""
+        coll = calls[np.isin(calls["op"], list(COLLECTIVE_SET))]
+        for cid in np.unique(coll["comm_id"]):
+            if int(cid) not in self._index:
+                raise ValueError(f"node {ni}: communicator {int(cid):#x} is not in the job's shapes "
+                                 "(its summary did not list it)")
+            c = self.comms[self._index[int(cid)]]
+            p = coll[coll["comm_id"] == cid]
+            r = p["comm_rank"].astype(np.int64)
+            s = p["seq"].astype(np.int64)
+            ok = (r >= 0) & (r < c.size)
+            r, s, p = r[ok], s[ok], p[ok]
+            c.node_of_rank[np.unique(r)] = ni
+            values = {
+                "enter": (p["enter_rt"] - self.epoch_rt).astype(np.float64),
+                "exit": np.where(p["returned"], (p["exit_rt"] - self.epoch_rt).astype(np.float64), np.nan),
+                "op": p["op"], "nbytes": p["bytes"].astype(np.int64), "root": p["root_or_peer"],
+            }
+            for rr in np.unique(r):
+                mine = r == rr
+                c.pid_of_rank[rr] = int(p["pid"][mine][0])
+                for name, dtype, fill in STORE_FIELDS:
+                    row = c.data[name][rr] if c.written[rr] else np.full(c.n_seq, fill, dtype)
+                    row[s[mine]] = values[name][mine]
+                    c.data[name][rr] = row
+                c.written[rr] = True
+
+    def blocks(self, ci: int) -> list[tuple[int, int]]:
+        """(first seq, end seq) of the blocks a pass over communicator ci reads."""
+        c = self.comms[ci]
+        return row_blocks(c.n_seq, c.size)
+
+    def block(self, ci: int, s0: int, s1: int) -> CommTable:
+        """Seqs s0 .. s1-1 of communicator ci as a CommTable (rows = seq, columns = rank)."""
+        c = self.comms[ci]
+        d = {name: np.ascontiguousarray(c.data[name][:, s0:s1].T) for name, _, _ in STORE_FIELDS}
+        return CommTable(c.comm_id, c.size, c.node_of_rank, c.pid_of_rank, d["enter"], d["exit"], d["op"],
+                         d["nbytes"], d["root"], seq0=s0)
+
+    def read(self, ci: int, name: str, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
+        """One field at the given seqs (any order) and ranks: [len(seqs), ranks]."""
+        return np.ascontiguousarray(read_rows(self.comms[ci].data[name], seqs, axis=1, other=ranks).T)
+
+
+@dataclass
+class MismatchRows:
+    """Per seq of one communicator, over the ranks seen on it: what find_mismatches looks at. Kept
+    as vectors (one flag per instance) so the tables themselves are read once, block by block."""
+
+    any_present: np.ndarray  # some rank entered
+    missing: np.ndarray  # some rank did not
+    op_diff: np.ndarray  # a rank called another op than the majority
+    size_diff: np.ndarray  # a rank passed another byte count where all must agree
+    not_returned: np.ndarray  # a rank entered and never returned
+
+    @classmethod
+    def concat(cls, parts: list[MismatchRows]) -> MismatchRows:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) if parts else np.zeros(0, bool)
+                     for f in ("any_present", "missing", "op_diff", "size_diff", "not_returned")))
+
+
+def _seen_view(t: CommTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(seen columns, present, ops, majority op, sizes, majority size) of a block, seen ranks only."""
+    cols = np.flatnonzero(t.node_of_rank >= 0)
+    P = t.op[:, cols] >= 0
+    ops = t.op[:, cols]
+    maj = _row_mode(ops)
+    sizes = t.nbytes[:, cols]
+    smaj = _row_mode(np.where(P, sizes, -1))
+    return cols, P, ops, maj, sizes, smaj
+
+
+def mismatch_rows(t: CommTable) -> MismatchRows:
+    """The per-row flags of a block of a communicator's table (rows are independent)."""
+    cols, P, ops, maj, sizes, smaj = _seen_view(t)
+    size_rows = np.isin(maj, list(SAME_SIZE_OPS))
+    return MismatchRows(
+        any_present=np.asarray(P.any(axis=1)), missing=np.asarray(~P.all(axis=1)),
+        op_diff=(P & (ops != maj[:, None])).any(axis=1),
+        size_diff=size_rows & (P & (sizes != smaj[:, None])).any(axis=1),
+        not_returned=(P & ~np.isfinite(t.exit[:, cols])).any(axis=1),
+    )
+
+
 def find_mismatches(
-    comms: list[CommTable], node_names: list[str], partial_nodes: set[str], excluded_nodes: dict[str, str]
+    store: CommStore, flags: list[MismatchRows], node_names: list[str], partial_nodes: set[str],
+    excluded_nodes: dict[str, str],
 ) -> list[Mismatch]:
     """First mismatched instance per communicator, with the missing ranks and the likely culprit.
 
-    The culprit of a hang is the rank that did not reach the instance the others are waiting in;
-    at a differing op or size, the ranks that differ from the majority. A node whose file was cut
-    off is named as such, so a collector crash is not mistaken for a hang."""
+    `flags`: mismatch_rows of each communicator of the store, over all its rows. The culprit of a
+    hang is the rank that did not reach the instance the others are waiting in; at a differing op
+    or size, the ranks that differ from the majority. A node whose file was cut off is named as
+    such, so a collector crash is not mistaken for a hang."""
     out = []
-    for t in comms:
-        present = t.op >= 0
-        seen = t.node_of_rank >= 0
+    for ci, (c, fl) in enumerate(zip(store.comms, flags)):
+        seen = c.node_of_rank >= 0
         never = [int(r) for r in np.flatnonzero(~seen)]
         if never:
             miss_nodes = sorted(excluded_nodes)
             out.append(Mismatch(
-                t.comm_id, 0, "rank_never_seen", never, never, [],
-                f"ranks {_ranks(never)} of {t.size} have no calls on this communicator"
+                c.comm_id, 0, "rank_never_seen", never, never, [],
+                f"ranks {_ranks(never)} of {c.size} have no calls on this communicator"
                 + (f" (node files missing or excluded: {', '.join(miss_nodes)})" if miss_nodes else ""),
-                t.n_seq,
+                c.n_seq,
             ))
-        cols = np.flatnonzero(seen)
-        if not len(cols):
+        if not seen.any():
             continue
-        P = present[:, cols]
-        last_any = int(np.flatnonzero(P.any(axis=1)).max())
-        ops = t.op[:, cols]
-        by_row_missing = np.asarray(~P.all(axis=1))
-        by_row_missing[last_any + 1:] = False
-        maj = _row_mode(ops)
-        op_diff = (P & (ops != maj[:, None])).any(axis=1)
-        sizes = t.nbytes[:, cols]
-        size_rows = np.isin(maj, list(SAME_SIZE_OPS))
-        smaj = _row_mode(np.where(P, sizes, -1))
-        size_diff = size_rows & (P & (sizes != smaj[:, None])).any(axis=1)
-        not_ret = (P & ~np.isfinite(t.exit[:, cols])).any(axis=1)
-        bad = by_row_missing | op_diff | size_diff | not_ret
+        # rows past the last one any rank entered are the job's end, not ranks missing
+        last_any = int(np.flatnonzero(fl.any_present).max())
+        missing = fl.missing.copy()
+        missing[last_any + 1:] = False
+        bad = missing | fl.op_diff | fl.size_diff | fl.not_returned
         if not bad.any():
             continue
         s = int(np.flatnonzero(bad)[0])
-        missing = [int(cols[j]) for j in np.flatnonzero(~P[s])]
-        if op_diff[s]:
-            kind = "op_differs"
-            culprits = [int(cols[j]) for j in np.flatnonzero(P[s] & (ops[s] != maj[s]))]
-            detail = (f"seq {s}: ranks {_ranks(culprits)} called "
-                      f"{', '.join(sorted({OPS[int(t.op[s, r])] for r in culprits}))} while the others called "
-                      f"{OPS[int(maj[s])]}")
-        elif missing:
-            kind = "missing_rank"
-            culprits = missing
-            cut = sorted({node_names[int(t.node_of_rank[r])] for r in missing} & partial_nodes)
-            detail = (f"seq {s}: ranks {_ranks(missing)} never entered while {int(P[s].sum())} ranks did"
-                      + (f"; node files cut off (partial): {', '.join(cut)}" if cut else "; the job likely hung here"))
-        elif size_diff[s]:
-            kind = "size_differs"
-            culprits = [int(cols[j]) for j in np.flatnonzero(P[s] & (sizes[s] != smaj[s]))]
-            detail = f"seq {s}: ranks {_ranks(culprits)} passed a different byte count ({OPS[int(maj[s])]})"
-        else:
-            kind = "not_returned"
-            stuck = [int(cols[j]) for j in np.flatnonzero(P[s] & ~np.isfinite(t.exit[s, cols]))]
-            culprits = [int(c) for c in cols if int(c) not in stuck] if len(stuck) < len(cols) else []
-            detail = (f"seq {s}: ranks {_ranks(stuck)} entered and never returned"
-                      + (f"; ranks {_ranks(culprits)} left or never came" if culprits else ""))
-        out.append(Mismatch(
-            t.comm_id, s, kind, missing, culprits,
-            sorted({node_names[int(t.node_of_rank[r])] for r in culprits if t.node_of_rank[r] >= 0}),
-            detail, int(bad.sum()),
-        ))
+        out.append(_describe_first(store.block(ci, s, s + 1), node_names, partial_nodes, int(bad.sum())))
     return out
+
+
+def _describe_first(t: CommTable, node_names: list[str], partial_nodes: set[str], affected: int) -> Mismatch:
+    """The Mismatch of the one-row block `t` (the first mismatched seq of its communicator)."""
+    s = t.seq0
+    cols, P, ops, maj, sizes, smaj = _seen_view(t)
+    P, ops, maj, sizes, smaj, exits = P[0], ops[0], maj[0], sizes[0], smaj[0], t.exit[0, cols]
+    missing = [int(cols[j]) for j in np.flatnonzero(~P)]
+    if (P & (ops != maj)).any():
+        kind = "op_differs"
+        culprits = [int(cols[j]) for j in np.flatnonzero(P & (ops != maj))]
+        detail = (f"seq {s}: ranks {_ranks(culprits)} called "
+                  f"{', '.join(sorted({OPS[int(t.op[0, r])] for r in culprits}))} while the others called "
+                  f"{OPS[int(maj)]}")
+    elif missing:
+        kind = "missing_rank"
+        culprits = missing
+        cut = sorted({node_names[int(t.node_of_rank[r])] for r in missing} & partial_nodes)
+        detail = (f"seq {s}: ranks {_ranks(missing)} never entered while {int(P.sum())} ranks did"
+                  + (f"; node files cut off (partial): {', '.join(cut)}" if cut else "; the job likely hung here"))
+    elif int(maj) in SAME_SIZE_OPS and (P & (sizes != smaj)).any():
+        kind = "size_differs"
+        culprits = [int(cols[j]) for j in np.flatnonzero(P & (sizes != smaj))]
+        detail = f"seq {s}: ranks {_ranks(culprits)} passed a different byte count ({OPS[int(maj)]})"
+    else:
+        kind = "not_returned"
+        stuck = [int(cols[j]) for j in np.flatnonzero(P & ~np.isfinite(exits))]
+        culprits = [int(c) for c in cols if int(c) not in stuck] if len(stuck) < len(cols) else []
+        detail = (f"seq {s}: ranks {_ranks(stuck)} entered and never returned"
+                  + (f"; ranks {_ranks(culprits)} left or never came" if culprits else ""))
+    return Mismatch(
+        t.comm_id, s, kind, missing, culprits,
+        sorted({node_names[int(t.node_of_rank[r])] for r in culprits if t.node_of_rank[r] >= 0}),
+        detail, affected,
+    )
 
 
 def _row_mode(a: np.ndarray) -> np.ndarray:
@@ -298,6 +443,61 @@ class NodeInstances:
     comm_id: np.ndarray  # [n_inst]
     seq: np.ndarray
 
+    # clock.InstanceRows: what the clock fit reads
+    @property
+    def n_rows(self) -> int:
+        return int(self.enter_max.shape[0])
+
+    @property
+    def n_cols(self) -> int:
+        return int(self.enter_max.shape[1])
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.enter_max[rows], self.exit_min[rows], self.exit_med[rows]
+
+
+class InstanceTable:
+    """NodeInstances appended block by block (the rows of one block of a CommStore pass at a time)
+    and read back by rows: clock.InstanceRows. In memory, or in an HDF5 scratch group sized for
+    `max_rows` (the merge driver), so the clock fit's input is never whole in rank 0's memory."""
+
+    FIELDS = ("enter_max", "exit_min", "exit_med")
+
+    def __init__(self, n_nodes: int, max_rows: int, scratch: h5py.Group | None = None):
+        self._n_cols = n_nodes
+        self._n_rows = 0
+        self.data: dict[str, ArrayLike2D] = {}
+        for name in self.FIELDS:
+            if scratch is None:
+                self.data[name] = np.full((max_rows, n_nodes), np.nan)
+            else:
+                self.data[name] = scratch.create_dataset(f"instances/{name}", shape=(max_rows, n_nodes),
+                                                         dtype="<f8", fillvalue=np.nan)
+
+    def append(self, inst: NodeInstances) -> None:
+        k0, k1 = self._n_rows, self._n_rows + inst.n_rows
+        if k1 > self.data["enter_max"].shape[0]:
+            raise ValueError(f"instance table holds {self.data['enter_max'].shape[0]} rows, {k1} appended")
+        if k1 > k0:
+            for name in self.FIELDS:
+                self.data[name][k0:k1] = getattr(inst, name)
+        self._n_rows = k1
+
+    @property
+    def n_rows(self) -> int:
+        return self._n_rows
+
+    @property
+    def n_cols(self) -> int:
+        return self._n_cols
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self._n_rows):
+            raise IndexError(f"instance rows {rows.min()}..{rows.max()} outside 0..{self._n_rows - 1}")
+        E, Xn, Xm = (read_rows(self.data[name], rows) for name in self.FIELDS)
+        return E, Xn, Xm
+
 
 def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = CLOCK_OPS_DEFAULT) -> NodeInstances:
     Es, Xn, Xm, cids, seqs = [], [], [], [], []
@@ -323,7 +523,7 @@ def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = C
         Xn.append(Xmin)
         Xm.append(Xmed)
         cids.append(np.full(n, t.comm_id, np.uint64))
-        seqs.append(np.flatnonzero(rows))
+        seqs.append(np.flatnonzero(rows) + t.seq0)
     if not Es:
         z = np.zeros((0, n_nodes))
         return NodeInstances(z, z.copy(), z.copy(), np.zeros(0, np.uint64), np.zeros(0, np.int64))

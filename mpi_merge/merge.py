@@ -1,14 +1,28 @@
 """The MPI merge driver: any number of ranks, the same job file for every rank count.
 
-  1. every rank summarizes its share of the node files (sorted by name, round robin);
-  2. rank 0 receives the summaries rank by rank (one message per node, never one big gather),
-     selects the files to merge, fits the clocks and runs the analyses (analysis.py);
-  3. rank 0 broadcasts the clock models; every rank writes a part file per node it read (tables
-     plus aligned times); rank 0 copies the parts into the job file, writes it under a temporary
-     name and renames it into place, then the reports.
+  1. every rank reads its share of the node files (sorted by name, round robin): a small summary
+     per node (loading.py: no calls, no bulk tables), the node's tables staged into a part file,
+     and the node's collective and point-to-point calls saved beside it (.calls.npy);
+  2. rank 0 receives the summaries rank by rank (one message per node) and selects the files to
+     merge; it broadcasts the selection and the job's epoch;
+  3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies every
+     selected node's part into /nodes. Meanwhile rank 0 loads the calls one node at a time in the
+     job's node order into the job-wide [seq x rank] tables of a scratch HDF5 file
+     (matching.CommStore), reads them back by blocks to fit the clocks
+     (analysis.JobAnalyzer.fit_clocks) and sends the models to every rank without waiting for them;
+  4. every rank writes the aligned call times of its nodes into files of their own (a part is never
+     written after staging, so the writer can copy it meanwhile); the writer adds them to the job
+     file once every rank is done, and tells rank 0;
+  5. rank 0 reads the tables by blocks again for the wait states, writing /collectives into a part
+     file of its own one chunk per block, then mismatches, stragglers and the reports; once the
+     writer is done, rank 0 adds /collectives, /clock, /analysis and the root attributes to the job
+     file, renames it into place, then writes the reports the same way.
 
-An exception on any rank propagates to the CLI, which aborts the whole MPI job with the message
-(comm.Abort), so a failing rank never leaves the others waiting in a receive.
+Rank 0's memory therefore holds the per-node summaries (bounded per node), per-instance vectors,
+per-rank sums and one block of the tables: not the calls, not the [instance x node] tables, not
+the bulk data (docs/merge.md, "Rank 0's memory"). Most of the copying runs on the writer, beside
+rank 0's analysis. An exception on any rank propagates to the CLI, which aborts the whole MPI job
+with the message (comm.Abort), so a failing rank never leaves the others waiting in a receive.
 """
 
 from __future__ import annotations
@@ -17,22 +31,32 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from mpi_merge.analysis import JobAnalysis, analyze
-from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams
-from mpi_merge.jobfile import add_aligned_times, write_job_file
+import h5py
+import numpy as np
+
+from mpi_merge.analysis import JobAnalyzer, Selection, p2p_rows
+from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
+from mpi_merge.jobfile import (
+    CollectivesWriter,
+    add_aligned_times,
+    copy_aligned_times,
+    copy_node_tables,
+    finish_job_file,
+)
 from mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
-from mpi_merge.report import write_reports
+from mpi_merge.matching import COLLECTIVE_SET, P2P_OPS, CommStore
+from mpi_merge.report import render_reports, write_rendered
 from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
 from slurm_hooks.errors import MergeError
 
 EXIT_COMPLETE = 0
 EXIT_ERROR = 2
 EXIT_PARTIAL = 3
-TAG_COUNT, TAG_SUMMARY, TAG_DONE = 11, 12, 13
+TAG_COUNT, TAG_SUMMARY, TAG_MODELS, TAG_ALIGNED, TAG_NODES = 11, 12, 14, 15, 16
 
 
 class Comm(Protocol):
@@ -42,7 +66,12 @@ class Comm(Protocol):
     def Get_size(self) -> int: ...
     def bcast(self, obj: Any, root: int = 0) -> Any: ...
     def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request: ...
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+
+
+class Request(Protocol):
+    def wait(self) -> Any: ...
 
 
 class SerialComm:
@@ -58,6 +87,9 @@ class SerialComm:
         return obj
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        raise MergeError("SerialComm has no peers to send to")
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
         raise MergeError("SerialComm has no peers to send to")
 
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
@@ -145,13 +177,30 @@ def merge(
 def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_start: float, reference: str,
            clock_params: ClockParams, straggler_params: StragglerParams) -> MergeResult | None:
     rank, size = c.Get_rank(), c.Get_size()
-    # 1. each rank reads its node files once: the summary, and the tables staged into a part file
-    mine = list(range(rank, len(files), size))
-    staged = {files[i]: parts_dir / f"{i:06d}.h5" for i in mine}
-    summaries = [summarize_node(files[i], staged[files[i]]) for i in mine]
+    # the rank that assembles the job file from the node parts while rank 0 analyzes
+    writer = size - 1
+    owner = {f: i % size for i, f in enumerate(files)}
+    part_of = {f: parts_dir / f"{i:06d}.h5" for i, f in enumerate(files)}
+    calls_of = {f: parts_dir / f"{i:06d}.calls.npy" for i, f in enumerate(files)}
+    # aligned call times go to a file of their own: a part is never written once staged, so the
+    # writer can copy it while its owner reads it
+    aligned_of = {f: parts_dir / f"{i:06d}.aligned.h5" for i, f in enumerate(files)}
+    job_tmp = parts_dir / "job.h5"  # beside the output (same file system), renamed into place at the end
 
-    # 2. rank 0 receives summaries rank by rank
-    analysis: JobAnalysis | None = None
+    # 1. each rank reads its node files once: the summary, the tables staged into a part file, and
+    #    the calls the analysis reads saved for rank 0 to load one node at a time (step 3)
+    summaries: list[NodeSummary] = []
+    for f in files:
+        if owner[f] == rank:
+            s = summarize_node(f, part_of[f])
+            if s.error is None:
+                np.save(calls_of[f], analysis_calls(s.calls), allow_pickle=False)
+            s.calls = np.zeros(0, s.calls.dtype)  # a new empty array: a slice would keep them
+            summaries.append(s)
+    mine = {s.file: s for s in summaries}
+
+    # 2. rank 0 receives the summaries rank by rank and selects the files to merge
+    sel: Selection | None = None
     decision: dict[str, Any] | None = None
     if rank == 0:
         all_s: list[NodeSummary] = list(summaries)
@@ -159,48 +208,85 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             n = c.recv(source=r, tag=TAG_COUNT)
             for _ in range(n):
                 all_s.append(c.recv(source=r, tag=TAG_SUMMARY))
-        expect = plan["expect"] or expected_nodes_from_attrs(all_s)
-        analysis = analyze(all_s, job_id=plan["job_id"], expect_nodes=expect, reference=reference,
-                           clock_params=clock_params, straggler_params=straggler_params, release_calls=True)
-        included = {s.file: s.node for s in analysis.nodes}
-        decision = {"included": included, "models": {m.node: m for m in analysis.clock.models},
-                    "epoch": analysis.epoch_rt}
+        sel = Selection.of(all_s, plan["job_id"], plan["expect"] or expected_nodes_from_attrs(all_s))
+        decision = {"files": [s.file for s in sel.nodes], "nodes": [s.node for s in sel.nodes],
+                    "epoch": sel.epoch_rt}
         del all_s
     else:
         c.send(len(summaries), dest=0, tag=TAG_COUNT)
         for s in summaries:
-            c.send(s, dest=0, tag=TAG_SUMMARY)
+            # the clock map (its pairs) serves only the owner, for the aligned call times (step 4)
+            c.send(replace(s, clock=None), dest=0, tag=TAG_SUMMARY)
     decision = c.bcast(decision, root=0)
     assert decision is not None
-
-    # 3. aligned times into the staged part files, then the job file on rank 0
-    my_parts: dict[str, str] = {}
+    selected = list(zip(decision["files"], decision["nodes"]))
     for s in summaries:
-        node = decision["included"].get(s.file)
-        part = staged[s.file]
-        if node is None or s.clock is None or not part.exists():
-            part.unlink(missing_ok=True)
-            continue
-        add_aligned_times(part, s.clock, decision["models"][node], decision["epoch"])
-        my_parts[node] = str(part)
-    summaries.clear()
+        if s.file not in decision["files"]:
+            part_of[s.file].unlink(missing_ok=True)
+
+    # 3. the writer starts the job file with every selected node's tables, while rank 0 fills the
+    #    job-wide tables with the calls, one node at a time in the job's node order, and fits the clocks
+    node_parts = [(node, part_of[f]) for f, node in selected]
+    if rank == writer:
+        copy_node_tables(job_tmp, node_parts)
+    models: dict[str, NodeClockModel] | None = None
+    sent: list[Request] = []
+    job: JobAnalyzer | None = None
+    scratch: h5py.File | None = None
+    if rank == 0:
+        assert sel is not None
+        scratch = h5py.File(parts_dir / "scratch.h5", "w")
+        store = CommStore(sel.comm_shapes(), sel.epoch_rt, scratch.create_group("store"))
+        p2p = []
+        for ni, (f, _node) in enumerate(selected):
+            calls = _load_calls(calls_of[f])
+            store.add_node(ni, calls)
+            p2p.append(p2p_rows(calls))
+        job = JobAnalyzer(sel, store, p2p, scratch)
+        models = {m.node: m for m in job.fit_clocks(reference, clock_params).models}
+        # not a broadcast: the writer takes them once its copy is done, rank 0 goes on meanwhile
+        sent = [c.isend(models, dest=r, tag=TAG_MODELS) for r in range(1, size)]
+    else:
+        models = c.recv(source=0, tag=TAG_MODELS)
+    assert models is not None
+
+    # 4. every rank aligns its nodes' calls; the writer copies them in when all are done
+    for f, node in selected:
+        if owner[f] == rank:
+            clock = mine[f].clock
+            if clock is None:
+                raise MergeError(f"{f}: selected for the merge but its summary has no clock map")
+            add_aligned_times(part_of[f], clock, models[node], decision["epoch"], out=aligned_of[f])
+    if rank != writer:
+        c.send(True, dest=writer, tag=TAG_ALIGNED)
+    else:
+        for r in range(size):
+            if r != writer:
+                c.recv(source=r, tag=TAG_ALIGNED)
+        copy_aligned_times(job_tmp, [(node, aligned_of[f]) for f, node in selected])
+        if writer != 0:
+            c.send(True, dest=0, tag=TAG_NODES)
     if rank != 0:
-        c.send(my_parts, dest=0, tag=TAG_DONE)
         return None
-    assert analysis is not None
-    parts = {k: Path(v) for k, v in my_parts.items()}
-    for r in range(1, size):
-        parts.update({k: Path(v) for k, v in c.recv(source=r, tag=TAG_DONE).items()})
-    stem = Path(plan["stem"])
-    outs = output_paths(stem)
-    tmp = outs["h5"].with_name(f".{outs['h5'].name}.tmp-{os.getpid()}")
+
+    # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
+    assert job is not None and scratch is not None
+    collectives_part = parts_dir / "collectives.h5"
     try:
-        write_job_file(analysis, tmp, parts, merge_ranks=size, merged_at_ns=time.time_ns())
-        os.replace(tmp, outs["h5"])
+        # no chunk cache: every chunk is written whole, once (CollectivesWriter)
+        with h5py.File(collectives_part, "w", libver="latest", rdcc_nbytes=0) as cf:
+            analysis = job.finish(CollectivesWriter(cf, job.names, decision["epoch"]), straggler_params)
     finally:
-        if tmp.exists():
-            tmp.unlink()
-    reports = write_reports(analysis, outs)
+        scratch.close()
+    texts = render_reports(analysis)
+    for req in sent:
+        req.wait()
+    if writer != 0:
+        c.recv(source=writer, tag=TAG_NODES)
+    finish_job_file(job_tmp, analysis, collectives_part, merge_ranks=size, merged_at_ns=time.time_ns())
+    outs = output_paths(Path(plan["stem"]))
+    os.replace(job_tmp, outs["h5"])
+    reports = write_rendered(texts, outs)
     partial = analysis.partial
     return MergeResult(
         job_file=outs["h5"], reports=reports, status="partial" if partial else "complete",
@@ -208,6 +294,18 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         job_id=analysis.job_id, stragglers=analysis.report["stragglers"], seconds=time.monotonic() - t_start,
         bytes_read=sum(os.path.getsize(f) for f in files if os.path.exists(f)),
     )
+
+
+def analysis_calls(calls: np.ndarray) -> np.ndarray:
+    """The calls of a node that the job-wide analysis reads: collectives and point-to-point."""
+    return calls[np.isin(calls["op"], list(COLLECTIVE_SET | P2P_OPS))]
+
+
+def _load_calls(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise MergeError(f"{path}: the calls its node's rank saved cannot be read: {e}") from None
 
 
 def merge_at_job_end(node_dir: str, stdout_path: str, nodes: list[str]) -> MergeResult:

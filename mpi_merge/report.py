@@ -1,7 +1,8 @@
 """Reports: a short text summary, JSON for machines, one self-contained HTML page with inline SVG.
 
-The text and JSON render the report dict (analysis.build_report_dict); the HTML also draws from the
-analysis arrays. Every name that comes from a trace (nodes, hosts, GPU names, evidence) is escaped.
+The text and JSON render the report dict (analysis.build_report_dict); the HTML also draws the
+lanes and the wait heat map the analysis kept of the first communicator (a bounded number of
+cells). Every name that comes from a trace (nodes, hosts, GPU names, evidence) is escaped.
 Reports of synthetic inputs say SYNTHETIC at the top.
 """
 
@@ -113,72 +114,71 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _svg_lanes(a: JobAnalysis, by_time: bool, max_inst: int = 60, max_ranks: int = 64) -> str:
+def _svg_lanes(a: JobAnalysis, by_time: bool) -> str:
     """Per node lanes of the first communicator: bars from enter to exit, by index or aligned time."""
     if not a.comms:
         return "<p>no collectives</p>"
-    t, w, E, X = a.comms[0], a.waits[0], a.enter_al[0], a.exit_al[0]
-    comp = np.flatnonzero(w.complete)
-    if not len(comp):
+    ln = a.lanes
+    if ln is None:
         return "<p>no complete instances</p>"
-    mid = comp[len(comp) // 2:][:max_inst]
-    shown = min(t.size, max_ranks)  # the first ranks; the heat map covers all
+    c = a.comms[0]
+    shown = ln.enter.shape[1]  # the first ranks; the heat map covers all
     W, lane, left = 900, 14, 110
     H = lane * shown + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-size="10">']
     if by_time:
-        t0, t1 = float(np.nanmin(E[mid])), float(np.nanmax(X[mid]))
+        t0, t1 = float(np.nanmin(ln.first_enter)), float(np.nanmax(ln.last_exit))
     else:
-        t0, t1 = 0.0, float(len(mid))
+        t0, t1 = 0.0, float(len(ln.seqs))
     sx = (W - left - 10) / max(t1 - t0, 1e-9)
     for r in range(shown):
         y = 10 + r * lane
-        ni = int(t.node_of_rank[r])
+        ni = int(c.node_of_rank[r])
         label = f"r{r} {a.node_names[ni] if ni >= 0 else '?'}"
         parts.append(f'<text x="2" y="{y + 10}">{_e(label)}</text>')
-        for j, k in enumerate(mid):
+        for j, k in enumerate(ln.seqs):
+            e, x = ln.enter[j, r], ln.exit[j, r]
             if by_time:
-                x0, x1 = left + (E[k, r] - t0) * sx, left + (X[k, r] - t0) * sx
+                x0, x1 = left + (e - t0) * sx, left + (x - t0) * sx
             else:
                 # by index: the wait before the last arrival in orange, the collective's own time in blue
-                span = (X[k].max() - E[k].min()) or 1.0
-                x0 = left + (j + (E[k, r] - E[k].min()) / span) * sx
-                x1 = left + (j + (X[k, r] - E[k].min()) / span) * sx
-            last = w.last_rank[k] == r
+                span = (ln.last_exit[j] - ln.first_enter[j]) or 1.0
+                x0 = left + (j + (e - ln.first_enter[j]) / span) * sx
+                x1 = left + (j + (x - ln.first_enter[j]) / span) * sx
+            last = ln.last_rank[j] == r
             parts.append(f'<rect x="{x0:.1f}" y="{y}" width="{max(x1 - x0, 0.5):.1f}" height="{lane - 3}" '
                          f'fill="{"#d62728" if last else "#ff7f0e"}" opacity="0.8"><title>{_e(label)} seq {k}'
                          f'{" (last)" if last else ""}</title></rect>')
     axis = "aligned time (ms)" if by_time else "collective index"
-    more = f" (first {shown} of {t.size} ranks)" if shown < t.size else ""
+    more = f" (first {shown} of {c.size} ranks)" if shown < c.size else ""
     parts.append(f'<text x="{left}" y="{H - 5}">{_e(axis)}: red = arrived last{more}</text></svg>')
     return "".join(parts)
 
 
-def _svg_heatmap(a: JobAnalysis, max_cols: int = 300) -> str:
+def _svg_heatmap(a: JobAnalysis) -> str:
     if not a.comms:
         return "<p>no collectives</p>"
-    t, w = a.comms[0], a.waits[0]
-    comp = np.flatnonzero(w.complete)
-    if not len(comp):
+    if a.heat is None:
         return "<p>no complete instances</p>"
-    # collectives grouped into at most max_cols columns: mean wait per rank and group
-    # a bounded number of cells, whatever the rank count: the page (and rank 0's memory) stays small
-    max_cols = max(20, min(max_cols, 40_000 // max(1, t.size)))
-    groups = np.array_split(comp, min(max_cols, len(comp)))
-    M = np.array([np.nanmean(w.waits[g], axis=0) for g in groups]).T  # [size, cols]
-    vmax = float(np.nanpercentile(M, 99)) or 1.0
-    cw, ch, left = max(1.0, 800 / M.shape[1]), max(4, min(14, 400 // max(1, t.size))), 110
-    H = int(ch * t.size + 30)
+    c, M = a.comms[0], a.heat  # [size, columns]: mean wait per rank and group of collectives
+    with quiet_nan():
+        vmax = float(np.nanpercentile(M, 99)) or 1.0
+    cw, ch, left = max(1.0, 800 / M.shape[1]), max(4, min(14, 400 // max(1, c.size))), 110
+    H = int(ch * c.size + 30)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{int(left + cw * M.shape[1] + 10)}" height="{H}" font-size="10">']
-    for r in range(t.size):
-        ni = int(t.node_of_rank[r])
+
+    def cell(r: int, j: int) -> str:
+        v = M[r, j]
+        level = 0.0 if not np.isfinite(v) else min(1.0, v / vmax)
+        col = f"rgb({int(255 * level)},{int(80 * (1 - level))},{int(255 * (1 - level))})"
+        return f'<rect x="{left + j * cw:.1f}" y="{r * ch}" width="{cw + 0.2:.1f}" height="{ch}" fill="{col}"/>'
+
+    for r in range(c.size):
+        ni = int(c.node_of_rank[r])
         if ch >= 8:
             parts.append(f'<text x="2" y="{r * ch + ch}">{_e(f"r{r} " + (a.node_names[ni] if ni >= 0 else "?"))}</text>')
-        for j in range(M.shape[1]):
-            v = M[r, j]
-            level = 0.0 if not np.isfinite(v) else min(1.0, v / vmax)
-            col = f"rgb({int(255 * level)},{int(80 * (1 - level))},{int(255 * (1 - level))})"
-            parts.append(f'<rect x="{left + j * cw:.1f}" y="{r * ch}" width="{cw + 0.2:.1f}" height="{ch}" fill="{col}"/>')
+        # one string per rank rather than one per cell: the page is the same, its build smaller
+        parts.append("".join(cell(r, j) for j in range(M.shape[1])))
     parts.append(f'<text x="{left}" y="{H - 5}">wait per rank (rows) and collective group (columns); red = up to '
                  f'{vmax / 1e6:.3f} ms</text></svg>')
     return "".join(parts)
@@ -223,7 +223,10 @@ def _svg_metric(a: JobAnalysis, suffix: str, title: str) -> str:
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
     for i, (node, key, v) in enumerate(series[:64]):
         ok = np.isfinite(v.values)
-        pts = " ".join(f"{left + (t - t0) * sx:.1f},{H - 20 - y * sy:.1f}" for t, y in zip(v.t_rt[ok], v.values[ok]))
+        # the same arithmetic as per point, on arrays, then formatted as Python floats (fast)
+        xs = (left + (v.t_rt[ok] - t0) * sx).tolist()
+        ys = (H - 20 - v.values[ok] * sy).tolist()
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
         parts.append(f'<polyline fill="none" stroke="{palette[i % len(palette)]}" stroke-width="1" points="{pts}">'
                      f'<title>{_e(node)} {_e(key)}</title></polyline>')
     parts.append(f'<text x="{left}" y="{H - 5}">{_e(title)} (max {vmax:.0f}) over the job, one line per GPU</text></svg>')
@@ -282,8 +285,19 @@ def _atomic_write(path: Path, text: str) -> None:
             tmp.unlink()
 
 
-def write_reports(a: JobAnalysis, outs: dict[str, Path]) -> dict[str, Path]:
-    _atomic_write(outs["txt"], render_text(a.report))
-    _atomic_write(outs["json"], json.dumps(a.report, indent=1, sort_keys=True, default=_json_default) + "\n")
-    _atomic_write(outs["html"], render_html(a))
+def render_reports(a: JobAnalysis) -> dict[str, str]:
+    """The text, JSON and HTML reports as strings (the merge renders them while the job file is
+    still being assembled, and writes them once it is in place)."""
+    return {"txt": render_text(a.report),
+            "json": json.dumps(a.report, indent=1, sort_keys=True, default=_json_default) + "\n",
+            "html": render_html(a)}
+
+
+def write_rendered(texts: dict[str, str], outs: dict[str, Path]) -> dict[str, Path]:
+    for ext in ("txt", "json", "html"):
+        _atomic_write(outs[ext], texts[ext])
     return {k: outs[k] for k in ("txt", "json", "html")}
+
+
+def write_reports(a: JobAnalysis, outs: dict[str, Path]) -> dict[str, Path]:
+    return write_rendered(render_reports(a), outs)

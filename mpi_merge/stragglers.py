@@ -11,20 +11,23 @@ Detection, per window of window_s: NVIDIA's straggler detector score  min_j medi
 (binomial z). A rank is a straggler in a window when score < score_threshold or z >= last_share_z.
 Cause, over the instances where a flagged rank was last: exit excess dominating -> network /
 collective; compute excess dominating -> GPU or host by the node's metrics against its peers.
+
+The aligned times are read through AlignedRows, by blocks of instances (the per-instance medians),
+by windows (the per-rank medians) and by single ranks (the evidence of a finding), so nothing of
+size instances x ranks is held whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from mpi_merge.common import quiet_nan
+from mpi_merge.common import block_rows, quiet_nan, row_blocks
 from mpi_merge.loading import Series
-from mpi_merge.matching import CommTable
-from mpi_merge.waitstates import CommWaits
+from mpi_merge.waitstates import CommSummary
 
 
 @dataclass(frozen=True)
@@ -88,46 +91,104 @@ def stretched_window_s(tk: np.ndarray, window_s: float, min_instances: int) -> f
     return max(window_s, span_s * min_instances / len(tk) * 1.0001)
 
 
-def window_metrics(t: CommTable, w: CommWaits, enter: np.ndarray, exit_: np.ndarray, window_s: float,
-                   t0: float, min_instances: int = 1) -> tuple[RankWindowMetrics, dict[str, np.ndarray]]:
-    comp = w.complete.copy()
+class AlignedRows(Protocol):
+    """Aligned enter and exit times (float ns from the epoch) of one communicator, read by seqs."""
+
+    def enter(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
+        """[len(seqs), ranks]"""
+        ...
+
+    def exit(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
+        """[len(seqs), ranks]"""
+        ...
+
+
+@dataclass
+class InstanceMetrics:
+    """The metric step of one communicator, per instance k used (complete, after a complete one).
+    The per-rank columns (lateness, exit and compute excess) are read for the ranks a finding names."""
+
+    k: np.ndarray  # seqs used
+    win: np.ndarray  # window of each
+    last: np.ndarray  # rank that arrived last
+    t: np.ndarray  # aligned ns of the last arrival
+    window_s: float
+    times: AlignedRows
+    med_prev_exit: np.ndarray  # median over ranks of exit[k-1]
+    med_enter: np.ndarray  # median over ranks of enter[k]
+    med_interval: np.ndarray  # median over ranks of enter[k] - exit[k-1]
+
+    def _col(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        one = slice(r, r + 1)
+        return self.times.enter(self.k, one)[:, 0], self.times.exit(self.k - 1, one)[:, 0]
+
+    def lateness(self, r: int) -> np.ndarray:
+        """enter[k, r] - median_j enter[k, j]"""
+        return self._col(r)[0] - self.med_enter
+
+    def exit_excess(self, r: int) -> np.ndarray:
+        """exit[k-1, r] - median_j exit[k-1, j]: the previous collective returned late on r"""
+        return self._col(r)[1] - self.med_prev_exit
+
+    def compute_excess(self, r: int) -> np.ndarray:
+        """(enter[k, r] - exit[k-1, r]) - its median over ranks: r computed longer"""
+        e, xp = self._col(r)
+        return (e - xp) - self.med_interval
+
+
+def window_metrics(c: CommSummary, times: AlignedRows, window_s: float, t0: float,
+                   min_instances: int = 1) -> tuple[RankWindowMetrics, InstanceMetrics]:
+    comp = c.complete.copy()
     comp[0] = False  # the first instance has no predecessor
-    prev_ok = np.concatenate([[False], w.complete[:-1]])
-    use = comp & prev_ok
-    k = np.flatnonzero(use)
-    E, Xp, _Ep = enter[k], exit_[k - 1], enter[k - 1]
-    with quiet_nan():
-        med_xp = np.median(Xp, axis=1)
-        a = E - med_xp[:, None]
-        late = E - np.median(E, axis=1)[:, None]
-        exit_excess = Xp - med_xp[:, None]
-        comp_int = E - Xp
-        compute_excess = comp_int - np.median(comp_int, axis=1)[:, None]
-    tk = w.last_enter[k]
+    prev_ok = np.concatenate([[False], c.complete[:-1]])
+    k = np.flatnonzero(comp & prev_ok)
+    size = c.size
+    # per instance: medians over ranks, a block of instances at a time
+    med_xp, med_e, med_ci = (np.empty(len(k)) for _ in range(3))
+    for b0, b1 in row_blocks(len(k), size):
+        E, Xp = times.enter(k[b0:b1]), times.exit(k[b0:b1] - 1)
+        with quiet_nan():
+            med_xp[b0:b1] = np.median(Xp, axis=1)
+            med_e[b0:b1] = np.median(E, axis=1)
+            med_ci[b0:b1] = np.median(E - Xp, axis=1)
+    tk = c.last_enter[k]
     window_s = stretched_window_s(tk, window_s, min_instances)
     win = np.floor((tk - t0) / (window_s * 1e9)).astype(np.int64) if len(k) else np.zeros(0, np.int64)
     nw = int(win.max()) + 1 if len(win) else 0
-    size = t.size
     score = np.full((nw, size), np.nan)
     share = np.full((nw, size), np.nan)
     z = np.full((nw, size), np.nan)
-    n = np.zeros(nw, np.int64)
-    last = w.last_rank[k]
+    last = c.last_rank[k]
     p0 = 1.0 / size
-    for i in range(nw):
-        sel = win == i
-        n[i] = int(sel.sum())
-        if not n[i]:
-            continue
-        med = np.median(a[sel], axis=0)
-        score[i] = np.min(med) / med
-        cnt = np.bincount(last[sel], minlength=size)
-        share[i] = cnt / n[i]
-        z[i] = (share[i] - p0) / np.sqrt(p0 * (1 - p0) / n[i])
-    per_inst = {"k": k, "win": win, "last": last, "lateness": late, "exit_excess": exit_excess,
-                "compute_excess": compute_excess, "t": tk}
-    per_inst["window_s"] = np.array(window_s)
-    return RankWindowMetrics(t0 + np.arange(nw) * window_s * 1e9, score, share, z, n), per_inst
+    # instances grouped by window (in seq order within one), windows read together up to a block
+    order = np.argsort(win, kind="stable")
+    bounds = np.searchsorted(win[order], np.arange(nw + 1))
+    n = np.diff(bounds).astype(np.int64)
+    w0 = 0
+    while w0 < nw:
+        w1 = w0 + 1
+        while w1 < nw and bounds[w1 + 1] - bounds[w0] <= block_rows(size):
+            w1 += 1
+        pos = order[bounds[w0]:bounds[w1]]
+        med = np.full((w1 - w0, size), np.nan)
+        # a window longer than a block is read a few ranks at a time (medians are per rank)
+        step = block_rows(len(pos))
+        for r0 in range(0, size, step):
+            ranks = slice(r0, min(size, r0 + step))
+            arrival = times.enter(k[pos], ranks) - med_xp[pos][:, None]
+            for i in range(w0, w1):
+                if n[i]:
+                    med[i - w0, ranks] = np.median(arrival[bounds[i] - bounds[w0]:bounds[i + 1] - bounds[w0]], axis=0)
+        for i in range(w0, w1):
+            if not n[i]:
+                continue
+            score[i] = np.min(med[i - w0]) / med[i - w0]
+            cnt = np.bincount(last[order[bounds[i]:bounds[i + 1]]], minlength=size)
+            share[i] = cnt / n[i]
+            z[i] = (share[i] - p0) / np.sqrt(p0 * (1 - p0) / n[i])
+        w0 = w1
+    inst = InstanceMetrics(k, win, last, tk, window_s, times, med_xp, med_e, med_ci)
+    return RankWindowMetrics(t0 + np.arange(nw) * window_s * 1e9, score, share, z, n), inst
 
 
 Detector = Callable[[RankWindowMetrics, StragglerParams], np.ndarray]
@@ -188,43 +249,42 @@ def _mean_over(series: list[Series], ranges: list[tuple[float, float]], epoch_rt
 
 
 def find_stragglers(
-    comms: list[CommTable], waits: list[CommWaits], enter_al: list[np.ndarray], exit_al: list[np.ndarray],
-    node_names: list[str], node_series: list[dict[str, Series]], epoch_rt: int, t0: float,
-    params: StragglerParams = DEFAULT_STRAGGLER_PARAMS, detector: Detector = detect,
+    comms: list[CommSummary], times: Sequence[AlignedRows], node_names: list[str], node_series: list[dict[str, Series]],
+    epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS, detector: Detector = detect,
 ) -> tuple[list[Finding], dict[str, Any]]:
     findings: list[Finding] = []
     per_rank: dict[str, Any] = {}
-    for t, w, E, X in zip(comms, waits, enter_al, exit_al):
-        if t.size < 2 or w.complete.sum() < 2:
+    for c, tm in zip(comms, times):
+        if c.size < 2 or c.complete.sum() < 2:
             continue
-        m, inst = window_metrics(t, w, E, X, params.window_s, t0, params.min_instances)
-        window_s = float(inst["window_s"])
+        m, inst = window_metrics(c, tm, params.window_s, t0, params.min_instances)
+        window_s = inst.window_s
         flags = detector(m, params)
         judged = m.n >= params.min_instances
         with quiet_nan():
-            overall_score = np.nanmin(m.score[judged], axis=0) if judged.any() else np.full(t.size, np.nan)
-        per_rank[f"{t.comm_id:#x}"] = {
+            overall_score = np.nanmin(m.score[judged], axis=0) if judged.any() else np.full(c.size, np.nan)
+        per_rank[f"{c.comm_id:#x}"] = {
             "score_min": [None if not np.isfinite(x) else float(x) for x in overall_score],
-            "times_last": np.bincount(inst["last"], minlength=t.size).tolist(),
+            "times_last": np.bincount(inst.last, minlength=c.size).tolist(),
             "windows_judged": int(judged.sum()),
         }
         by_node: dict[int, list[int]] = {}
         for r in np.flatnonzero(flags.any(axis=0)):
-            by_node.setdefault(int(t.node_of_rank[r]), []).append(int(r))
+            by_node.setdefault(int(c.node_of_rank[r]), []).append(int(r))
         for ni, ranks in sorted(by_node.items()):
             fw = flags[:, ranks].any(axis=1)
-            sel_inst = np.isin(inst["win"], np.flatnonzero(fw)) & np.isin(inst["last"], ranks)
-            in_win = np.isin(inst["win"], np.flatnonzero(fw))
-            times_last = int(np.isin(inst["last"], ranks).sum())
+            sel_inst = np.isin(inst.win, np.flatnonzero(fw)) & np.isin(inst.last, ranks)
+            in_win = np.isin(inst.win, np.flatnonzero(fw))
+            times_last = int(np.isin(inst.last, ranks).sum())
             rl = ranks[0]
             ranges = [(float(m.t_start[i]), float(m.t_start[i] + window_s * 1e9)) for i in np.flatnonzero(fw)]
             f = Finding(
-                node=node_names[ni] if ni >= 0 else "?", comm_id=t.comm_id, ranks=ranks, cause="",
+                node=node_names[ni] if ni >= 0 else "?", comm_id=c.comm_id, ranks=ranks, cause="",
                 windows_flagged=int(fw.sum()), windows_judged=int(judged.sum()),
                 first_s=(ranges[0][0] - t0) / 1e9, last_s=(ranges[-1][1] - t0) / 1e9, times_last=times_last,
-                share_last=float(np.isin(inst["last"][in_win], ranks).mean()) if in_win.any() else 0.0,
-                expected_share=len(ranks) / t.size,
-                lateness_when_last_ns=float(np.median(inst["lateness"][sel_inst, rl])) if sel_inst.any() else 0.0,
+                share_last=float(np.isin(inst.last[in_win], ranks).mean()) if in_win.any() else 0.0,
+                expected_share=len(ranks) / c.size,
+                lateness_when_last_ns=float(np.median(inst.lateness(rl)[sel_inst])) if sel_inst.any() else 0.0,
                 score_min=float(np.nanmin(m.score[fw][:, ranks])),
             )
             _attribute(f, inst, sel_inst, rl, ni, node_series, ranges, epoch_rt, params)
@@ -232,7 +292,7 @@ def find_stragglers(
     return findings, per_rank
 
 
-def _attribute(f: Finding, inst: dict[str, np.ndarray], sel: np.ndarray, r: int, ni: int,
+def _attribute(f: Finding, inst: InstanceMetrics, sel: np.ndarray, r: int, ni: int,
                node_series: list[dict[str, Series]], ranges: list[tuple[float, float]], epoch_rt: int,
                p: StragglerParams) -> None:
     ms = 1e6
@@ -242,8 +302,8 @@ def _attribute(f: Finding, inst: dict[str, np.ndarray], sel: np.ndarray, r: int,
         f"median {f.lateness_when_last_ns / ms:.3f} ms after the median rank when last; "
         f"slowness score {f.score_min:.2f} (1 = fastest)"
     )
-    ex = float(np.mean(inst["exit_excess"][sel, r])) if sel.any() else 0.0
-    cx = float(np.mean(inst["compute_excess"][sel, r])) if sel.any() else 0.0
+    ex = float(np.mean(inst.exit_excess(r)[sel])) if sel.any() else 0.0
+    cx = float(np.mean(inst.compute_excess(r)[sel])) if sel.any() else 0.0
     f.metrics.update({"exit_excess_ns": ex, "compute_excess_ns": cx})
     if ex > cx and ex > 0:
         f.cause = "network"

@@ -3,6 +3,9 @@
 Per collective instance: who arrived last, each rank's wait, and the collective's own time after
 the last arrival. Per point-to-point pair: Late Sender (the receiver waited for the send) and Late
 Receiver (a blocking send waited for the receive to be posted).
+
+compute_waits works on any block of instances (rows are independent); CommSummary gathers what the
+reports need of a communicator block by block, so the [instance x rank] waits never have to be whole.
 """
 
 from __future__ import annotations
@@ -100,20 +103,83 @@ def compute_p2p_waits(p: P2PPairs, send_enter: np.ndarray, send_exit: np.ndarray
     return P2PWaits(np.nan_to_num(ls), np.nan_to_num(lr))
 
 
-def rank_summary(waits: list[CommWaits], comms: list[CommTable], node_names: list[str]) -> list[dict[str, object]]:
+@dataclass
+class CommSummary:
+    """One communicator after the wait-state pass: per-instance vectors and per-rank sums, nothing of
+    size instances x ranks. Filled block by block (add), in block order, so the sums are the same
+    whichever rank count the merge ran with."""
+
+    comm_id: int
+    size: int
+    n_seq: int
+    node_of_rank: np.ndarray  # [size] index into the job's node list, -1 when no calls were seen
+    pid_of_rank: np.ndarray  # [size]
+    complete: np.ndarray  # [n_seq] bool
+    pattern: np.ndarray  # [n_seq] int8, -1 when incomplete
+    last_rank: np.ndarray  # [n_seq] int32, -1 when incomplete
+    last_enter: np.ndarray  # [n_seq] aligned ns of the last arrival
+    first_enter: np.ndarray  # [n_seq] aligned ns of the first arrival (complete instances, else NaN)
+    own_time: np.ndarray  # [n_seq] ns
+    pattern_instances: np.ndarray  # [len(PATTERNS)] complete instances of each pattern
+    pattern_wait_ns: np.ndarray  # [len(PATTERNS)] waits summed over instances and ranks
+    rank_wait_ns: np.ndarray  # [len(PATTERNS), size] waits of each rank, per pattern
+    rank_wait_total_ns: np.ndarray  # [size]
+
+    @classmethod
+    def empty(cls, comm_id: int, size: int, n_seq: int, node_of_rank: np.ndarray,
+              pid_of_rank: np.ndarray) -> CommSummary:
+        return cls(
+            comm_id, size, n_seq, node_of_rank, pid_of_rank, np.zeros(n_seq, bool), np.full(n_seq, -1, np.int8),
+            np.full(n_seq, -1, np.int32), np.full(n_seq, np.nan), np.full(n_seq, np.nan), np.full(n_seq, np.nan),
+            np.zeros(len(PATTERNS), np.int64), np.zeros(len(PATTERNS)), np.zeros((len(PATTERNS), size)),
+            np.zeros(size),
+        )
+
+    def add(self, s0: int, w: CommWaits, enter: np.ndarray) -> None:
+        """The waits of instances s0 .. s0 + len(w.complete) - 1 and their aligned enter times."""
+        s1 = s0 + len(w.complete)
+        self.complete[s0:s1] = w.complete
+        self.pattern[s0:s1] = w.pattern
+        self.last_rank[s0:s1] = w.last_rank
+        self.last_enter[s0:s1] = w.last_enter
+        self.own_time[s0:s1] = w.own_time
+        if w.complete.any():
+            self.first_enter[s0:s1][w.complete] = np.nanmin(enter[w.complete], axis=1)
+        for pi in range(len(PATTERNS)):
+            sel = w.pattern == pi
+            if sel.any():
+                self.pattern_instances[pi] += int(sel.sum())
+                self.pattern_wait_ns[pi] += float(np.nansum(w.waits[sel]))
+                self.rank_wait_ns[pi] += np.nansum(w.waits[sel], axis=0)
+        self.rank_wait_total_ns += np.nansum(w.waits, axis=0)
+
+    def skew(self) -> np.ndarray:
+        """Per complete instance: last arrival - first arrival (aligned ns)."""
+        return self.last_enter[self.complete] - self.first_enter[self.complete]
+
+
+def concat_waits(parts: list[CommWaits]) -> CommWaits:
+    """The blocks of one communicator's waits, in order, as one CommWaits (library use)."""
+    return CommWaits(
+        parts[0].comm_id, *(np.concatenate([getattr(p, f) for p in parts])
+                            for f in ("complete", "pattern", "last_rank", "last_enter", "own_time", "waits")),
+    )
+
+
+def rank_summary(comms: list[CommSummary], node_names: list[str]) -> list[dict[str, object]]:
     """Per (communicator, rank): wait per pattern, times last, instances."""
     rows: list[dict[str, object]] = []
-    for w, t in zip(waits, comms):
-        for r in range(t.size):
-            ni = int(t.node_of_rank[r])
+    for c in comms:
+        times_last = np.bincount(c.last_rank[c.last_rank >= 0], minlength=c.size)
+        for r in range(c.size):
+            ni = int(c.node_of_rank[r])
             d: dict[str, object] = {
-                "comm_id": f"{t.comm_id:#x}", "rank": r, "node": node_names[ni] if ni >= 0 else None,
-                "instances": int(w.complete.sum()), "times_last": int((w.last_rank == r).sum()),
+                "comm_id": f"{c.comm_id:#x}", "rank": r, "node": node_names[ni] if ni >= 0 else None,
+                "instances": int(c.complete.sum()), "times_last": int(times_last[r]),
             }
             for pi, name in enumerate(PATTERNS):
-                sel = w.pattern == pi
-                if sel.any():
-                    d[f"wait_ns:{name}"] = float(np.nansum(w.waits[sel, r]))
-            d["wait_ns_total"] = float(np.nansum(w.waits[:, r]))
+                if c.pattern_instances[pi]:
+                    d[f"wait_ns:{name}"] = float(c.rank_wait_ns[pi, r])
+            d["wait_ns_total"] = float(c.rank_wait_total_ns[r])
             rows.append(d)
     return rows
