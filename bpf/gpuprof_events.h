@@ -47,23 +47,28 @@ struct gp_call {
     u8 flags;
 };
 
-/* Communicator life cycle and attributes: creation, free, rank and size queries. */
-struct gp_comm {
-    u64 t_ns;
-    u64 handle; /* the communicator created, freed or queried */
-    u64 parent; /* parent handle of split/dup/create */
-    u64 index;  /* creation index under the parent in this process (0, 1, ...) */
-    u64 uid_hash; /* NCCL: FNV-1a 64 of the ncclUniqueId (fast path; the BPF path sends uid) */
-    u32 pid;
-    u32 tid;
-    s32 color;
-    s32 key;
-    s32 rank;
-    s32 size;
-    s32 ret;
-    u16 op; /* GP_COP_* (gpuprof_ops.h) */
-    u8 library;
+/* Communicator life cycle and attributes: creation, free, rank and size queries. The fields
+ * without the id are a macro because the fast path's ring record (gpuprof_ring.h, gp_fp_comm)
+ * has the same ones, in the same order, without the 128-byte copy of the id. */
+#define GP_COMM_FIELDS                                                                          \
+    u64 t_ns;                                                                                   \
+    u64 handle;   /* the communicator created, freed or queried */                              \
+    u64 parent;   /* parent handle of split/dup/create; fast path MPI_Init: MPI_COMM_SELF */    \
+    u64 index;    /* creation index under the parent (0, 1, ...); fast path MPI_Init: NULL */   \
+    u64 uid_hash; /* NCCL: FNV-1a 64 of the ncclUniqueId (fast path; the BPF path sends uid) */ \
+    u32 pid;                                                                                    \
+    u32 tid;                                                                                    \
+    s32 color;                                                                                  \
+    s32 key;                                                                                    \
+    s32 rank;                                                                                   \
+    s32 size;                                                                                   \
+    s32 ret;                                                                                    \
+    u16 op; /* GP_COP_* (gpuprof_ops.h) */                                                      \
+    u8 library;                                                                                 \
     u8 flags;
+
+struct gp_comm {
+    GP_COMM_FIELDS
     u8 uid[128]; /* NCCL: the ncclUniqueId passed by value (BPF path only) */
 };
 

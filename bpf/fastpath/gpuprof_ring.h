@@ -39,21 +39,7 @@ struct gp_ring_header {
  * which is all the collector uses, and the record shrinks from 216 to 88 bytes. The drain reads
  * every record the job writes, so its cost follows the bytes (docs/probes.md). */
 struct gp_fp_comm {
-    u64 t_ns;
-    u64 handle;
-    u64 parent;
-    u64 index;
-    u64 uid_hash;
-    u32 pid;
-    u32 tid;
-    s32 color;
-    s32 key;
-    s32 rank;
-    s32 size;
-    s32 ret;
-    u16 op;
-    u8 library;
-    u8 flags;
+    GP_COMM_FIELDS
 };
 
 struct gp_record {
