@@ -489,3 +489,14 @@ def attach_symbols(hub: BpfHub, path: str, symbols: Iterable[str], attached: set
             attached.add((path, sym))
             done.append(sym)
     return done
+
+
+def detach_symbols(hub: BpfHub, attached: set[tuple[str, str]], detach: Callable[[Any, bytes, bytes], None]) -> None:
+    """The inverse of attach_symbols: `detach(bpf, path, sym)` for every attached symbol, best
+    effort (a process that exited or a library unmapped makes BCC raise); `attached` is emptied."""
+    for path, sym in sorted(attached):
+        try:
+            detach(hub.bpf, path.encode(), sym.encode())
+        except Exception:  # noqa: BLE001, S112 - BCC raises bare Exception; detach is best effort
+            continue
+    attached.clear()

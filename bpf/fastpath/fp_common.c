@@ -155,6 +155,31 @@ void gp_publish(struct gp_record *rec, u64 pos)
     __atomic_store_n(&rec->seq, pos + 1, __ATOMIC_RELEASE);
 }
 
+void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
+                  u8 flags)
+{
+    u64 pos;
+    struct gp_record *r = gp_claim(GP_REC_CALL, &pos);
+    if (!r)
+        return;
+    struct gp_call *c = &r->u.call;
+    c->t_enter_ns = t0;
+    c->t_exit_ns = gp_now();
+    c->handle = handle;
+    c->seq = seq;
+    c->bytes = bytes;
+    c->aux = aux;
+    c->pid = gp_pid();
+    c->tid = gp_tid();
+    c->peer = peer;
+    c->tag = tag;
+    c->ret = rc;
+    c->op = op;
+    c->library = library;
+    c->flags = flags;
+    gp_publish(r, pos);
+}
+
 static u64 gp_mix(u32 kind, u64 handle, s32 peer, s32 tag)
 {
     u64 x = handle * 0x9E3779B97F4A7C15ULL;

@@ -15,6 +15,9 @@ u64 gp_now(void);
 /* Claim a record; NULL when the ring is full or unavailable (the drop is counted). */
 struct gp_record *gp_claim(u32 kind, u64 *pos);
 void gp_publish(struct gp_record *rec, u64 pos);
+/* One call record (claim, fill, publish); the exit time is taken here. Nothing if the ring is full. */
+void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
+                  u8 flags);
 /* The next number of a counter (GP_SEQ_NONE when the table is full). */
 u64 gp_next(u32 kind, u64 handle, s32 peer, s32 tag);
 void gp_reset(u32 kind, u64 handle);

@@ -40,26 +40,7 @@ static u64 nbytes(size_t count, int dt)
 
 static void emit_call(u16 op, u64 t0, Comm comm, u64 seq, u64 bytes, s32 peer, int rc, Stream stream)
 {
-    u64 pos;
-    struct gp_record *r = gp_claim(GP_REC_CALL, &pos);
-    if (!r)
-        return;
-    struct gp_call *c = &r->u.call;
-    c->t_enter_ns = t0;
-    c->t_exit_ns = gp_now();
-    c->handle = (u64)(uintptr_t)comm;
-    c->seq = seq;
-    c->bytes = bytes;
-    c->aux = (u64)(uintptr_t)stream;
-    c->pid = gp_pid();
-    c->tid = gp_tid();
-    c->peer = peer;
-    c->tag = -1;
-    c->ret = rc;
-    c->op = op;
-    c->library = GP_LIB_NCCL;
-    c->flags = 0;
-    gp_publish(r, pos);
+    gp_emit_call(GP_LIB_NCCL, op, t0, (u64)(uintptr_t)comm, seq, bytes, peer, -1, rc, (u64)(uintptr_t)stream, 0);
 }
 
 static void coll(u16 op, u64 t0, Comm comm, u64 bytes, s32 peer, int rc, Stream stream, u32 dir)

@@ -134,26 +134,7 @@ static void seen(u64 h)
 static void emit_call(u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
                       u8 flags)
 {
-    u64 pos;
-    struct gp_record *r = gp_claim(GP_REC_CALL, &pos);
-    if (!r)
-        return;
-    struct gp_call *c = &r->u.call;
-    c->t_enter_ns = t0;
-    c->t_exit_ns = gp_now();
-    c->handle = handle;
-    c->seq = seq;
-    c->bytes = bytes;
-    c->aux = aux;
-    c->pid = gp_pid();
-    c->tid = gp_tid();
-    c->peer = peer;
-    c->tag = tag;
-    c->ret = rc;
-    c->op = op;
-    c->library = GP_LIB_MPI;
-    c->flags = flags;
-    gp_publish(r, pos);
+    gp_emit_call(GP_LIB_MPI, op, t0, handle, seq, bytes, peer, tag, rc, aux, flags);
 }
 
 static u64 type_bytes(long count, H dt)

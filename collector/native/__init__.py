@@ -1,6 +1,7 @@
 """Native hot paths of the collector, built by `make -C collector/native` (make setup) and loaded
-with ctypes. Each user keeps its Python path for when the library is not built; which path ran is
-recorded in the node file (docs/collector.md)."""
+with ctypes. Each user keeps its Python path for when the library is not built: the host source
+records which ran (/host/procs attribute `reader`, docs/collector.md); the fast path's drain gives
+the same rows either way (tests/test_fastpath.py runs both)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from collector.bpf_support import (
     attach_symbols,
     defined_functions,
     defines_for_all,
+    detach_symbols,
     mapped_libraries,
     read_environ,
     read_maps,
@@ -701,14 +702,11 @@ class BpfCollectivesSource(Source):
 
     def stop(self) -> None:
         if self.hub is not None:
-            for path in {p for p, _ in self.attached}:
-                for sym in {s for p, s in self.attached if p == path}:
-                    try:
-                        self.hub.bpf.detach_uretprobe(name=path.encode(), sym=sym.encode())
-                        self.hub.bpf.detach_uprobe(name=path.encode(), sym=sym.encode())
-                    except Exception:  # noqa: BLE001, S112 - BCC raises bare Exception; detach is best effort
-                        continue
-            self.attached.clear()
+            def detach(bpf: Any, path: bytes, sym: bytes) -> None:
+                bpf.detach_uretprobe(name=path, sym=sym)
+                bpf.detach_uprobe(name=path, sym=sym)
+
+            detach_symbols(self.hub, self.attached, detach)
             self.hub.release()
             self.hub = None
 

@@ -22,6 +22,7 @@ from collector import schema
 from collector.bpf_support import (
     BpfHub,
     attach_symbols,
+    detach_symbols,
     dynamic_functions,
     elf_symbols,
     read_maps,
@@ -228,14 +229,13 @@ class BpfKernelsSource(Source):
     def stop(self) -> None:
         if self.hub is None:
             return
-        for path, sym in sorted(self.attached):
-            try:
-                if sym in LOOKUP_PROBES:
-                    self.hub.bpf.detach_uretprobe(name=path.encode(), sym=sym.encode())
-                self.hub.bpf.detach_uprobe(name=path.encode(), sym=sym.encode())
-            except Exception:  # noqa: BLE001, S112 - BCC raises bare Exception; detach is best effort
-                continue
-        self.attached.clear()
+
+        def detach(bpf: Any, path: bytes, sym: bytes) -> None:
+            if sym.decode() in LOOKUP_PROBES:
+                bpf.detach_uretprobe(name=path, sym=sym)
+            bpf.detach_uprobe(name=path, sym=sym)
+
+        detach_symbols(self.hub, self.attached, detach)
         self.hub.release()
         self.hub = None
 

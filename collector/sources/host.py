@@ -206,7 +206,9 @@ class HostSource(Source):
         switch counts, carries over)."""
         if self._native is None:
             return
-        last = {(int(r["pid"]), int(r["tid"])): r for r in self._thread_rows_with_pid()}
+        # the thread entries lie in process order, n_threads of each
+        owners = np.repeat(self._fds["pid"], self._fds["n_threads"])
+        last = {(int(pid), int(t["tid"])): t for pid, t in zip(owners, self._threads)}
         fds = np.zeros(len(self._procs), native.PROC_FDS_DTYPE)
         threads = np.zeros(sum(len(p.thread_fds) for p in self._procs.values()), native.THREAD_FDS_DTYPE)
         k = 0
@@ -222,14 +224,6 @@ class HostSource(Source):
                 k += 1
         self._fds, self._threads = fds, threads
         self._out = np.zeros(len(fds), native.PROC_ROW_DTYPE)
-
-    def _thread_rows_with_pid(self) -> list[dict[str, int]]:
-        out = []
-        for f in self._fds:
-            for t in self._threads[int(f["first_thread"]): int(f["first_thread"]) + int(f["n_threads"])]:
-                out.append({"pid": int(f["pid"]), "tid": int(t["tid"]), "last_runtime_ns": int(t["last_runtime_ns"]),
-                            "last_vol": int(t["last_vol"]), "last_invol": int(t["last_invol"])})
-        return out
 
     def _thread_ctxsw(self, p: _Proc) -> tuple[int, int]:
         """Context switches summed over all threads (status of the leader counts only itself)."""
