@@ -90,6 +90,10 @@ class _SourceState:
     thread: threading.Thread | None = None
     status: str = "starting"
     stopped: threading.Event = field(default_factory=threading.Event)
+    # set to end the wait before the next sample early: at stop, and at a flush request, so that a
+    # source drained once a second (a native sampling thread's rows) hands over what it holds
+    wake: threading.Event = field(default_factory=threading.Event)
+    passes: int = 0  # samples completed (under Collector._pass_cond)
 
 
 # Sources each mode brings beyond the clock: (module, class). Constructed without arguments; their
@@ -116,8 +120,8 @@ def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -
         from collector.sources.host import HostSource
         from collector.sources.nvml import NvmlSource
 
-        sources.append(HostSource(float(config["sources.host"]["rate_hz"])))
-        sources.append(NvmlSource(config["sources.nvml"]))
+        sources.append(HostSource(float(config["sources.host"]["rate_hz"]), threaded=True))
+        sources.append(NvmlSource(config["sources.nvml"], threaded=True))
     seen: set[tuple[str, str]] = set()
     for mode in modes:
         for module_name, class_name in MODE_SOURCES.get(mode, ()):
@@ -200,6 +204,7 @@ class Collector:
         self._writer_wake = threading.Event()
         self._writer_seal = threading.Event()
         self._flush_cond = threading.Condition()
+        self._pass_cond = threading.Condition()
         self._flush_seq = 0
         self._flush_requested = 0
         self.sealed_event = threading.Event()
@@ -238,7 +243,7 @@ class Collector:
         with self._lock:
             self.state = "error"
             self._fatal = message
-        self._sources_stop.set()  # nothing can be written: stop costing the job anything
+        self._stop_sources()  # nothing can be written: stop costing the job anything
 
     # --- status (control socket) ------------------------------------------------------------------
     def drops(self) -> dict[str, int]:
@@ -268,7 +273,11 @@ class Collector:
             }
 
     def request_flush(self, timeout_s: float = 10.0) -> bool:
-        """Ask the writer for a drain+flush now; True once it happened."""
+        """Ask the sources for what they hold, then the writer for a drain+flush; True once the
+        flush happened."""
+        deadline = time.monotonic() + timeout_s
+        self._sample_all_now(min(SOURCE_STOP_TIMEOUT_S, timeout_s / 2))
+        timeout_s = max(0.0, deadline - time.monotonic())
         with self._flush_cond:
             if self.state != "recording":
                 return False
@@ -278,6 +287,24 @@ class Collector:
             return self._flush_cond.wait_for(
                 lambda: self._flush_seq >= target or self.state != "recording", timeout_s
             ) and self._flush_seq >= target
+
+    def _sample_all_now(self, timeout_s: float) -> None:
+        """Every running source takes one more sample now (a source that samples on a native
+        thread hands over its rows); waits for each at most until timeout_s (a stuck source is
+        not waited for)."""
+        running = [st for st in self._states.values() if st.status == "running"]
+        with self._pass_cond:
+            before = {id(st): st.passes for st in running}
+        for st in running:
+            st.wake.set()
+        with self._pass_cond:
+            self._pass_cond.wait_for(lambda: all(st.passes > before[id(st)] or st.stopped.is_set()
+                                                 for st in running), timeout_s)
+
+    def _stop_sources(self) -> None:
+        self._sources_stop.set()
+        for st in self._states.values():
+            st.wake.set()
 
     @property
     def writer_abandoned(self) -> bool:
@@ -327,14 +354,18 @@ class Collector:
         interval = max(0.001, float(src.interval_s))
         backoff = 0.0
         while not self._sources_stop.is_set():
+            st.wake.clear()  # before the sample: a wake during it means one more sample after it
             try:
                 self._push(st, src.sample(monotonic_ns()))
                 backoff = 0.0
             except Exception as e:  # noqa: BLE001 - record, back off, go on
                 backoff = min(MAX_BACKOFF_S, max(interval, backoff * 2))
                 self.report_error(src.name, f"sample failed: {type(e).__name__}: {e}")
+            with self._pass_cond:
+                st.passes += 1
+                self._pass_cond.notify_all()
             now = time.monotonic()
-            self._sources_stop.wait(next_tick(now + backoff, interval) - now)
+            st.wake.wait(next_tick(now + backoff, interval) - now)
         if self.state != "error":
             try:
                 self._push(st, src.final(monotonic_ns()))
@@ -471,7 +502,10 @@ class Collector:
                 log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
 
     def _meta(self) -> NodeMeta:
-        rates = {s.name: round(1.0 / s.interval_s, 6) for s in self.sources if s.interval_s > 0}
+        # a source sampling on a native thread is drained less often than it samples: its rate is
+        # the sampling one (sample_interval_s)
+        rates = {s.name: round(1.0 / getattr(s, "sample_interval_s", s.interval_s), 6)
+                 for s in self.sources if s.interval_s > 0}
         rates["processes"] = round(1.0 / float(self.cfg["process_scan_interval_s"]), 6)
         return NodeMeta(
             job_id=self.opts.job_id or (f"pid:{self.opts.pid}" if self.opts.pid else ""),
@@ -510,7 +544,7 @@ class Collector:
 
     def shutdown(self) -> None:
         """Final samples, last drain, seal. Safe to call once the stop event is set."""
-        self._sources_stop.set()
+        self._stop_sources()
         deadline = time.monotonic() + SOURCE_STOP_TIMEOUT_S
         for st in self._states.values():
             if not st.stopped.wait(max(0.0, deadline - time.monotonic())):

@@ -181,7 +181,7 @@ def test_native_reader_follows_threads_that_come_later() -> None:
         src.sample(time.monotonic_ns())  # sees 6 threads, 1 listed: relists
         time.sleep(0.3)
         last = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
-        listed = src._out["threads_read"][0]
+        listed = int(src._fds["n_threads"][0])
         src.stop()
     finally:
         proc.kill()
@@ -189,6 +189,71 @@ def test_native_reader_follows_threads_that_come_later() -> None:
     assert int(first["num_threads"]) == 1 and int(last["num_threads"]) == 6 and listed == 6
     # 5 threads sleeping 5 ms for 0.3 s: far more switches than the sleeping leader alone makes
     assert int(last["voluntary_ctxsw"]) - int(first["voluntary_ctxsw"]) > 100
+
+
+def test_threaded_ticks_on_the_grid_and_follows_the_pid_set(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    """What the collector runs: the ticks in a native thread at the source's rate, on the grid
+    of multiples of its interval, drained by sample(); a process added to the job is read from
+    the next drain on, one that exits is dropped, and final() stops the thread and adds a tick."""
+    _, busy, sleeper = family
+    pids = [frozenset({busy.pid})]
+    ctx = SourceContext(job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids[0],
+                        cgroup_dirs=lambda: (), report_error=lambda s, m: None, report_missing=lambda *a: None)
+    src = HostSource(rate_hz=20, threaded=True)
+    src.start(ctx)
+    try:
+        assert src.proc_reader == "native" and src.interval_s == 1.0 and src.sample_interval_s == 0.05
+        src.sample(time.monotonic_ns())  # the ticks so far; from here on the pid set is read
+        time.sleep(1.0)
+        first = src.sample(time.monotonic_ns())
+        pids[0] = frozenset({busy.pid, sleeper.pid})
+        time.sleep(0.5)
+        second = src.sample(time.monotonic_ns())  # ticks on the old set, then the new set handed over
+        time.sleep(0.5)
+        third = src.sample(time.monotonic_ns())
+        sleeper.kill()
+        sleeper.wait()
+        time.sleep(0.3)
+        src.sample(time.monotonic_ns())  # sees it gone
+        time.sleep(0.3)
+        end = time.monotonic_ns()
+        last = src.final(end)
+    finally:
+        src.stop()
+    node = table(first, schema.HOST_NODE)
+    assert 17 <= len(node) <= 22, len(node)  # 20 Hz for 1 s, give or take a tick of this VM
+    offsets = node["t_ns"].astype(np.int64) % 50_000_000
+    assert (offsets < 10_000_000).all(), offsets  # on the grid: just after a multiple of 50 ms
+    assert np.all(np.diff(node["t_ns"].astype(np.int64)) > 0)
+    procs = table(first, schema.HOST_PROCS)
+    assert set(procs["pid"].tolist()) == {busy.pid} and len(procs) == len(node)
+    assert set(table(second, schema.HOST_PROCS)["pid"].tolist()) == {busy.pid}
+    assert set(table(third, schema.HOST_PROCS)["pid"].tolist()) == {busy.pid, sleeper.pid}
+    cpu = table(third, schema.HOST_PROCS)
+    b = cpu[cpu["pid"] == busy.pid]["cpu_time_ns"].astype(np.int64)
+    assert np.all(np.diff(b) >= 0) and b[-1] - b[0] > 200_000_000  # spinning for ~0.5 s
+    lp = table(last, schema.HOST_PROCS)
+    assert set(lp["pid"].tolist()) == {busy.pid}
+    assert int(table(last, schema.HOST_NODE)["t_ns"][-1]) == end  # final adds a tick at its time
+    assert src.drops() == 0
+
+
+def test_threaded_buffer_is_bounded_and_counts_drops(family: tuple[subprocess.Popen[bytes], ...]) -> None:
+    """Undrained ticks beyond the buffer are counted as dropped, not kept: memory stays bounded
+    when the daemon's source thread is late."""
+    _, busy, _ = family
+    src = HostSource(rate_hz=50, threaded=True)
+    src._ticks_cap = 5  # instead of BUFFER_S of ticks, so that a second overflows it
+    src.start(ctx_for(frozenset({busy.pid})))
+    try:
+        src.sample(time.monotonic_ns())
+        time.sleep(1.0)
+        rows = src.sample(time.monotonic_ns())
+    finally:
+        src.stop()
+    assert len(table(rows, schema.HOST_NODE)) == 5
+    assert len(table(rows, schema.HOST_PROCS)) == 5
+    assert 35 <= src.drops() <= 2 * 55, src.drops()  # ~45 node and as many process rows
 
 
 def test_process_tree_and_tracker_events(family: tuple[subprocess.Popen[bytes], ...]) -> None:

@@ -6,6 +6,7 @@ the same rows either way (tests/test_fastpath.py runs both)."""
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,6 +22,26 @@ THREAD_FDS_DTYPE = np.dtype([("tid", "<i4"), ("status_fd", "<i4"), ("schedstat_f
 PROC_ROW_DTYPE = np.dtype([("cpu_ticks", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
                            ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("threads_read", "<u4"),
                            ("status", "<i4"), ("pad", "<i4")])
+# struct gp_host_node_row and gp_host_proc_row of hosttick.c: what a tick leaves for the drain
+HOST_NODE_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("cpu_busy", "<f8"), ("cpu_iowait", "<f8"), ("mem_used_kb", "<u8"),
+                                ("mem_total_kb", "<u8"), ("net_rx", "<u8"), ("net_tx", "<u8"), ("load1", "<f8"),
+                                ("status", "<i4"), ("pad", "<i4")])
+HOST_PROC_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("pid", "<i4"), ("threads", "<u4"), ("cpu_ticks", "<u8"),
+                                ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
+                                ("read_bytes", "<u8"), ("write_bytes", "<u8")])
+HOST_PROC_STALE, HOST_PROC_GONE = 1, 2  # hosttick.c's per-process flags
+# nvmltick.c's rows: /gpu/samples values in schema column order, GPM, events, failed calls
+NVML_COLS, NVML_GPM_COLS, NVML_FIELDS = 14, 4, 6
+NVML_SAMPLE_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("pad", "<i4"), ("v", "<f8", (NVML_COLS,))])
+NVML_GPM_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("pad", "<i4"), ("interval_ns", "<u8"),
+                               ("v", "<f8", (NVML_GPM_COLS,))])
+NVML_EVENT_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("kind", "<u4"), ("value", "<u8")])
+NVML_ERROR_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("metric", "<i4"), ("code", "<i4"),
+                                 ("pad", "<i4")])
+# struct gp_nvml_fns, in order
+NVML_FUNCTIONS = ("util", "memory", "power", "temperature", "clock", "reasons", "fields", "gpm_sample_get",
+                  "gpm_metrics_get", "event_wait")
+NVML_METRIC_COUNT = 21  # nvmltick.c's N_METRICS
 
 
 class NativeUnavailable(Exception):
@@ -32,7 +53,7 @@ def sampler() -> ctypes.CDLL:
     if not LIBRARY.exists():
         raise NativeUnavailable(f"{LIBRARY} not built (make -C collector/native)")
     try:
-        lib = ctypes.CDLL(str(LIBRARY))
+        lib = ctypes.CDLL(str(LIBRARY), use_errno=True)
     except OSError as e:
         raise NativeUnavailable(f"{LIBRARY}: {e}") from None
     sizes = [ctypes.c_int(), ctypes.c_int(), ctypes.c_int()]
@@ -40,6 +61,55 @@ def sampler() -> ctypes.CDLL:
     want = [PROC_FDS_DTYPE.itemsize, THREAD_FDS_DTYPE.itemsize, PROC_ROW_DTYPE.itemsize]
     if [x.value for x in sizes] != want:
         raise NativeUnavailable(f"{LIBRARY}: struct sizes {[x.value for x in sizes]} differ from {want}: rebuild it")
+    host = [ctypes.c_int(), ctypes.c_int()]
+    lib.gp_host_layout(*(ctypes.byref(x) for x in host))
+    if [x.value for x in host] != [HOST_NODE_ROW_DTYPE.itemsize, HOST_PROC_ROW_DTYPE.itemsize]:
+        raise NativeUnavailable(f"{LIBRARY}: host row sizes {[x.value for x in host]} differ: rebuild it")
+    nv = (ctypes.c_int * 7)()
+    lib.gp_nvml_layout(nv)
+    want_nv = [8 * len(NVML_FUNCTIONS), NVML_FIELDS, NVML_SAMPLE_ROW_DTYPE.itemsize, NVML_GPM_ROW_DTYPE.itemsize,
+               NVML_EVENT_ROW_DTYPE.itemsize, NVML_ERROR_ROW_DTYPE.itemsize, NVML_METRIC_COUNT]
+    if list(nv) != want_nv:
+        raise NativeUnavailable(f"{LIBRARY}: NVML layout {list(nv)} differs from {want_nv}: rebuild it")
+    vp, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    lib.gp_ticker_start.argtypes = [i64, vp, vp]
+    lib.gp_ticker_start.restype = vp
+    lib.gp_ticker_busy_since.argtypes = [vp]
+    lib.gp_ticker_busy_since.restype = u64
+    lib.gp_ticker_ticks.argtypes = [vp]
+    lib.gp_ticker_ticks.restype = u64
+    lib.gp_ticker_stop.argtypes = [vp, i64]
+    lib.gp_ticker_stop.restype = ctypes.c_int
+    lib.gp_host_new.argtypes = [ctypes.c_int]
+    lib.gp_host_new.restype = vp
+    lib.gp_host_tick.argtypes = [vp, u64]
+    lib.gp_host_tick.restype = None
+    for name in ("gp_host_lock", "gp_host_unlock", "gp_host_free"):
+        getattr(lib, name).argtypes = [vp]
+        getattr(lib, name).restype = None
+    lib.gp_host_set_procs.argtypes = [vp, vp, ctypes.c_int, vp]
+    lib.gp_host_set_procs.restype = ctypes.c_int
+    lib.gp_host_drain.argtypes = [vp, vp, vp, vp, vp, vp]
+    lib.gp_host_drain.restype = None
+    lib.gp_nvml_new.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, vp, ctypes.c_int, ctypes.c_int32]
+    lib.gp_nvml_new.restype = vp
+    lib.gp_nvml_set_gpu.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int32, vp, vp, vp, vp, vp, vp, ctypes.c_uint32]
+    lib.gp_nvml_set_gpu.restype = None
+    lib.gp_nvml_skip_gpu.argtypes = [vp, ctypes.c_int, u64]
+    lib.gp_nvml_skip_gpu.restype = None
+    lib.gp_nvml_gpu_state.argtypes = [vp, ctypes.c_int, vp]
+    lib.gp_nvml_gpu_state.restype = ctypes.c_int
+    lib.gp_nvml_current_call.argtypes = [vp, vp, vp]
+    lib.gp_nvml_current_call.restype = u64
+    lib.gp_nvml_tick.argtypes = [vp, u64]
+    lib.gp_nvml_tick.restype = None
+    lib.gp_nvml_drain.argtypes = [vp, vp, vp, vp, vp, vp]
+    lib.gp_nvml_drain.restype = None
+    lib.gp_nvml_capacities.argtypes = [vp, vp]
+    lib.gp_nvml_capacities.restype = None
+    for name in ("gp_nvml_abandon", "gp_nvml_free"):
+        getattr(lib, name).argtypes = [vp]
+        getattr(lib, name).restype = None
     lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_sample_procs.restype = ctypes.c_int
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
@@ -55,3 +125,32 @@ def check_ring_layout(lib: ctypes.CDLL, record_size: int, row_dtype: np.dtype) -
     if (rec.value, row.value) != (record_size, row_dtype.itemsize):
         raise NativeUnavailable(f"{LIBRARY}: ring record/row sizes {rec.value}/{row.value} differ from "
                                 f"{record_size}/{row_dtype.itemsize}: rebuild it")
+
+
+class Ticker:
+    """A native thread calling a C tick function of this library on the collector's tick grid
+    (ticker.c): the 10 Hz loop of a source without Python wake-ups."""
+
+    def __init__(self, lib: ctypes.CDLL, tick: str, state: int, interval_s: float) -> None:
+        self._lib = lib
+        fn = ctypes.cast(getattr(lib, tick), ctypes.c_void_p).value
+        ptr = lib.gp_ticker_start(int(round(interval_s * 1e9)), fn, state)
+        if not ptr:
+            err = ctypes.get_errno()
+            raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")
+        self._ptr: int | None = ptr
+
+    def busy_since_ns(self) -> int:
+        """Monotonic start of the tick in progress, 0 between ticks."""
+        return int(self._lib.gp_ticker_busy_since(self._ptr)) if self._ptr else 0
+
+    def ticks(self) -> int:
+        return int(self._lib.gp_ticker_ticks(self._ptr)) if self._ptr else 0
+
+    def stop(self, timeout_s: float) -> bool:
+        """True when the thread has exited; False when it is stuck in a tick (then it is left
+        detached and its tick state must never be freed)."""
+        if self._ptr is None:
+            return True
+        ptr, self._ptr = self._ptr, None
+        return int(self._lib.gp_ticker_stop(ptr, int(timeout_s * 1e9))) == 0

@@ -9,6 +9,7 @@ fails with ESRCH, which is how we notice it is gone.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import os
@@ -31,6 +32,7 @@ _NS_PER_TICK = 1_000_000_000 // _CLK_TCK
 _NODE_DT = schema.HOST_NODE.dtype
 _PROCS_DT = schema.HOST_PROCS.dtype
 _EMPTY_PROCS = np.zeros(0, dtype=_PROCS_DT)
+STOP_TIMEOUT_S = 2.0  # a /proc read does not hang; this only bounds the wait for the thread
 
 
 class _Fd:
@@ -115,12 +117,26 @@ def _ctxsw(status: bytes) -> tuple[int, int]:
     return v, n
 
 
+# A native-threaded host source hands its rows over this often (the daemon calls sample() at
+# this interval); its C buffers hold BUFFER_S seconds of ticks, beyond which rows are counted as
+# dropped (drops()), never grown.
+DRAIN_INTERVAL_S = 1.0
+BUFFER_S = 8.0
+
+
 class HostSource(Source):
+    """threaded=True (what the collector runs): the ticks run in a native thread at rate_hz
+    (collector/native/hosttick.c on ticker.c) and sample() drains their rows every
+    DRAIN_INTERVAL_S. threaded=False: each sample() is one tick, on the caller's thread. Without
+    the native library, sample() is one tick in Python at rate_hz either way."""
+
     name = "host"
     tables = (schema.HOST_NODE, schema.HOST_PROCS)
 
-    def __init__(self, rate_hz: float = 10.0) -> None:
-        self.interval_s = 1.0 / rate_hz
+    def __init__(self, rate_hz: float = 10.0, threaded: bool = False) -> None:
+        self.sample_interval_s = 1.0 / rate_hz
+        self.interval_s = self.sample_interval_s
+        self.threaded = threaded
         self._procs: dict[int, _Proc] = {}
         self._prev_cpu: tuple[int, int, int] | None = None
         self._ctx: SourceContext | None = None
@@ -131,15 +147,33 @@ class HostSource(Source):
         self._missing_reported: set[str] = set()
         self._synced: frozenset[int] | None = None  # the pid set _procs was last synced to
         # The per-process reads run in C (collector/native/procsample.c) when it is built: one
-        # call per tick instead of Python parsing /proc text for every process.
+        # call per tick instead of Python parsing /proc text for every process; the whole tick
+        # (hosttick.c) when native: node row included.
         self._native: Any = None
+        self._host: int | None = None  # struct gp_host *
+        self._ticker: native.Ticker | None = None
+        self._ticks_cap = max(4, math.ceil(BUFFER_S / self.sample_interval_s))
+        self._max_procs = 0  # the most processes ever handed to the C side: its row buffer's size
+        self._dropped = 0
         self.proc_reader = ""
         self._fds = np.zeros(0, native.PROC_FDS_DTYPE)
         self._threads = np.zeros(0, native.THREAD_FDS_DTYPE)
-        self._out = np.zeros(0, native.PROC_ROW_DTYPE)
 
     def start(self, ctx: SourceContext) -> None:
         self._ctx = ctx
+        try:
+            lib = native.sampler()
+        except native.NativeUnavailable as e:
+            self.proc_reader = f"python ({e})"
+        else:
+            h = lib.gp_host_new(self._ticks_cap)
+            if not h:
+                raise SourceUnavailable(f"/proc not readable: {os.strerror(ctypes.get_errno())}")
+            self._native, self._host, self.proc_reader = lib, h, "native"
+            if self.threaded:
+                self._ticker = native.Ticker(lib, "gp_host_tick", h, self.sample_interval_s)
+                self.interval_s = DRAIN_INTERVAL_S
+            return
         try:
             self._stat = _Fd("/proc/stat")
             self._meminfo = _Fd("/proc/meminfo")
@@ -147,13 +181,12 @@ class HostSource(Source):
             self._loadavg = _Fd("/proc/loadavg")
         except OSError as e:
             raise SourceUnavailable(f"/proc not readable: {e}") from None
-        try:
-            self._native = native.sampler()
-            self.proc_reader = "native"
-        except native.NativeUnavailable as e:
-            self.proc_reader = f"python ({e})"
 
-    # --- node ---------------------------------------------------------------------------------
+    def drops(self) -> int:
+        """Rows the native ticks could not keep because sample() did not drain them in time."""
+        return self._dropped
+
+    # --- node (Python path) ---------------------------------------------------------------------
     def _node_row(self, now_ns: int) -> np.ndarray:
         assert self._stat and self._meminfo and self._netdev and self._loadavg
         line = self._stat.read(512).split(b"\n", 1)[0].split()
@@ -185,6 +218,8 @@ class HostSource(Source):
 
     # --- processes ------------------------------------------------------------------------------
     def _sync_procs(self, pids: frozenset[int]) -> None:
+        """Open the processes of `pids` not followed yet, close those no longer in it (native:
+        with the C side's lock held)."""
         if pids is self._synced:
             return  # the tracker hands out the same frozenset until the job's processes change
         self._synced = pids
@@ -201,9 +236,9 @@ class HostSource(Source):
         self._native_fds()
 
     def _native_fds(self) -> None:
-        """The descriptors of _procs and their threads as the C reader takes them (rebuilt when a
-        process or thread comes or goes; what the reader keeps per thread, its last run time and
-        switch counts, carries over)."""
+        """Hand the descriptors of _procs and their threads to the C side (with its lock held),
+        rebuilt when a process or thread comes or goes; what the reader keeps per thread, its last
+        run time and switch counts, carries over."""
         if self._native is None:
             return
         # the thread entries lie in process order, n_threads of each
@@ -222,8 +257,11 @@ class HostSource(Source):
                               int(prev["last_vol"]) if prev is not None else 0,
                               int(prev["last_invol"]) if prev is not None else 0)
                 k += 1
+        if self._native.gp_host_set_procs(self._host, fds.ctypes.data, len(fds), threads.ctypes.data) != 0:
+            raise MemoryError(f"host sampler: no memory for the rows of {len(fds)} processes")
+        # the C side reads these arrays until the next call: they stay referenced here until then
         self._fds, self._threads = fds, threads
-        self._out = np.zeros(len(fds), native.PROC_ROW_DTYPE)
+        self._max_procs = max(self._max_procs, len(fds))
 
     def _thread_ctxsw(self, p: _Proc) -> tuple[int, int]:
         """Context switches summed over all threads (status of the leader counts only itself)."""
@@ -246,11 +284,9 @@ class HostSource(Source):
             n += b
         return v, n
 
-    def _proc_rows(self, now_ns: int) -> np.ndarray:
+    def _python_proc_rows(self, now_ns: int) -> np.ndarray:
         assert self._ctx is not None
         self._sync_procs(self._ctx.pids())
-        if self._native is not None:
-            return self._native_rows(now_ns)
         rows = []
         gone: list[int] = []
         pread = os.pread
@@ -270,10 +306,7 @@ class HostSource(Source):
                     wb = _kv_int(io, b"\nwrite_bytes:")
                 else:
                     rb = wb = UNAVAILABLE_U64
-                    if p.io_missing and "io_bytes" not in self._missing_reported:
-                        self._missing_reported.add("io_bytes")
-                        self._ctx.report_missing(self.name, -1, "read_bytes", p.io_missing[:96])
-                        self._ctx.report_missing(self.name, -1, "write_bytes", p.io_missing[:96])
+                    self._report_io_missing(p)
             except OSError as e:
                 if e.errno in (errno.ESRCH, errno.ENOENT):
                     gone.append(pid)
@@ -286,66 +319,121 @@ class HostSource(Source):
                 self._procs.pop(pid).close()
         return np.array(rows, _PROCS_DT) if rows else _EMPTY_PROCS
 
-    def _native_rows(self, now_ns: int) -> np.ndarray:
-        assert self._ctx is not None
-        n = len(self._fds)
-        if n == 0:
-            return _EMPTY_PROCS
-        self._native.gp_sample_procs(self._fds.ctypes.data, n, self._threads.ctypes.data, self._out.ctypes.data)
-        out, fds = self._out, self._fds
-        # Threads came or went since they were listed: relist those processes for the next tick
-        # (this tick's sums cover the listed threads that are still alive).
-        stale = np.flatnonzero((out["status"] == 0) & (out["threads_read"] != out["threads"]))
-        if len(stale):
-            for pid in fds["pid"][stale].tolist():
-                self._procs[pid].list_threads()
-            relist = True
-        else:
-            relist = False
-        status = out["status"]
-        if status.any():
-            gone = status == -errno.ESRCH
-            gone |= status == -errno.ENOENT
-            bad = np.flatnonzero(~gone & (status != 0))
-            if len(bad):
-                i = int(bad[0])
-                raise OSError(-int(status[i]), f"reading /proc/{int(fds['pid'][i])}: {os.strerror(-int(status[i]))}")
-            for pid in fds["pid"][gone].tolist():
-                self._procs.pop(pid).close()
-            keep = ~gone
-            relist = True
-            out, fds = out[keep], fds[keep]
-        if "io_bytes" not in self._missing_reported and (fds["io_fd"] < 0).any():
-            p = self._procs[int(fds["pid"][np.argmax(fds["io_fd"] < 0)])]
+    def _report_io_missing(self, p: _Proc) -> None:
+        if p.io_missing and "io_bytes" not in self._missing_reported:
+            assert self._ctx is not None
             self._missing_reported.add("io_bytes")
             self._ctx.report_missing(self.name, -1, "read_bytes", p.io_missing[:96])
             self._ctx.report_missing(self.name, -1, "write_bytes", p.io_missing[:96])
-        rows = np.empty(len(out), _PROCS_DT)
-        rows["t_ns"] = now_ns
-        rows["pid"] = fds["pid"]
-        rows["cpu_time_ns"] = out["cpu_ticks"] * _NS_PER_TICK
-        rows["rss_bytes"] = out["rss_pages"] * _PAGE
-        rows["num_threads"] = out["threads"]
-        rows["voluntary_ctxsw"] = out["vol_ctxsw"]
-        rows["involuntary_ctxsw"] = out["invol_ctxsw"]
-        rows["read_bytes"] = out["read_bytes"]
-        rows["write_bytes"] = out["write_bytes"]
-        if relist:
+
+    # --- the native path --------------------------------------------------------------------------
+    def _native_sample(self, now_ns: int) -> list[Batch]:
+        lib, h = self._native, self._host
+        assert self._ctx is not None
+        pids = self._ctx.pids()
+        if self._ticker is None:  # one tick here and now, on the pid set as it is now
+            lib.gp_host_lock(h)
+            try:
+                self._sync_procs(pids)
+            finally:
+                lib.gp_host_unlock(h)
+            lib.gp_host_tick(h, now_ns)
+        lib.gp_host_lock(h)
+        try:
+            out = self._drain_locked()
+            self._sync_procs(pids)  # threaded: the processes the next ticks read
+        finally:
+            lib.gp_host_unlock(h)
+        return out
+
+    def _drain_locked(self) -> list[Batch]:
+        """The rows of the ticks since the last drain, as table rows; what the ticks flagged
+        (threads to relist, processes gone, failed reads) is acted on before the next tick."""
+        assert self._ctx is not None
+        n = len(self._fds)
+        node = np.empty(self._ticks_cap, native.HOST_NODE_ROW_DTYPE)
+        rows = np.empty(self._ticks_cap * max(1, self._max_procs), native.HOST_PROC_ROW_DTYPE)
+        flags = np.zeros(max(1, n), np.int32)
+        errors = np.zeros(max(1, n), np.int32)
+        counts = np.zeros(3, np.uint64)
+        self._native.gp_host_drain(self._host, node.ctypes.data, rows.ctypes.data, flags.ctypes.data,
+                                   errors.ctypes.data, counts.ctypes.data)
+        node, rows = node[: int(counts[0])], rows[: int(counts[1])]
+        self._dropped = int(counts[2])
+        flags, errors = flags[:n], errors[:n]
+        changed = False
+        for i in np.flatnonzero(errors).tolist():
+            e = -int(errors[i])
+            self._ctx.report_error(self.name, f"reading /proc/{int(self._fds['pid'][i])}: {os.strerror(e)}")
+        for i in np.flatnonzero(flags).tolist():
+            pid = int(self._fds["pid"][i])
+            if flags[i] & native.HOST_PROC_GONE:
+                self._procs.pop(pid).close()
+            elif flags[i] & native.HOST_PROC_STALE:
+                self._procs[pid].list_threads()  # threads came or went since they were listed
+            changed = True
+        if changed:
             self._native_fds()
-        return rows
+        for p in self._procs.values():
+            if p.io is None:
+                self._report_io_missing(p)
+                break
+        bad = node["status"] != 0
+        if bad.any():
+            e = -int(node["status"][np.argmax(bad)])
+            self._ctx.report_error(self.name, f"reading /proc/stat, meminfo, net/dev or loadavg: {os.strerror(e)}")
+            node = node[~bad]
+        out: list[Batch] = []
+        if len(node):
+            nr = np.empty(len(node), _NODE_DT)
+            nr["t_ns"] = node["t_ns"]
+            nr["cpu_busy"] = node["cpu_busy"]
+            nr["cpu_iowait"] = node["cpu_iowait"]
+            nr["mem_used_bytes"] = node["mem_used_kb"] * 1024
+            nr["mem_total_bytes"] = node["mem_total_kb"] * 1024
+            nr["net_rx_bytes"] = node["net_rx"]
+            nr["net_tx_bytes"] = node["net_tx"]
+            nr["load1"] = node["load1"]
+            out.append((schema.HOST_NODE, nr))
+        if len(rows):
+            pr = np.empty(len(rows), _PROCS_DT)
+            pr["t_ns"] = rows["t_ns"]
+            pr["pid"] = rows["pid"]
+            pr["cpu_time_ns"] = rows["cpu_ticks"] * _NS_PER_TICK
+            pr["rss_bytes"] = rows["rss_pages"] * _PAGE
+            pr["num_threads"] = rows["threads"]
+            pr["voluntary_ctxsw"] = rows["vol_ctxsw"]
+            pr["involuntary_ctxsw"] = rows["invol_ctxsw"]
+            pr["read_bytes"] = rows["read_bytes"]
+            pr["write_bytes"] = rows["write_bytes"]
+            out.append((schema.HOST_PROCS, pr))
+        return out
 
     def at_seal(self, f: Any) -> None:
         if schema.HOST_PROCS.path in f:
             f[schema.HOST_PROCS.path].attrs["reader"] = self.proc_reader
 
     def sample(self, now_ns: int) -> Iterable[Batch]:
+        if self._native is not None:
+            return self._native_sample(now_ns)
         out: list[Batch] = [(schema.HOST_NODE, self._node_row(now_ns))]
-        procs = self._proc_rows(now_ns)
+        procs = self._python_proc_rows(now_ns)
         if len(procs):
             out.append((schema.HOST_PROCS, procs))
         return out
 
+    def final(self, now_ns: int) -> Iterable[Batch]:
+        """The ticks not drained yet and one more at `now_ns` (threaded: the thread stopped first)."""
+        if self._ticker is not None and self._ticker.stop(STOP_TIMEOUT_S):
+            self._ticker = None
+        return self.sample(now_ns)
+
     def stop(self) -> None:
+        stuck = self._ticker is not None and not self._ticker.stop(STOP_TIMEOUT_S)
+        self._ticker = None
+        if self._host is not None and not stuck:  # a stuck tick still uses its state: never freed
+            self._native.gp_host_free(self._host)
+        self._host = None
         for p in self._procs.values():
             p.close()
         self._procs.clear()

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
+from collector import native, schema
 from collector.sources import nvml_direct
 from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from slurm_hooks import environment
@@ -70,6 +70,23 @@ PERMANENT = {"NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR
              "NVML_ERROR_INVALID_ARGUMENT"}
 NVML_TEMPERATURE_GPU, NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 1, 2  # nvml.h enums
 EVENT_KIND = {"xid": 0, "ecc_single_bit": 1, "ecc_double_bit": 2, "gpu_lost": 3, "clock_change": 4}
+# The metrics of collector/native/nvmltick.c, in the order of its M_* bits, with the NVML function
+# each calls (named in timeouts). The names are those of _Gpu.disabled.
+NATIVE_METRICS: tuple[tuple[str, str], ...] = (
+    ("util_gpu", "nvmlDeviceGetUtilizationRates"), ("mem_used_bytes", "nvmlDeviceGetMemoryInfo"),
+    ("power_w", "nvmlDeviceGetPowerUsage"), ("temp_c", "nvmlDeviceGetTemperature"),
+    ("sm_clock_mhz", "nvmlDeviceGetClockInfo"), ("mem_clock_mhz", "nvmlDeviceGetClockInfo"),
+    ("throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons"), ("field_values", "nvmlDeviceGetFieldValues"),
+    *((col, "nvmlDeviceGetFieldValues") for col, _, _ in FIELDS),
+    ("gpm_sample", "nvmlGpmSampleGet"), ("gpm", "nvmlGpmMetricsGet"),
+    *((col, "nvmlGpmMetricsGet") for col, _ in GPM_METRICS),
+    ("events", "nvmlEventSetWait"),
+)
+_METRIC_BIT = {name: 1 << k for k, (name, _) in enumerate(NATIVE_METRICS)}
+# A native-threaded source hands its rows over this often (the daemon calls sample() at this
+# interval); its C buffers hold BUFFER_S seconds of ticks, beyond which rows are counted as dropped.
+DRAIN_INTERVAL_S = 1.0
+BUFFER_S = 8.0
 
 
 class NvmlTimeout(Exception):
@@ -261,9 +278,23 @@ class NvmlSource(Source):
     name = "nvml"
     tables = (schema.GPU_DEVICES, schema.GPU_SAMPLES, schema.GPU_GPM, schema.GPU_PROCESSES, schema.GPU_EVENTS)
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], threaded: bool = False) -> None:
+        """threaded=True (what the collector runs): the per-sample calls run in a native thread at
+        rate_hz (collector/native/nvmltick.c on ticker.c) and sample() drains their rows every
+        DRAIN_INTERVAL_S, with the per-process queries; threaded=False, or without the native
+        library: each sample() is one tick of pre-bound ctypes calls under the Python watchdog."""
         self.cfg = cfg
-        self.interval_s = 1.0 / float(cfg["rate_hz"])
+        self.sample_interval_s = 1.0 / float(cfg["rate_hz"])
+        self.interval_s = self.sample_interval_s
+        self.threaded = threaded
+        self.sampler = ""  # how the per-sample calls ran: "native thread" or "python (why)"
+        self._lib: Any = None  # collector/native's library when the native thread runs
+        self._state: int | None = None  # its struct gp_nvml *
+        self._ticker: native.Ticker | None = None
+        self._stuck_states: list[int] = []  # abandoned in a hung call: never freed
+        self._caps: tuple[int, ...] = ()
+        self._final_arrays: list[Batch] = []
+        self._dropped = 0
         self.process_interval_s = float(cfg.get("process_interval_s", 1.0))
         self.nv: Any = None
         self.gpus: list[_Gpu] = []
@@ -350,6 +381,17 @@ class NvmlSource(Source):
                 self._event_ptr = ctypes.cast(self._event_set, ctypes.c_void_p)
                 self._event_data = nvml_direct.EventData()
                 self._event_ref = ctypes.byref(self._event_data)
+        if not self.threaded:
+            self.sampler = "python (threaded=False)"
+            return
+        try:
+            self._lib = native.sampler()
+        except native.NativeUnavailable as e:
+            self.sampler = f"python ({e})"
+            return
+        self._start_native()
+        self.sampler = "native thread"
+        self.interval_s = DRAIN_INTERVAL_S
 
     def _open_devices(self, gen: int) -> list[_Gpu]:
         nv, c = self.nv, self._call
@@ -438,6 +480,160 @@ class NvmlSource(Source):
                 self._missing(g, "events", f"nvmlDeviceRegisterEvents: {error_name(nv, e)}"[:96])
 
     # --- sampling ---------------------------------------------------------------------------------
+    # --- the native thread ------------------------------------------------------------------------
+    def _start_native(self) -> None:
+        """A fresh C state for the GPUs not lost, and its thread (at start, and after a hang)."""
+        lib, nv, b = self._lib, self.nv, self._b
+        assert b is not None
+        fns = (ctypes.c_void_p * len(native.NVML_FUNCTIONS))(
+            *[ctypes.cast(f, ctypes.c_void_p).value if f is not None else None
+              for f in (b.util, b.memory, b.power, b.temperature, b.clock, b.reasons, b.fields, b.gpm_sample_get,
+                        b.gpm_metrics_get, b.event_wait)])
+        permanent = (ctypes.c_int32 * len(PERMANENT))(*[getattr(nv, n) for n in sorted(PERMANENT)])
+        ticks = max(4, math.ceil(BUFFER_S / self.sample_interval_s))
+        state = lib.gp_nvml_new(fns, len(self.gpus), self._event_ptr if self._event_set is not None else None, ticks,
+                                permanent, len(permanent), nv.NVML_ERROR_GPU_IS_LOST)
+        if not state:
+            raise SourceUnavailable("no memory for the NVML sampler's buffers")
+        ids = (ctypes.c_uint32 * len(FIELDS))(*[fid for _, fid, _ in FIELDS])
+        scopes = (ctypes.c_uint32 * len(FIELDS))(*[scope for _, _, scope in FIELDS])
+        scales = (ctypes.c_double * len(FIELDS))(*[RATE_SCALE.get(col, 0.0) for col, _, _ in FIELDS])
+        gpm_ids = (ctypes.c_uint32 * len(GPM_METRICS))(*[mid for _, mid in GPM_METRICS])
+        every = (1 << len(NATIVE_METRICS)) - 1
+        for i, g in enumerate(self.gpus):
+            disabled = every if g.lost else sum(_METRIC_BIT.get(m, 0) for m in g.disabled)
+            s0, s1 = (g.gpm_ptrs[0].value, g.gpm_ptrs[1].value) if g.gpm else (None, None)
+            lib.gp_nvml_set_gpu(state, i, g.buf.handle.value, g.index, s0, s1, ids, scopes, scales, gpm_ids, disabled)
+            if g.skip_until > time.monotonic():
+                lib.gp_nvml_skip_gpu(state, i, int(g.skip_until * 1e9))
+        caps = (ctypes.c_int32 * 4)()
+        lib.gp_nvml_capacities(state, caps)
+        self._caps = tuple(caps)
+        self._state = state
+        self._ticker = native.Ticker(lib, "gp_nvml_tick", state, self.sample_interval_s)
+
+    def drops(self) -> int:
+        """Rows the native ticks could not keep because sample() did not drain them in time."""
+        return self._dropped
+
+    def _check_hang(self) -> None:
+        """A call of the native thread running longer than call_timeout_s: record it, abandon that
+        thread (it leaves when the call returns), back the GPU off and start a fresh thread for
+        the others, as the Python watchdog does."""
+        assert self._ctx is not None and self._state is not None and self._ticker is not None
+        metric, gpu = ctypes.c_int32(), ctypes.c_int32()
+        since = int(self._lib.gp_nvml_current_call(self._state, ctypes.byref(metric), ctypes.byref(gpu)))
+        timeout_s = self._wd.timeout_s
+        if not since or time.monotonic_ns() - since < timeout_s * 1e9:
+            return
+        call = NATIVE_METRICS[metric.value][1] if 0 <= metric.value < len(NATIVE_METRICS) else "NVML call"
+        self._lib.gp_nvml_abandon(self._state)
+        self._ticker.stop(0.0)  # detached: it is inside the call
+        self._stuck_states.append(self._state)
+        self._state = self._ticker = None
+        self._back_off(NvmlTimeout(call, gpu.value, timeout_s))
+        stuck = [st for st in self._stuck_states if self._lib.gp_nvml_current_call(st, ctypes.byref(metric),
+                                                                                  ctypes.byref(gpu))]
+        if len(stuck) >= MAX_ABANDONED_THREADS:
+            self._ctx.report_error(self.name, f"{len(stuck)} NVML calls are still stuck; not calling NVML")
+            return
+        self._start_native()
+
+    def _drain_native(self, state: int, acc: _Acc) -> None:
+        """The rows the ticks of `state` left since the last drain; their failed calls classified
+        (missing, lost, or an error) as the Python path does."""
+        assert self._ctx is not None
+        lib = self._lib
+        ns, ng, ne, nerr = self._caps
+        samples = np.empty(ns, native.NVML_SAMPLE_ROW_DTYPE)
+        gpm = np.empty(ng, native.NVML_GPM_ROW_DTYPE)
+        events = np.empty(ne, native.NVML_EVENT_ROW_DTYPE)
+        errors = np.empty(nerr, native.NVML_ERROR_ROW_DTYPE)
+        counts = np.zeros(6, np.uint64)
+        lib.gp_nvml_drain(state, samples.ctypes.data, gpm.ctypes.data, events.ctypes.data, errors.ctypes.data,
+                          counts.ctypes.data)
+        self._dropped = max(self._dropped, int(counts[4]))
+        by_index = {g.index: g for g in self.gpus}
+        for t_ns, gi, m, code in errors[: int(counts[3])][["t_ns", "gpu", "metric", "code"]].tolist():
+            metric, call = NATIVE_METRICS[m]
+            name = code_name(self.nv, code)
+            g = by_index.get(gi)
+            if g is None:  # not of one GPU: the event set
+                self._ctx.report_error(self.name, f"{call}: {name}")
+            elif name == "NVML_ERROR_GPU_IS_LOST":
+                if not g.lost:  # the tick stopped polling it and wrote its gpu_lost event
+                    g.lost = True
+                    self._ctx.report_error(self.name, f"GPU {g.index} ({g.uuid}) is lost (NVML_ERROR_GPU_IS_LOST); "
+                                                      "no longer sampled")
+            elif metric == "gpm_sample":  # any failure ends GPM on this GPU, as in _sample_gpm
+                g.gpm = False
+                for col, _ in GPM_METRICS:
+                    self._missing(g, col, f"nvmlGpmSampleGet: {name}"[:96])
+            elif name in PERMANENT:
+                self._missing(g, metric, name)
+                if metric == "util_gpu":
+                    self._missing(g, "util_mem", f"{name} (with util_gpu)")
+                elif metric == "field_values":
+                    for col, _, _ in FIELDS:
+                        self._missing(g, col, "nvmlDeviceGetFieldValues not supported")
+            else:
+                self._ctx.report_error(self.name, f"GPU {g.index} {metric}: {name}")
+        s = samples[: int(counts[0])]
+        if len(s):
+            rows = np.empty(len(s), _DTYPES[schema.GPU_SAMPLES.path])
+            rows["t_ns"], rows["gpu"] = s["t_ns"], s["gpu"]
+            for k, col in enumerate(SAMPLE_COLS):
+                rows[col] = s["v"][:, k]
+            acc.arrays.append((schema.GPU_SAMPLES, rows))
+            mono = time.monotonic()
+            for gi in np.unique(s["gpu"]).tolist():
+                g = by_index[gi]
+                if g.backoff_s and g.skip_until <= mono:
+                    g.backoff_s = 0.0  # sampled again after its back-off
+        p = gpm[: int(counts[1])]
+        if len(p):
+            rows = np.empty(len(p), _DTYPES[schema.GPU_GPM.path])
+            rows["t_ns"], rows["gpu"], rows["interval_ns"] = p["t_ns"], p["gpu"], p["interval_ns"]
+            for k, (col, _) in enumerate(GPM_METRICS):
+                rows[col] = p["v"][:, k]
+            acc.arrays.append((schema.GPU_GPM, rows))
+        e = events[: int(counts[2])]
+        if len(e):
+            rows = np.empty(len(e), _DTYPES[schema.GPU_EVENTS.path])
+            rows["t_ns"], rows["gpu"], rows["kind"], rows["value"] = e["t_ns"], e["gpu"], e["kind"], e["value"]
+            acc.arrays.append((schema.GPU_EVENTS, rows))
+
+    def _native_sample(self, now_ns: int, acc: _Acc) -> None:
+        if self._state is not None:
+            state = self._state
+            self._check_hang()
+            self._drain_native(state, acc)  # the old state's rows too, when it was just abandoned
+        mono = time.monotonic()
+        if mono >= self._next_proc_t:
+            self._next_proc_t = mono + self.process_interval_s
+            active = [g for g in self.gpus if not g.lost and g.skip_until <= mono and "processes" not in g.disabled]
+            try:
+                self._wd.run(lambda gen: [acc.procs.extend(self._sample_procs(gen, g, now_ns)) for g in active])
+            except NvmlTimeout as e:
+                assert self._ctx is not None
+                self._ctx.report_error(self.name, f"timeout: {e}")
+
+    def _stop_native(self) -> bool:
+        """Stop the thread and free its state; False when it is stuck in a call."""
+        if self._ticker is None:
+            return True
+        stopped = self._ticker.stop(max(1.0, self._wd.timeout_s))
+        self._ticker = None
+        if stopped and self._state is not None:
+            acc = _Acc()
+            self._drain_native(self._state, acc)
+            self._final_arrays = acc.arrays
+            self._lib.gp_nvml_free(self._state)
+        elif self._state is not None:
+            self._stuck_states.append(self._state)
+        self._state = None
+        return stopped
+
     def sample(self, now_ns: int) -> Iterable[Batch]:
         out: list[Batch] = []
         if not self._devices_emitted:
@@ -447,28 +643,45 @@ class NvmlSource(Source):
                 dev[k] = (g.index, g.uuid.encode()[:64], g.name.encode()[:64], g.pci_bus_id.encode()[:32], g.arch,
                           g.mem_total, int(g.gpm))
             out.append((schema.GPU_DEVICES, dev))
-        mono = time.monotonic()
-        active = [g for g in self.gpus if not g.lost and g.skip_until <= mono]
-        do_procs = mono >= self._next_proc_t
-        if do_procs:
-            self._next_proc_t = mono + self.process_interval_s
         acc = _Acc()
-        try:
-            self._wd.run(lambda gen: self._tick(gen, now_ns, active, do_procs, acc))
-        except NvmlTimeout as e:
-            assert self._ctx is not None
-            hung = next((x for x in self.gpus if x.index == e.gpu), None)
-            if hung is not None:
-                hung.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_START_S, hung.backoff_s * 2))
-                hung.skip_until = time.monotonic() + hung.backoff_s
-                self._ctx.report_error(self.name,
-                                       f"timeout: {e}; GPU {hung.index} skipped for {hung.backoff_s:g} s")
-            else:
-                self._ctx.report_error(self.name, f"timeout: {e}")
+        if self.sampler == "native thread":
+            self._native_sample(now_ns, acc)
+        else:
+            mono = time.monotonic()
+            active = [g for g in self.gpus if not g.lost and g.skip_until <= mono]
+            do_procs = mono >= self._next_proc_t
+            if do_procs:
+                self._next_proc_t = mono + self.process_interval_s
+            try:
+                self._wd.run(lambda gen: self._tick(gen, now_ns, active, do_procs, acc))
+            except NvmlTimeout as e:
+                self._back_off(e)
         for t, rows in ((schema.GPU_SAMPLES, acc.samples), (schema.GPU_GPM, acc.gpm),
                         (schema.GPU_PROCESSES, acc.procs), (schema.GPU_EVENTS, acc.events)):
             if rows:
                 out.append((t, np.array(rows, dtype=_DTYPES[t.path])))
+        out.extend(acc.arrays)
+        return out
+
+    def _back_off(self, e: NvmlTimeout) -> None:
+        """A call on e.gpu hung: skip that GPU for a growing while (the others go on)."""
+        assert self._ctx is not None
+        hung = next((x for x in self.gpus if x.index == e.gpu), None)
+        if hung is None:
+            self._ctx.report_error(self.name, f"timeout: {e}")
+            return
+        hung.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_START_S, hung.backoff_s * 2))
+        hung.skip_until = time.monotonic() + hung.backoff_s
+        self._ctx.report_error(self.name, f"timeout: {e}; GPU {hung.index} skipped for {hung.backoff_s:g} s")
+
+    def final(self, now_ns: int) -> Iterable[Batch]:
+        """Native: the thread stopped, then what its ticks left; else one more sample."""
+        if self.sampler != "native thread":
+            return self.sample(now_ns)
+        self._stop_native()
+        out = list(self.sample(now_ns))
+        out.extend(self._final_arrays)
+        self._final_arrays = []
         return out
 
     def _tick(self, gen: int, now_ns: int, gpus: list[_Gpu], do_procs: bool, acc: _Acc) -> None:
@@ -652,6 +865,11 @@ class NvmlSource(Source):
         if self.nv is None:
             return
         nv = self.nv
+        if not self._stop_native() or self._stuck_states:
+            # a native call is still stuck and may use the GPM samples or the event set: leave them
+            for g in self.gpus:
+                g.gpm_samples = []
+            self._event_set = None
 
         def release(gen: int) -> None:
             for g in self.gpus:
@@ -679,6 +897,8 @@ class NvmlSource(Source):
         self.nv = None  # stop is final: a second call does nothing
 
     def at_seal(self, f: Any) -> None:
+        if schema.GPU_SAMPLES.path in f:
+            f[schema.GPU_SAMPLES.path].attrs["sampler"] = self.sampler
         if "/gpu/devices" in f:
             f["/gpu/devices"].attrs["nvml_library"] = self.library
             emulated = any("test double" in g.name.lower() for g in self.gpus)
@@ -693,6 +913,7 @@ class _GpuLost(Exception):
 
 @dataclass
 class _Acc:
+    arrays: list[Batch] = field(default_factory=list)  # rows already as table arrays (native path)
     samples: list[tuple[Any, ...]] = field(default_factory=list)
     gpm: list[tuple[Any, ...]] = field(default_factory=list)
     procs: list[tuple[Any, ...]] = field(default_factory=list)

@@ -43,7 +43,7 @@ from collector.sources.base import SourceContext
 from slurm_hooks.config import defaults
 pids = frozenset(int(p) for p in {pids!r})
 ctx = SourceContext("b", "n", ("metrics",), {{}}, lambda: pids, lambda: (), lambda s, m: None, lambda *a: None)
-src = NvmlSource(defaults()["sources.nvml"] | {{"gpus": "all"}})
+src = NvmlSource(defaults()["sources.nvml"] | {{"gpus": "all"}}, threaded=True)
 src.start(ctx)
 end = time.monotonic() + {duration}
 nxt = time.monotonic()
