@@ -228,7 +228,10 @@ class ProcessTracker:
         current.discard(os.getpid())  # never observe ourselves, even when started inside the job
         with self._lock:
             before = self._pids
-            self._pids = frozenset(current)
+            if current != before:
+                # a new object only when the set changes: the sources compare by identity to
+                # skip their own re-sync (HostSource._sync_procs)
+                self._pids = frozenset(current)
         appeared = sorted(current - before)
         gone = sorted(before - current)
         rows = schema.PROCESS_EVENTS.empty(len(appeared) + len(gone))

@@ -54,7 +54,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "collector": {
         "memory_limit_mb": Key(int, 64, "cap on all sources' in-memory rings together"),
-        "flush_interval_s": Key((int, float), 2.0, "writer flushes at least this often (<= 5 s)"),
+        "flush_interval_s": Key((int, float), 4.0, "writer flushes at least this often (<= 5 s)"),
         "clock_interval_s": Key((int, float), 1.0, "(monotonic, realtime) pair every N s"),
         "process_scan_interval_s": Key((int, float), 1.0, "how often new job processes are picked up"),
         "compression": Key(str, "gzip", "HDF5 filter: gzip, lzf or none (docs/trace-format.md)"),

@@ -10,6 +10,7 @@ import os
 GPUPROF_CONFIG = "GPUPROF_CONFIG"  # path of the TOML config (lookup order: docs/config.md)
 GPUPROF_NVML_LIBRARY = "GPUPROF_NVML_LIBRARY"  # explicit libnvidia-ml.so path (tests load a double)
 GPUPROF_MODES = "GPUPROF_MODES"  # modes exported to the job by the TaskProlog
+GPUPROF_MERGE_TIMING = "GPUPROF_MERGE_TIMING"  # "1": each merge rank prints its seconds per step to stderr
 
 # The collectives fast path (bpf/fastpath interposers), exported to the job by the TaskProlog.
 LD_PRELOAD = "LD_PRELOAD"

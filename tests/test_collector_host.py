@@ -191,6 +191,33 @@ def test_native_reader_follows_threads_that_come_later() -> None:
     assert int(last["voluntary_ctxsw"]) - int(first["voluntary_ctxsw"]) > 100
 
 
+def test_idle_process_reads_resume_as_soon_as_it_runs() -> None:
+    """The C reader spares the stat and io reads of a process none of whose threads ran since the
+    last tick (its CPU time, threads and I/O cannot have moved): the moment it runs again, every
+    tick sees its CPU time grow, and while it sleeps the values stay those of its last full read."""
+    late = "import time\ntime.sleep(0.6)\nt = time.time()\nwhile time.time() - t < 30: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", late])
+    try:
+        time.sleep(0.2)
+        src = HostSource()
+        src.start(ctx_for(frozenset({proc.pid})))
+        assert src.proc_reader == "native"
+        cpu, idle = [], []
+        for _ in range(12):
+            cpu.append(int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0]))
+            idle.append(int(src._fds["idle_ticks"][0]))
+            time.sleep(0.1)
+        src.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    sleeping = [i for i in range(1, 12) if idle[i] > 1]
+    assert len(sleeping) >= 2, idle  # ticks while it slept took the short path
+    assert all(cpu[i] == cpu[i - 1] for i in sleeping), (cpu, idle)
+    assert cpu[-1] - cpu[-4] >= 200_000_000, cpu  # spinning: ~0.3 s of CPU in the last 3 ticks
+    assert all(b > a for a, b in itertools.pairwise(cpu[-4:])), cpu  # growing at every tick
+
+
 def test_threaded_ticks_on_the_grid_and_follows_the_pid_set(family: tuple[subprocess.Popen[bytes], ...]) -> None:
     """What the collector runs: the ticks in a native thread at the source's rate, on the grid
     of multiples of its interval, drained by sample(); a process added to the job is read from

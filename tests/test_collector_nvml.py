@@ -55,11 +55,12 @@ def nvml(library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.delenv("SLURM_JOB_GPUS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
-    def make(cfg: dict[str, Any] | None = None, job_pids: frozenset[int] = frozenset(), **fake: object) -> Any:
+    def make(cfg: dict[str, Any] | None = None, job_pids: frozenset[int] = frozenset(), threaded: bool = False,
+             **fake: object) -> Any:
         conf = double.write_config(tmp_path / f"fake{len(started)}.conf", **fake)
         monkeypatch.setenv("GPUPROF_FAKE_NVML_CONFIG", str(conf))
         c = defaults()["sources.nvml"] | {"gpus": "all"} | (cfg or {})
-        src = NvmlSource(c)
+        src = NvmlSource(c, threaded=threaded)
         rec = Recorder(job_pids)
         src.start(rec.ctx())
         started.append(src)
@@ -227,3 +228,92 @@ def test_field_value_union_decoding() -> None:
     assert field_value(4, raw("q", -7)) == -7
     assert field_value(5, raw("i", -3)) == -3
     assert field_value(6, raw("H", 65535)) == 65535
+
+
+# --- the native sampling thread (collector/native/nvmltick.c): what the collector runs ---------------
+def drain_for(src: NvmlSource, seconds: float) -> dict[str, np.ndarray]:
+    """The rows of `seconds` of native ticks, drained every 0.5 s as the daemon would (every 1 s)."""
+    out: dict[str, list[np.ndarray]] = {}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        for t, rows in src.sample(time.monotonic_ns()):
+            out.setdefault(t.path, []).append(rows)
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def test_native_thread_values_rates_gpm_on_the_grid(nvml: Any) -> None:
+    """The same values and units as the Python path, at the configured rate on the tick grid, GPM
+    from consecutive pairs, counter rates from the second sample on, processes at 1 Hz."""
+    src, rec = nvml({"rate_hz": 20}, job_pids=frozenset({4242}), threaded=True, gpus=3, pids=[4242, 999],
+                    power_mw=123456, temp=71)
+    assert src.sampler == "native thread" and src.interval_s == 1.0 and src.sample_interval_s == 0.05
+    got = drain_for(src, 2.0)
+    s = got[schema.GPU_SAMPLES.path]
+    per_gpu = np.bincount(s["gpu"], minlength=3)
+    assert all(32 <= n <= 42 for n in per_gpu), per_gpu  # 20 Hz for 2 s
+    t0 = s["t_ns"][s["gpu"] == 0].astype(np.int64)
+    assert np.all(t0 % 50_000_000 < 10_000_000), t0 % 50_000_000  # just after multiples of 50 ms
+    assert np.allclose(s["power_w"], 123.456) and np.all(s["temp_c"] == 71)
+    assert np.all(s["mem_used_bytes"][s["gpu"] == 1] == 11 * 2**30)
+    first = s["t_ns"] == s["t_ns"].min()
+    assert np.all(np.isnan(s[first]["pcie_tx_kbps"])) and np.all(s[~first]["nvlink_rx_kbps"] > 0)
+    gpm = got[schema.GPU_GPM.path]
+    assert np.bincount(gpm["gpu"], minlength=3).tolist() == (per_gpu - 1).tolist()  # pairs
+    assert np.allclose(gpm["sm_activity"][gpm["gpu"] == 2], 57.0)
+    assert np.all(np.abs(gpm["interval_ns"].astype(np.int64) - 50_000_000) < 20_000_000)
+    p = got[schema.GPU_PROCESSES.path]
+    assert set(p["pid"].tolist()) == {4242} and 2 <= len(p) // 3 <= 3  # 1 Hz per GPU (4 drains in 2 s)
+    assert rec.missing == [] and rec.errors == []
+
+
+def test_native_thread_unsupported_lost_and_xid(nvml: Any) -> None:
+    """Unsupported metrics NaN with one missing row each; a lost GPU stops being polled with its
+    event and error while the others go on; an XID event reaches /gpu/events."""
+    src, rec = nvml({"rate_hz": 20}, threaded=True, gpus=3, gpu1__lost_after=60, gpu2__unsupported="power,pcie,gpm",
+                    gpu0__xid_after=30, xid=48)
+    got = drain_for(src, 2.0)
+    s = got[schema.GPU_SAMPLES.path]
+    n = np.bincount(s["gpu"], minlength=3)
+    assert n[0] >= 32 and n[2] >= 32 and 0 < n[1] < 10, n
+    g2 = s[s["gpu"] == 2]
+    assert np.all(np.isnan(g2["power_w"])) and np.all(np.isnan(g2["pcie_rx_kbps"])) and np.all(g2["temp_c"] == 62)
+    missing = [(d, m, r) for _, d, m, r in rec.missing]
+    for metric in ("power_w", "pcie_tx_kbps", "pcie_rx_kbps"):
+        assert missing.count((2, metric, "NVML_ERROR_NOT_SUPPORTED")) == 1, missing
+    assert any(d == 2 and m == "sm_activity" and "not supported" in r for d, m, r in missing)
+    assert 2 not in set(got[schema.GPU_GPM.path]["gpu"].tolist())
+    ev = got[schema.GPU_EVENTS.path]
+    kinds = schema.GPU_EVENTS.enums["kind"]
+    assert ev[ev["kind"] == kinds.index("gpu_lost")]["gpu"].tolist() == [1]
+    xid = ev[ev["kind"] == kinds.index("xid")]
+    assert 0 in xid["gpu"].tolist() and set(xid["value"].tolist()) == {48}
+    assert any("GPU 1" in m and "NVML_ERROR_GPU_IS_LOST" in m for _, m in rec.errors)
+
+
+def test_native_thread_hung_call_is_abandoned_and_others_go_on(nvml: Any) -> None:
+    """A call that hangs: seen at the next drain, recorded with the function and GPU, that thread
+    abandoned (it leaves when the call returns) and a fresh one samples the other GPUs while the
+    hung one backs off."""
+    src, rec = nvml({"rate_hz": 20, "call_timeout_s": 0.3}, threaded=True, gpus=3, gpu1__hang_after=25,
+                    hang_ms=2500)
+    got = drain_for(src, 2.5)
+    msgs = [m for _, m in rec.errors if "timeout" in m]
+    assert len(msgs) == 1 and "GPU 1" in msgs[0] and "did not return within 0.3 s" in msgs[0], rec.errors
+    assert len(src._stuck_states) == 1
+    s = got[schema.GPU_SAMPLES.path]
+    late = s[s["t_ns"] > s["t_ns"].min() + 1_000_000_000]  # after the hang was seen
+    n = np.bincount(late["gpu"], minlength=3)
+    assert n[0] >= 15 and n[2] >= 15 and n[1] == 0, n  # GPU 1 skipped for its back-off (5 s)
+
+
+def test_native_thread_buffer_is_bounded(nvml: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ticks not drained in time are counted as dropped rows, never kept."""
+    import collector.sources.nvml as nvml_module
+
+    monkeypatch.setattr(nvml_module, "BUFFER_S", 0.05)  # the minimum of 4 ticks
+    src, _ = nvml({"rate_hz": 50}, threaded=True, gpus=2)
+    time.sleep(1.0)
+    got = {t.path: rows for t, rows in src.sample(time.monotonic_ns())}
+    assert len(got[schema.GPU_SAMPLES.path]) == 8  # 4 ticks of 2 GPUs
+    assert src.drops() >= 60, src.drops()  # ~46 ticks of 2 GPUs' samples and GPM rows

@@ -16,7 +16,9 @@ LIBRARY = Path(__file__).resolve().parent / "build" / "libgpuprof_sampler.so"
 
 # struct gp_proc_fds, gp_thread_fds and gp_proc_row of procsample.c
 PROC_FDS_DTYPE = np.dtype([("pid", "<i4"), ("stat_fd", "<i4"), ("io_fd", "<i4"), ("first_thread", "<i4"),
-                           ("n_threads", "<i4"), ("pad", "<i4")])
+                           ("n_threads", "<i4"), ("idle_ticks", "<i4"), ("last_threads", "<u4"), ("pad", "<u4"),
+                           ("last_cpu_ticks", "<u8"), ("last_rss_pages", "<u8"), ("last_read_bytes", "<u8"),
+                           ("last_write_bytes", "<u8")])
 THREAD_FDS_DTYPE = np.dtype([("tid", "<i4"), ("status_fd", "<i4"), ("schedstat_fd", "<i4"), ("gone", "<i4"),
                              ("last_runtime_ns", "<u8"), ("last_vol", "<u8"), ("last_invol", "<u8")])
 PROC_ROW_DTYPE = np.dtype([("cpu_ticks", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
@@ -80,7 +82,7 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ticker_ticks.restype = u64
     lib.gp_ticker_stop.argtypes = [vp, i64]
     lib.gp_ticker_stop.restype = ctypes.c_int
-    lib.gp_host_new.argtypes = [ctypes.c_int]
+    lib.gp_host_new.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.gp_host_new.restype = vp
     lib.gp_host_tick.argtypes = [vp, u64]
     lib.gp_host_tick.restype = None
@@ -110,8 +112,6 @@ def sampler() -> ctypes.CDLL:
     for name in ("gp_nvml_abandon", "gp_nvml_free"):
         getattr(lib, name).argtypes = [vp]
         getattr(lib, name).restype = None
-    lib.gp_sample_procs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gp_sample_procs.restype = ctypes.c_int
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_records_to_rows.restype = ctypes.c_long

@@ -5,9 +5,9 @@
  * Who owns what: the descriptors of /proc/stat, meminfo, net/dev and loadavg are opened here;
  * the job processes' descriptors and thread entries are the caller's arrays (it opens, lists and
  * closes them), handed over with gp_host_set_procs while it holds the lock (gp_host_lock), so a
- * tick never reads a descriptor being closed. What the reader keeps per thread between ticks
- * (last run time and switch counts, procsample.c) lives in those arrays, so the caller carries it
- * over when it relists.
+ * tick never reads a descriptor being closed. What the reader keeps per thread and process
+ * between ticks (last run time, switch counts, last full read; procsample.c) lives in those
+ * arrays, so the caller carries it over when it relists.
  *
  * What a tick cannot fix it flags per process for the drain: threads came or went (relist), the
  * process is gone (close), or a read failed (its -errno). Buffers are bounded: when the caller
@@ -53,8 +53,9 @@ struct gp_host {
     uint64_t prev_total, prev_idle, prev_iowait;
     int have_prev;
     /* the caller's arrays (gp_host_set_procs) */
-    const struct gp_proc_fds *procs;
+    struct gp_proc_fds *procs;
     int n_procs;
+    int full_every; /* ticks between full reads of an idle process (procsample.c) */
     struct gp_thread_fds *threads;
     /* ours, sized for n_procs */
     struct gp_proc_row *scratch;
@@ -149,7 +150,7 @@ EXPORT void gp_host_tick(struct gp_host *h, uint64_t now)
     else
         h->dropped++;
     if (h->n_procs > 0) {
-        gp_sample_procs(h->procs, h->n_procs, h->threads, h->scratch);
+        gp_sample_procs(h->procs, h->n_procs, h->threads, h->scratch, h->full_every);
         for (int i = 0; i < h->n_procs; i++) {
             const struct gp_proc_row *s = &h->scratch[i];
             if (s->status == -ESRCH || s->status == -ENOENT) {
@@ -186,9 +187,9 @@ static int open_ro(const char *path)
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
-/* A host sampler holding up to `ticks` ticks between drains; NULL (errno set) when /proc is not
- * readable. */
-EXPORT struct gp_host *gp_host_new(int ticks)
+/* A host sampler holding up to `ticks` ticks between drains, reading an idle process in full
+ * every `full_every` ticks; NULL (errno set) when /proc is not readable. */
+EXPORT struct gp_host *gp_host_new(int ticks, int full_every)
 {
     struct gp_host *h = calloc(1, sizeof(*h));
     if (!h)
@@ -199,6 +200,7 @@ EXPORT struct gp_host *gp_host_new(int ticks)
     h->netdev_fd = open_ro("/proc/net/dev");
     h->loadavg_fd = open_ro("/proc/loadavg");
     h->node_cap = ticks > 0 ? ticks : 1;
+    h->full_every = full_every > 0 ? full_every : 1;
     h->node = calloc((size_t)h->node_cap, sizeof(*h->node));
     if (h->stat_fd < 0 || h->meminfo_fd < 0 || h->netdev_fd < 0 || h->loadavg_fd < 0 || !h->node) {
         int e = errno;
@@ -225,7 +227,7 @@ EXPORT void gp_host_unlock(struct gp_host *h)
 
 /* With the lock held: the job's processes from now on (the caller's arrays, kept alive by it
  * until the next call). Rows not yet drained are kept while they fit. 0, or -ENOMEM. */
-EXPORT int gp_host_set_procs(struct gp_host *h, const struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads)
+EXPORT int gp_host_set_procs(struct gp_host *h, struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads)
 {
     int cap = h->node_cap * (n > 0 ? n : 1);
     if (n > h->n_procs || cap > h->rows_cap) {

@@ -10,7 +10,12 @@ struct gp_proc_fds {
     int32_t io_fd;        /* -1 when /proc/PID/io could not be opened */
     int32_t first_thread; /* this process's threads: threads[first_thread .. + n_threads] */
     int32_t n_threads;
-    int32_t pad;
+    /* kept by the caller between calls (zero at first): the last full read of stat and io, and
+     * the calls since, for the processes none of whose threads ran (see gp_sample_procs) */
+    int32_t idle_ticks;
+    uint32_t last_threads;
+    uint32_t pad;
+    uint64_t last_cpu_ticks, last_rss_pages, last_read_bytes, last_write_bytes;
 };
 
 /* One thread of a job process, as the caller last listed /proc/PID/task. */
@@ -37,6 +42,7 @@ struct gp_proc_row {
     int32_t pad;
 };
 
-int gp_sample_procs(const struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads, struct gp_proc_row *out);
+int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads, struct gp_proc_row *out,
+                    int full_every);
 
 #endif

@@ -166,7 +166,8 @@ class HostSource(Source):
         except native.NativeUnavailable as e:
             self.proc_reader = f"python ({e})"
         else:
-            h = lib.gp_host_new(self._ticks_cap)
+            # an idle process is read in full once a second (procsample.c)
+            h = lib.gp_host_new(self._ticks_cap, max(1, round(1.0 / self.sample_interval_s)))
             if not h:
                 raise SourceUnavailable(f"/proc not readable: {os.strerror(ctypes.get_errno())}")
             self._native, self._host, self.proc_reader = lib, h, "native"
@@ -244,11 +245,16 @@ class HostSource(Source):
         # the thread entries lie in process order, n_threads of each
         owners = np.repeat(self._fds["pid"], self._fds["n_threads"])
         last = {(int(pid), int(t["tid"])): t for pid, t in zip(owners, self._threads)}
+        last_proc = {int(f["pid"]): f for f in self._fds}
         fds = np.zeros(len(self._procs), native.PROC_FDS_DTYPE)
         threads = np.zeros(sum(len(p.thread_fds) for p in self._procs.values()), native.THREAD_FDS_DTYPE)
         k = 0
         for i, p in enumerate(self._procs.values()):
-            fds[i] = (p.pid, p.stat.fd, p.io.fd if p.io is not None else -1, k, len(p.thread_fds), 0)
+            prev_p = last_proc.get(p.pid)
+            fds[i] = (p.pid, p.stat.fd, p.io.fd if p.io is not None else -1, k, len(p.thread_fds),
+                      *((prev_p["idle_ticks"], prev_p["last_threads"], 0, prev_p["last_cpu_ticks"],
+                         prev_p["last_rss_pages"], prev_p["last_read_bytes"], prev_p["last_write_bytes"])
+                        if prev_p is not None else (0,) * 7))
             for tid, (status, schedstat) in p.thread_fds.items():
                 prev = last.get((p.pid, tid))
                 threads[k] = (tid, status.fd if status is not None else -1,
