@@ -1,21 +1,20 @@
 """The job file (schema in docs/job-format.md): one HDF5 file per job.
 
-Bulk per-node data never passes through rank 0's memory: each rank writes a part file per node it
-read (the node's tables, later the aligned times), and the job file's writer (the last rank; rank 0
-when alone) copies those part files' groups into the job file with HDF5's object copy, which moves
-stored chunks without holding a whole table (copy_node_tables, then copy_aligned_times), while rank
-0 analyzes. Rank 0 writes the [seq x rank] tables of /collectives into a part file of its own block
-by block as the analysis produces them (CollectivesWriter, one chunk per block), and at the end adds
-them, /clock, /analysis and the root attributes to the job file (finish_job_file). The job file is
-written under a temporary name and renamed into place, so a reader sees the old result or the new
-one, never half of one.
+Bulk per-node data never passes through rank 0's memory: the job file's writer (the last rank; rank 0
+when alone) copies each selected node file's groups into the job file with HDF5's object copy, which
+moves stored chunks without holding a whole table (copy_node_tables), while rank 0 analyzes; then it
+copies in each node's aligned call times, which the node's rank wrote into a small file of their
+own (write_aligned_times, copy_aligned_times). Rank 0 writes the [seq x rank] tables of
+/collectives into a part file of its own block by block as the analysis produces them
+(CollectivesWriter, one chunk per block), and at the end adds them, /clock, /analysis and the root
+attributes to the job file (finish_job_file). The job file is written under a temporary name and
+renamed into place, so a reader sees the old result or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from collector import schema
 from mpi_merge.analysis import JobAnalysis
 from mpi_merge.clock import NodeClockModel
 from mpi_merge.common import block_rows
-from mpi_merge.loading import ClockMap
 from mpi_merge.matching import CommTable, StoredComm
 from mpi_merge.waitstates import PATTERNS, CommSummary, CommWaits
 from slurm_hooks import __version__
@@ -42,52 +40,27 @@ CHUNK = 1 << 16
 FILTERS: dict[str, Any] = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
 
 
-def write_node_part(node_file: str, part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
-                    epoch_rt: int) -> None:
-    """Copy one node file's tables into `part` and add /collectives/calls_aligned beside the calls."""
-    stage_node_part(node_file, part)
-    add_aligned_times(part, clock_map, model, epoch_rt)
-
-
-def stage_node_part(node_file: str | os.PathLike[str], part: str | os.PathLike[str]) -> None:
-    """Copy one node file's attributes, groups and tables into `part` with HDF5's object copy
-    (stored chunks move as they are: nothing is decompressed or held in memory). Done by the rank
-    that summarizes the node, right after its read, so rank 0 never touches the node file."""
-    with h5py.File(node_file, "r") as src, h5py.File(part, "w", libver="latest") as dst:
-        for k, v in src.attrs.items():
-            dst.attrs[k] = v
-        for name in src:
-            src.copy(src[name], dst, name=name)
-
-
-def add_aligned_times(part: str | os.PathLike[str], clock_map: ClockMap, model: NodeClockModel,
-                      epoch_rt: int, out: str | os.PathLike[str] | None = None) -> None:
-    """/collectives/calls_aligned of a staged part: reference-clock realtime ns of each call's enter
-    and exit (-1 where the call never returned), computed chunk by chunk. Written into `out` (a new
-    file) when given, so the part is only ever read while the job file's writer may be copying it;
-    else into the part itself. Nothing is written for a node without calls."""
-    calls_path = schema.COLLECTIVE_CALLS.path
-    with h5py.File(part, "r" if out is not None else "a", libver="latest") as src:
-        if calls_path not in src:
-            return
-        ds = src[calls_path]
-        with (h5py.File(out, "w", libver="latest") if out is not None else nullcontext(src)) as dst:
-            al_ds = dst.create_dataset(
-                "/collectives/calls_aligned", shape=(ds.shape[0],), maxshape=(None,), dtype=ALIGNED_DTYPE,
-                chunks=(min(CHUNK, max(1, ds.shape[0])),), **FILTERS,
-            )
-            al_ds.attrs["doc"] = ("enter/exit of each row of calls on the reference node's realtime clock "
-                                  "(ns since the epoch); -1 = never returned")
-            al_ds.attrs["aligned"] = model.aligned
-            for i in range(0, ds.shape[0], CHUNK):
-                rows = ds[i:i + CHUNK]
-                blk = np.zeros(len(rows), ALIGNED_DTYPE)
-                for col, dcol in (("t_enter_ns", "t_enter_aligned_ns"), ("t_exit_ns", "t_exit_aligned_ns")):
-                    rt = clock_map.to_realtime(rows[col])
-                    rel = (rt - epoch_rt).astype(np.float64)
-                    al = np.round(model.align(rel)).astype(np.int64) + epoch_rt
-                    blk[dcol] = np.where(rows[col] == 0, -1, al) if col == "t_exit_ns" else al
-                al_ds[i:i + len(rows)] = blk
+def write_aligned_times(out: str | os.PathLike[str], calls: np.ndarray, model: NodeClockModel, epoch_rt: int) -> None:
+    """A small file with /collectives/calls_aligned for one node: reference-clock realtime ns of the
+    enter and exit of each row of the node's /collectives/calls (-1 where the call never returned),
+    from `calls`, those rows on the node's own realtime clock (loading.call_rows), chunk by chunk.
+    The node's rank writes it; the job file's writer copies it in (copy_aligned_times)."""
+    with h5py.File(out, "w", libver="latest") as dst:
+        al_ds = dst.create_dataset(
+            "/collectives/calls_aligned", shape=(len(calls),), maxshape=(None,), dtype=ALIGNED_DTYPE,
+            chunks=(min(CHUNK, max(1, len(calls))),), **FILTERS,
+        )
+        al_ds.attrs["doc"] = ("enter/exit of each row of calls on the reference node's realtime clock "
+                              "(ns since the epoch); -1 = never returned")
+        al_ds.attrs["aligned"] = model.aligned
+        for i in range(0, len(calls), CHUNK):
+            rows = calls[i:i + CHUNK]
+            blk = np.zeros(len(rows), ALIGNED_DTYPE)
+            for col, dcol in (("enter_rt", "t_enter_aligned_ns"), ("exit_rt", "t_exit_aligned_ns")):
+                rel = (rows[col] - epoch_rt).astype(np.float64)
+                al = np.round(model.align(rel)).astype(np.int64) + epoch_rt
+                blk[dcol] = np.where(rows["returned"], al, -1) if col == "exit_rt" else al
+            al_ds[i:i + len(rows)] = blk
 
 
 def _table(g: h5py.Group, name: str, rows: list[dict[str, Any]], doc: str) -> None:
@@ -188,16 +161,18 @@ class CollectivesWriter:
         self.g = None
 
 
-def copy_node_tables(job_tmp: Path, parts: list[tuple[str, Path]]) -> None:
-    """Create the job file with /nodes/<node>: the attributes and every table of each node's part."""
+def copy_node_tables(job_tmp: Path, nodes: list[tuple[str, Path]]) -> None:
+    """Create the job file with /nodes/<node>: the root attributes and every group of each node
+    file, by HDF5's object copy straight from the node file (stored chunks move as they are: nothing
+    is decompressed or held in memory, and nothing is staged in between)."""
     with h5py.File(job_tmp, "w", libver="latest") as f:
         f.create_group("nodes")
     # One open of the job file per node: closing it empties HDF5's metadata cache, which would
     # otherwise grow with every copied object and make the writer's memory grow with the node count.
-    for name, part in parts:
-        if not part.exists():
-            raise MergeError(f"node {name}: its staged part file {part} is missing (was it removed during the merge?)")
-        with h5py.File(job_tmp, "a", libver="latest") as f, h5py.File(part, "r") as src:
+    for name, node_file in nodes:
+        if not node_file.exists():
+            raise MergeError(f"node {name}: its node file {node_file} is missing (was it removed during the merge?)")
+        with h5py.File(job_tmp, "a", libver="latest") as f, h5py.File(node_file, "r") as src:
             g = f["nodes"].create_group(name)
             for k, v in src.attrs.items():
                 g.attrs[k] = v
@@ -206,7 +181,7 @@ def copy_node_tables(job_tmp: Path, parts: list[tuple[str, Path]]) -> None:
 
 
 def copy_aligned_times(job_tmp: Path, aligned: list[tuple[str, Path]]) -> None:
-    """Add /nodes/<node>/collectives/calls_aligned from each node's file of add_aligned_times(out=),
+    """Add /nodes/<node>/collectives/calls_aligned from each node's file of write_aligned_times,
     for every node whose tables include calls."""
     for name, path in aligned:
         with h5py.File(job_tmp, "a", libver="latest") as f:

@@ -4,9 +4,9 @@ A summary holds what the job-wide analyses need of a node apart from its collect
 binned series the straggler evidence and the HTML timelines use, per-GPU figures, diagnostics, and
 the shape of each communicator the node took part in. Its size does not depend on how many nodes
 the job had, so rank 0 can hold one per node. The calls themselves (`calls`) are filled for
-library callers; the merge driver saves them beside the part file and drops them from the summary,
-and rank 0 loads them one node at a time. Bulk tables go to the job file through the part files
-(jobfile.py).
+library callers; the merge driver saves them to a file and drops them from the summary, and rank 0
+loads them one node at a time. Bulk tables go from the node files to the job file by object copy on
+the job file's writer (jobfile.py), never through a summary.
 """
 
 from __future__ import annotations
@@ -137,11 +137,8 @@ def _bin(t_rt: np.ndarray, v: np.ndarray, t0: int, bin_ns: int, nbins: int) -> n
         return np.where(n > 0, s / np.maximum(n, 1), np.nan)
 
 
-def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str] | None = None) -> NodeSummary:
-    """Read one node file into a summary. A file that cannot be used gives a summary with .error.
-
-    With `stage_to`, the node's tables are also copied to that part file (jobfile.stage_node_part)
-    by the rank that reads the node, so rank 0 never opens the node files of other ranks."""
+def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
+    """Read one node file into a summary. A file that cannot be used gives a summary with .error."""
     p = Path(path)
     size = p.stat().st_size if p.exists() else 0
     s = NodeSummary(file=str(p), file_bytes=size)
@@ -153,10 +150,6 @@ def summarize_node(path: str | os.PathLike[str], stage_to: str | os.PathLike[str
     except TraceFormatError as e:
         s.error = str(e)
         return s
-    if stage_to is not None:
-        from mpi_merge.jobfile import stage_node_part
-
-        stage_node_part(p, stage_to)
     a = trace.attrs
     s.node, s.job_id = trace.node, trace.job_id
     s.hostname, s.boot_id = str(a.get("hostname", "")), str(a["boot_id"])
@@ -224,37 +217,37 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
     nb = int(span // bin_ns) + 1
     tb = t0 + np.arange(nb, dtype=np.int64) * bin_ns
 
-    def add(name: str, unit: str, t_mono: np.ndarray, v: np.ndarray) -> None:
+    def add(name: str, unit: str, t_rt: np.ndarray, v: np.ndarray) -> None:
         if not name.endswith(SUMMARY_SERIES):
             return
-        s.series[name] = Series(name, unit, tb, bin_ns, _bin(cm.to_realtime(t_mono), v.astype(np.float64), t0, bin_ns, nb))
+        s.series[name] = Series(name, unit, tb, bin_ns, _bin(t_rt, v.astype(np.float64), t0, bin_ns, nb))
 
     devs = trace.tables.get(schema.GPU_DEVICES.path)
     names = {}
     if devs is not None:
         for d in devs:
             names[int(d["index"])] = (d["name"].decode(errors="replace"), d["uuid"].decode(errors="replace"))
-    samples = trace.tables.get(schema.GPU_SAMPLES.path)
-    gpm = trace.tables.get(schema.GPU_GPM.path)
+    samples = _columns(trace.tables.get(schema.GPU_SAMPLES.path), ("gpu", "t_ns", "util_gpu", "mem_used_bytes"), cm)
+    gpm = _columns(trace.tables.get(schema.GPU_GPM.path), ("gpu", "t_ns", "sm_activity"), cm)
     gpu_ids = set(names)
     if samples is not None:
         gpu_ids |= set(np.unique(samples["gpu"]).tolist())
     for g in sorted(gpu_ids):
         info: dict[str, Any] = {"gpu": g, "name": names.get(g, ("", ""))[0], "uuid": names.get(g, ("", ""))[1]}
-        if samples is not None and len(samples):
-            rows = samples[samples["gpu"] == g]
-            add(f"gpu{g}:util_gpu", "percent", rows["t_ns"], rows["util_gpu"])
-            info["samples"] = len(rows)
-            u = rows["util_gpu"].astype(np.float64)
+        if samples is not None and len(samples["gpu"]):
+            mine = samples["gpu"] == g
+            u = samples["util_gpu"][mine].astype(np.float64)
+            add(f"gpu{g}:util_gpu", "percent", samples["t_rt"][mine], u)
+            info["samples"] = len(u)
             info["util_gpu_mean"] = float(np.nanmean(u)) if np.isfinite(u).any() else None
-            m = rows["mem_used_bytes"].astype(np.float64)
+            m = samples["mem_used_bytes"][mine].astype(np.float64)
             info["mem_used_max_bytes"] = float(np.nanmax(m)) if np.isfinite(m).any() else None
         else:
             info["samples"] = 0
-        if gpm is not None and len(gpm):
-            rows = gpm[gpm["gpu"] == g]
-            add(f"gpu{g}:sm_activity", "percent", rows["t_ns"], rows["sm_activity"])
-            v = rows["sm_activity"].astype(np.float64)
+        if gpm is not None and len(gpm["gpu"]):
+            mine = gpm["gpu"] == g
+            v = gpm["sm_activity"][mine].astype(np.float64)
+            add(f"gpu{g}:sm_activity", "percent", gpm["t_rt"][mine], v)
             info["sm_activity_mean"] = float(np.nanmean(v)) if np.isfinite(v).any() else None
         s.gpus.append(info)
 
@@ -276,7 +269,7 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
             v = np.concatenate(v_all)
             # bin means of per-pid rates, times the pid count, give the summed cores
             npid = len(t_all)
-            add("host:cpu_cores", "cores", t, v * npid)
+            add("host:cpu_cores", "cores", cm.to_realtime(t), v * npid)
     for tbl in schema.BPF_TABLES:
         rows = trace.tables.get(tbl.path)
         if rows is None or not len(rows) or "t_ns" not in (rows.dtype.names or ()):
@@ -290,6 +283,17 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
                 ok = (idx >= 0) & (idx < nb)
                 tot = np.bincount(idx[ok], weights=rows[col][ok].astype(np.float64), minlength=nb)
                 s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
+
+
+def _columns(rows: np.ndarray | None, names: tuple[str, ...], cm: ClockMap) -> dict[str, np.ndarray] | None:
+    """The named columns of a table (views, no copy) and "t_rt", its t_ns on the realtime clock.
+    Selecting rows of single columns rather than of whole records (up to 84 bytes a row for GPU
+    samples, read per GPU) is what keeps the summary cheap beside the file's decompression."""
+    if rows is None:
+        return None
+    out = {n: rows[n] for n in names}
+    out["t_rt"] = cm.to_realtime(rows["t_ns"])
+    return out
 
 
 def _summarize_diagnostics(trace: NodeTrace, s: NodeSummary) -> None:

@@ -1,18 +1,19 @@
 """The MPI merge driver: any number of ranks, the same job file for every rank count.
 
-  1. every rank reads its share of the node files (sorted by name, round robin): a small summary
-     per node (loading.py: no calls, no bulk tables), the node's tables staged into a part file,
-     and the node's collective and point-to-point calls saved beside it (.calls.npy);
+  1. every rank reads node files (sorted by name; rank r takes file r, then each rank claims the
+     next file no rank has claimed yet, so a rank slowed down by other load reads fewer): a small
+     summary per node (loading.py: no calls, no bulk tables) and the node's calls, on its realtime
+     clock, saved beside it (.calls.npy);
   2. rank 0 receives the summaries rank by rank (one message per node) and selects the files to
      merge; it broadcasts the selection and the job's epoch;
   3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies every
-     selected node's part into /nodes. Meanwhile rank 0 loads the calls one node at a time in the
-     job's node order into the job-wide [seq x rank] tables of a scratch HDF5 file
-     (matching.CommStore), reads them back by blocks to fit the clocks
-     (analysis.JobAnalyzer.fit_clocks) and sends the models to every rank without waiting for them;
-  4. every rank writes the aligned call times of its nodes into files of their own (a part is never
-     written after staging, so the writer can copy it meanwhile); the writer adds them to the job
-     file once every rank is done, and tells rank 0;
+     selected node file's tables into /nodes, straight from the node file (HDF5 object copy).
+     Meanwhile rank 0 loads the calls one node at a time in the job's node order into the job-wide
+     [seq x rank] tables of a scratch HDF5 file (matching.CommStore), reads them back by blocks to
+     fit the clocks (analysis.JobAnalyzer.fit_clocks) and sends the models to every rank without
+     waiting for them;
+  4. every rank writes the aligned call times of the nodes it read into files of their own, from
+     the saved calls; the writer adds them to the job file once every rank is done, and tells rank 0;
   5. rank 0 reads the tables by blocks again for the wait states, writing /collectives into a part
      file of its own one chunk per block, then mismatches, stragglers and the reports; once the
      writer is done, rank 0 adds /collectives, /clock, /analysis and the root attributes to the job
@@ -23,6 +24,7 @@ per-rank sums and one block of the tables: not the calls, not the [instance x no
 the bulk data (docs/merge.md, "Rank 0's memory"). Most of the copying runs on the writer, beside
 rank 0's analysis. An exception on any rank propagates to the CLI, which aborts the whole MPI job
 with the message (comm.Abort), so a failing rank never leaves the others waiting in a receive.
+With GPUPROF_MERGE_TIMING=1 every rank prints its seconds per step to stderr (StepTimes).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,15 +46,16 @@ from mpi_merge.analysis import JobAnalyzer, Selection, p2p_rows
 from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
 from mpi_merge.jobfile import (
     CollectivesWriter,
-    add_aligned_times,
     copy_aligned_times,
     copy_node_tables,
     finish_job_file,
+    write_aligned_times,
 )
 from mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
-from mpi_merge.matching import COLLECTIVE_SET, P2P_OPS, CommStore
+from mpi_merge.matching import CommStore
 from mpi_merge.report import render_reports, write_rendered
 from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
+from slurm_hooks import environment
 from slurm_hooks.errors import MergeError
 
 EXIT_COMPLETE = 0
@@ -107,6 +112,30 @@ class MergeResult:
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     bytes_read: int = 0
+
+
+class StepTimes:
+    """Seconds per step of one rank, printed to stderr at the end when GPUPROF_MERGE_TIMING=1:
+    what the throughput figures are tuned with (which rank waits for which, where the time goes)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.on = environment.get(environment.GPUPROF_MERGE_TIMING) == "1"
+        self.t0 = self.last = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        """The step that just ended."""
+        if self.on:
+            now = time.monotonic()
+            self.steps.append((step, now - self.last))
+            self.last = now
+
+    def report(self) -> None:
+        if self.on:
+            steps = " ".join(f"{name}={sec:.3f}" for name, sec in self.steps)
+            print(f"gpuprof merge timing rank {self.rank}: {steps} total={time.monotonic() - self.t0:.3f}",
+                  file=sys.stderr, flush=True)
 
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -177,27 +206,27 @@ def merge(
 def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_start: float, reference: str,
            clock_params: ClockParams, straggler_params: StragglerParams) -> MergeResult | None:
     rank, size = c.Get_rank(), c.Get_size()
-    # the rank that assembles the job file from the node parts while rank 0 analyzes
+    steps = StepTimes(rank)
+    # the rank that assembles the job file from the node files while rank 0 analyzes
     writer = size - 1
-    owner = {f: i % size for i, f in enumerate(files)}
-    part_of = {f: parts_dir / f"{i:06d}.h5" for i, f in enumerate(files)}
     calls_of = {f: parts_dir / f"{i:06d}.calls.npy" for i, f in enumerate(files)}
-    # aligned call times go to a file of their own: a part is never written once staged, so the
-    # writer can copy it while its owner reads it
+    # aligned call times go to a file of their own per node, written by the node's rank
     aligned_of = {f: parts_dir / f"{i:06d}.aligned.h5" for i, f in enumerate(files)}
     job_tmp = parts_dir / "job.h5"  # beside the output (same file system), renamed into place at the end
 
-    # 1. each rank reads its node files once: the summary, the tables staged into a part file, and
-    #    the calls the analysis reads saved for rank 0 to load one node at a time (step 3)
+    # 1. each rank reads its node files once: the summary, and the node's calls on its realtime clock
+    #    saved for rank 0 to load one node at a time (step 3) and for this rank to align (step 4)
     summaries: list[NodeSummary] = []
-    for f in files:
-        if owner[f] == rank:
-            s = summarize_node(f, part_of[f])
-            if s.error is None:
-                np.save(calls_of[f], analysis_calls(s.calls), allow_pickle=False)
-            s.calls = np.zeros(0, s.calls.dtype)  # a new empty array: a slice would keep them
-            summaries.append(s)
-    mine = {s.file: s for s in summaries}
+    mine: set[str] = set()
+    for f in claim_files(files, rank, size, parts_dir):
+        mine.add(f)
+        s = summarize_node(f)
+        if s.error is None:
+            np.save(calls_of[f], s.calls, allow_pickle=False)
+        s.calls = np.zeros(0, s.calls.dtype)  # a new empty array: a slice would keep them
+        # the clock map is in the saved calls' times already: no rank needs it any more
+        summaries.append(replace(s, clock=None))
+    steps.mark("read")
 
     # 2. rank 0 receives the summaries rank by rank and selects the files to merge
     sel: Selection | None = None
@@ -215,20 +244,18 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     else:
         c.send(len(summaries), dest=0, tag=TAG_COUNT)
         for s in summaries:
-            # the clock map (its pairs) serves only the owner, for the aligned call times (step 4)
-            c.send(replace(s, clock=None), dest=0, tag=TAG_SUMMARY)
+            c.send(s, dest=0, tag=TAG_SUMMARY)
     decision = c.bcast(decision, root=0)
     assert decision is not None
     selected = list(zip(decision["files"], decision["nodes"]))
-    for s in summaries:
-        if s.file not in decision["files"]:
-            part_of[s.file].unlink(missing_ok=True)
+    steps.mark("select")
 
-    # 3. the writer starts the job file with every selected node's tables, while rank 0 fills the
-    #    job-wide tables with the calls, one node at a time in the job's node order, and fits the clocks
-    node_parts = [(node, part_of[f]) for f, node in selected]
+    # 3. the writer starts the job file with every selected node's tables, copied straight from the
+    #    node files, while rank 0 fills the job-wide tables with the calls, one node at a time in the
+    #    job's node order, and fits the clocks
     if rank == writer:
-        copy_node_tables(job_tmp, node_parts)
+        copy_node_tables(job_tmp, [(node, Path(f)) for f, node in selected])
+        steps.mark("copy_nodes")
     models: dict[str, NodeClockModel] | None = None
     sent: list[Request] = []
     job: JobAnalyzer | None = None
@@ -242,31 +269,35 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             calls = _load_calls(calls_of[f])
             store.add_node(ni, calls)
             p2p.append(p2p_rows(calls))
+        steps.mark("load_calls")
         job = JobAnalyzer(sel, store, p2p, scratch)
         models = {m.node: m for m in job.fit_clocks(reference, clock_params).models}
+        steps.mark("fit_clocks")
         # not a broadcast: the writer takes them once its copy is done, rank 0 goes on meanwhile
         sent = [c.isend(models, dest=r, tag=TAG_MODELS) for r in range(1, size)]
     else:
         models = c.recv(source=0, tag=TAG_MODELS)
+        steps.mark("wait_models")
     assert models is not None
 
     # 4. every rank aligns its nodes' calls; the writer copies them in when all are done
     for f, node in selected:
-        if owner[f] == rank:
-            clock = mine[f].clock
-            if clock is None:
-                raise MergeError(f"{f}: selected for the merge but its summary has no clock map")
-            add_aligned_times(part_of[f], clock, models[node], decision["epoch"], out=aligned_of[f])
+        if f in mine:
+            write_aligned_times(aligned_of[f], _load_calls(calls_of[f]), models[node], decision["epoch"])
+    steps.mark("align")
     if rank != writer:
         c.send(True, dest=writer, tag=TAG_ALIGNED)
     else:
         for r in range(size):
             if r != writer:
                 c.recv(source=r, tag=TAG_ALIGNED)
+        steps.mark("wait_aligned")
         copy_aligned_times(job_tmp, [(node, aligned_of[f]) for f, node in selected])
+        steps.mark("copy_aligned")
         if writer != 0:
             c.send(True, dest=0, tag=TAG_NODES)
     if rank != 0:
+        steps.report()
         return None
 
     # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
@@ -278,15 +309,20 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             analysis = job.finish(CollectivesWriter(cf, job.names, decision["epoch"]), straggler_params)
     finally:
         scratch.close()
+    steps.mark("finish_analysis")
     texts = render_reports(analysis)
+    steps.mark("render")
     for req in sent:
         req.wait()
     if writer != 0:
         c.recv(source=writer, tag=TAG_NODES)
+    steps.mark("wait_writer")
     finish_job_file(job_tmp, analysis, collectives_part, merge_ranks=size, merged_at_ns=time.time_ns())
     outs = output_paths(Path(plan["stem"]))
     os.replace(job_tmp, outs["h5"])
     reports = write_rendered(texts, outs)
+    steps.mark("job_file_reports")
+    steps.report()
     partial = analysis.partial
     return MergeResult(
         job_file=outs["h5"], reports=reports, status="partial" if partial else "complete",
@@ -296,9 +332,24 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     )
 
 
-def analysis_calls(calls: np.ndarray) -> np.ndarray:
-    """The calls of a node that the job-wide analysis reads: collectives and point-to-point."""
-    return calls[np.isin(calls["op"], list(COLLECTIVE_SET | P2P_OPS))]
+def claim_files(files: list[str], rank: int, size: int, parts_dir: Path) -> Iterator[str]:
+    """The node files this rank reads, one at a time: file `rank` first (so that every rank reads
+    one when there are enough), then each of the others that no rank has claimed yet, in order. A
+    claim is the exclusive creation of a file in the parts directory (atomic on local and network
+    file systems alike, and it needs no rank to answer), made just before the read: a rank slowed
+    down by the machine's other load reads fewer files instead of holding back every other rank,
+    as a fixed round robin would. Which rank reads a file changes nothing in the result."""
+    for i, f in enumerate(files):
+        if i < size:
+            if i == rank:
+                yield f
+            continue
+        try:
+            fd = os.open(parts_dir / f"{i:06d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue  # another rank reads it
+        os.close(fd)
+        yield f
 
 
 def _load_calls(path: Path) -> np.ndarray:
