@@ -556,6 +556,7 @@ class Collector:
                 self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
         except Exception as e:  # noqa: BLE001
             self.report_error("processes", f"final scan failed: {type(e).__name__}: {e}")
+        self.tracker.close()
         self._writer_seal.set()
         self._writer_wake.set()
         self.finished_event.wait()
