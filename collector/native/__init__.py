@@ -134,7 +134,7 @@ class Ticker:
     def __init__(self, lib: ctypes.CDLL, tick: str, state: int, interval_s: float) -> None:
         self._lib = lib
         fn = ctypes.cast(getattr(lib, tick), ctypes.c_void_p).value
-        ptr = lib.gp_ticker_start(int(round(interval_s * 1e9)), fn, state)
+        ptr = lib.gp_ticker_start(round(interval_s * 1e9), fn, state)
         if not ptr:
             err = ctypes.get_errno()
             raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")

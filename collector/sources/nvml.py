@@ -612,11 +612,14 @@ class NvmlSource(Source):
         if mono >= self._next_proc_t:
             self._next_proc_t = mono + self.process_interval_s
             active = [g for g in self.gpus if not g.lost and g.skip_until <= mono and "processes" not in g.disabled]
+            def query(gen: int) -> None:
+                for g in active:
+                    acc.procs.extend(self._sample_procs(gen, g, now_ns))
+
             try:
-                self._wd.run(lambda gen: [acc.procs.extend(self._sample_procs(gen, g, now_ns)) for g in active])
+                self._wd.run(query)
             except NvmlTimeout as e:
-                assert self._ctx is not None
-                self._ctx.report_error(self.name, f"timeout: {e}")
+                self._back_off(e)
 
     def _stop_native(self) -> bool:
         """Stop the thread and free its state; False when it is stuck in a call."""
@@ -672,6 +675,8 @@ class NvmlSource(Source):
             return
         hung.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_START_S, hung.backoff_s * 2))
         hung.skip_until = time.monotonic() + hung.backoff_s
+        if self._state is not None:  # the native thread skips it as well
+            self._lib.gp_nvml_skip_gpu(self._state, self.gpus.index(hung), int(hung.skip_until * 1e9))
         self._ctx.report_error(self.name, f"timeout: {e}; GPU {hung.index} skipped for {hung.backoff_s:g} s")
 
     def final(self, now_ns: int) -> Iterable[Batch]:
