@@ -293,18 +293,21 @@ def test_native_thread_unsupported_lost_and_xid(nvml: Any) -> None:
 
 def test_native_thread_hung_call_is_abandoned_and_others_go_on(nvml: Any) -> None:
     """A call that hangs: seen at the next drain, recorded with the function and GPU, that thread
-    abandoned (it leaves when the call returns) and a fresh one samples the other GPUs while the
-    hung one backs off."""
+    abandoned and a fresh one samples the other GPUs while the hung one backs off; once the call
+    returns, the abandoned thread leaves and its state is freed (memory stays bounded)."""
     src, rec = nvml({"rate_hz": 20, "call_timeout_s": 0.3}, threaded=True, gpus=3, gpu1__hang_after=25,
                     hang_ms=2500)
     got = drain_for(src, 2.5)
     msgs = [m for _, m in rec.errors if "timeout" in m]
     assert len(msgs) == 1 and "GPU 1" in msgs[0] and "did not return within 0.3 s" in msgs[0], rec.errors
-    assert len(src._stuck_states) == 1
+    assert len(src._stuck) == 1
     s = got[schema.GPU_SAMPLES.path]
     late = s[s["t_ns"] > s["t_ns"].min() + 1_000_000_000]  # after the hang was seen
     n = np.bincount(late["gpu"], minlength=3)
     assert n[0] >= 15 and n[2] >= 15 and n[1] == 0, n  # GPU 1 skipped for its back-off (5 s)
+    drain_for(src, 1.0)  # the hung call returns 2.5 s after it began
+    assert src._stuck == []  # that thread left, and its state was freed
+    assert len([m for _, m in rec.errors if "timeout" in m]) == 1
 
 
 def test_native_thread_buffer_is_bounded(nvml: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,6 +82,8 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ticker_ticks.restype = u64
     lib.gp_ticker_stop.argtypes = [vp, i64]
     lib.gp_ticker_stop.restype = ctypes.c_int
+    lib.gp_ticker_reap.argtypes = [vp]
+    lib.gp_ticker_reap.restype = ctypes.c_int
     lib.gp_host_new.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.gp_host_new.restype = vp
     lib.gp_host_tick.argtypes = [vp, u64]
@@ -139,6 +141,7 @@ class Ticker:
             err = ctypes.get_errno()
             raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")
         self._ptr: int | None = ptr
+        self._detached: int | None = None  # stopped while stuck in a tick: reaped once it left
 
     def busy_since_ns(self) -> int:
         """Monotonic start of the tick in progress, 0 between ticks."""
@@ -149,8 +152,21 @@ class Ticker:
 
     def stop(self, timeout_s: float) -> bool:
         """True when the thread has exited; False when it is stuck in a tick (then it is left
-        detached and its tick state must never be freed)."""
+        detached, and its tick state must not be freed before reap() says it has left)."""
         if self._ptr is None:
             return True
         ptr, self._ptr = self._ptr, None
-        return int(self._lib.gp_ticker_stop(ptr, int(timeout_s * 1e9))) == 0
+        if int(self._lib.gp_ticker_stop(ptr, int(timeout_s * 1e9))) == 0:
+            return True
+        self._detached = ptr
+        return False
+
+    def reap(self) -> bool:
+        """After a stop() that returned False: True once the stuck thread has left (its tick
+        state may then be freed)."""
+        if self._detached is None:
+            return True
+        if int(self._lib.gp_ticker_reap(self._detached)) != 0:
+            return False
+        self._detached = None
+        return True

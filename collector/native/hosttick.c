@@ -66,18 +66,10 @@ struct gp_host {
     uint64_t dropped;
 };
 
-static ssize_t read_text(int fd, char *buf, size_t size)
+/* -errno of a read that failed, or -ENODATA for one that returned nothing */
+static int read_failed(void)
 {
-    ssize_t n = pread(fd, buf, size - 1, 0);
-    if (n >= 0)
-        buf[n] = 0;
-    return n;
-}
-
-static uint64_t kb_after(const char *text, const char *key)
-{
-    const char *p = strstr(text, key);
-    return p ? strtoull(p + strlen(key), NULL, 10) : 0;
+    return errno ? -errno : -ENODATA;
 }
 
 static int node_row(struct gp_host *h, uint64_t now, struct gp_host_node_row *r)
@@ -86,8 +78,9 @@ static int node_row(struct gp_host *h, uint64_t now, struct gp_host_node_row *r)
     memset(r, 0, sizeof(*r));
     r->t_ns = now;
     r->cpu_busy = r->cpu_iowait = NAN;
-    if (read_text(h->stat_fd, buf, 512) <= 0)
-        return -errno;
+    errno = 0; /* read_failed() tells an error from an empty read by it */
+    if (gp_read_text(h->stat_fd, buf, 512) <= 0)
+        return read_failed();
     /* "cpu  user nice system idle iowait irq softirq steal ..." */
     uint64_t v[8] = {0};
     char *p = buf + 3;
@@ -103,13 +96,15 @@ static int node_row(struct gp_host *h, uint64_t now, struct gp_host_node_row *r)
         r->cpu_iowait = (double)(iowait - h->prev_iowait) / dt;
     }
     h->prev_total = total, h->prev_idle = idle, h->prev_iowait = iowait, h->have_prev = 1;
-    if (read_text(h->meminfo_fd, buf, 4096) <= 0)
-        return -errno;
-    uint64_t mt = kb_after(buf, "MemTotal:"), ma = kb_after(buf, "MemAvailable:");
+    if (gp_read_text(h->meminfo_fd, buf, 4096) <= 0)
+        return read_failed();
+    uint64_t mt = gp_key_u64(buf, "MemTotal:"), ma = gp_key_u64(buf, "MemAvailable:");
+    if (mt == UINT64_MAX || ma == UINT64_MAX)
+        return -ENODATA; /* a kernel without MemAvailable (< 3.14): no figure rather than a wrong one */
     r->mem_total_kb = mt;
     r->mem_used_kb = mt > ma ? mt - ma : 0;
-    if (read_text(h->netdev_fd, buf, sizeof(buf)) < 0)
-        return -errno;
+    if (gp_read_text(h->netdev_fd, buf, sizeof(buf)) < 0)
+        return read_failed();
     /* two header lines, then "  ifname: rx_bytes packets ... (8 fields) tx_bytes ..." */
     char *line = strchr(buf, '\n');
     line = line ? strchr(line + 1, '\n') : NULL;
@@ -131,8 +126,8 @@ static int node_row(struct gp_host *h, uint64_t now, struct gp_host_node_row *r)
             r->net_rx += rx, r->net_tx += tx;
         line = eol;
     }
-    if (read_text(h->loadavg_fd, buf, 128) <= 0)
-        return -errno;
+    if (gp_read_text(h->loadavg_fd, buf, 128) <= 0)
+        return read_failed();
     r->load1 = strtod(buf, NULL);
     return 0;
 }

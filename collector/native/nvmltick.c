@@ -494,7 +494,7 @@ EXPORT void gp_nvml_capacities(struct gp_nvml *s, int32_t *caps)
     caps[0] = s->samples_cap, caps[1] = s->gpm_cap, caps[2] = s->events_cap, caps[3] = s->errors_cap;
 }
 
-/* Only once no ticker runs it any more, and never for an abandoned state. */
+/* Only once no ticker runs it any more: for an abandoned state, once gp_ticker_reap said so. */
 EXPORT void gp_nvml_free(struct gp_nvml *s)
 {
     pthread_mutex_destroy(&s->mu);

@@ -40,7 +40,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-static ssize_t read_at0(int fd, char *buf, size_t size)
+ssize_t gp_read_text(int fd, char *buf, size_t size)
 {
     ssize_t n = pread(fd, buf, size - 1, 0);
     if (n >= 0)
@@ -48,8 +48,7 @@ static ssize_t read_at0(int fd, char *buf, size_t size)
     return n;
 }
 
-/* The unsigned integer after `key` in a "key: value" text; UINT64_MAX when absent. */
-static uint64_t key_u64(const char *text, const char *key)
+uint64_t gp_key_u64(const char *text, const char *key)
 {
     const char *p = strstr(text, key);
     if (!p)
@@ -59,8 +58,8 @@ static uint64_t key_u64(const char *text, const char *key)
 
 static void status_ctxsw(const char *status, uint64_t *vol, uint64_t *invol)
 {
-    uint64_t v = key_u64(status, "\nvoluntary_ctxt_switches:");
-    uint64_t n = key_u64(status, "\nnonvoluntary_ctxt_switches:");
+    uint64_t v = gp_key_u64(status, "\nvoluntary_ctxt_switches:");
+    uint64_t n = gp_key_u64(status, "\nnonvoluntary_ctxt_switches:");
     *vol = v == UINT64_MAX ? 0 : v;
     *invol = n == UINT64_MAX ? 0 : n;
 }
@@ -71,7 +70,7 @@ static int thread_ctxsw(int pid, struct gp_thread_fds *t, uint64_t *vol, uint64_
 {
     uint64_t runtime = UINT64_MAX;
     if (t->schedstat_fd >= 0) {
-        if (read_at0(t->schedstat_fd, buf, size) <= 0)
+        if (gp_read_text(t->schedstat_fd, buf, size) <= 0)
             return -1;
         runtime = strtoull(buf, NULL, 10);
     }
@@ -79,12 +78,12 @@ static int thread_ctxsw(int pid, struct gp_thread_fds *t, uint64_t *vol, uint64_
     if (ran) {
         ssize_t len;
         if (t->status_fd >= 0) {
-            len = read_at0(t->status_fd, buf, size);
+            len = gp_read_text(t->status_fd, buf, size);
         } else {
             char path[96];
             snprintf(path, sizeof(path), "/proc/%d/task/%d/status", pid, t->tid);
             int fd = open(path, O_RDONLY | O_CLOEXEC);
-            len = fd < 0 ? -1 : read_at0(fd, buf, size);
+            len = fd < 0 ? -1 : gp_read_text(fd, buf, size);
             if (fd >= 0)
                 close(fd);
         }
@@ -165,7 +164,7 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fd
             ok++;
             continue;
         }
-        ssize_t len = read_at0(pf->stat_fd, buf, sizeof(buf));
+        ssize_t len = gp_read_text(pf->stat_fd, buf, sizeof(buf));
         if (len <= 0) {
             r->status = len == 0 ? -ESRCH : -errno;
             continue;
@@ -176,13 +175,13 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fd
         }
         r->read_bytes = r->write_bytes = UINT64_MAX;
         if (pf->io_fd >= 0) {
-            len = read_at0(pf->io_fd, buf, sizeof(buf));
+            len = gp_read_text(pf->io_fd, buf, sizeof(buf));
             if (len < 0) {
                 r->status = -errno;
                 continue;
             }
-            r->read_bytes = key_u64(buf, "read_bytes:");
-            r->write_bytes = key_u64(buf, "\nwrite_bytes:");
+            r->read_bytes = gp_key_u64(buf, "read_bytes:");
+            r->write_bytes = gp_key_u64(buf, "\nwrite_bytes:");
         }
         pf->last_cpu_ticks = r->cpu_ticks;
         pf->last_rss_pages = r->rss_pages;

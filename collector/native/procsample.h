@@ -3,6 +3,7 @@
 #ifndef GP_PROCSAMPLE_H
 #define GP_PROCSAMPLE_H
 #include <stdint.h>
+#include <sys/types.h>
 
 struct gp_proc_fds {
     int32_t pid;
@@ -41,6 +42,11 @@ struct gp_proc_row {
     int32_t status;        /* 0, or -errno of the read that failed (-ESRCH: the process is gone) */
     int32_t pad;
 };
+
+/* A /proc file's text, re-read at offset 0 through a descriptor kept open, NUL-terminated. */
+ssize_t gp_read_text(int fd, char *buf, size_t size);
+/* The unsigned integer after `key` in a "key: value" text; UINT64_MAX when absent. */
+uint64_t gp_key_u64(const char *text, const char *key);
 
 int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads, struct gp_proc_row *out,
                     int full_every);

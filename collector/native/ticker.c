@@ -13,8 +13,9 @@
  * The watchdog's view: `busy_since_ns` is the start of the tick in progress (0 between ticks),
  * so the Python side can tell a tick stuck in a call (an NVML call in a wedged driver) from a
  * slow one. Such a thread cannot be cancelled safely; gp_ticker_stop gives up on it after its
- * timeout and leaves it detached, with its ticker and tick state never freed (they are still
- * in use by the stuck call).
+ * timeout and leaves it detached, its ticker and tick state still in use by the stuck call;
+ * gp_ticker_reap frees the ticker once the thread has left (then the tick state is the
+ * caller's to free).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -139,6 +140,22 @@ EXPORT int gp_ticker_stop(struct gp_ticker *t, int64_t timeout_ns)
         return -ETIMEDOUT;
     }
     pthread_join(t->thread, NULL);
+    pthread_cond_destroy(&t->cv);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+    return 0;
+}
+
+/* After a gp_ticker_stop that timed out: 0 when the thread has left since (the ticker is freed,
+ * and its tick state is no longer used), -EBUSY while it is still inside its tick. */
+EXPORT int gp_ticker_reap(struct gp_ticker *t)
+{
+    pthread_mutex_lock(&t->mu);
+    int exited = t->exited;
+    pthread_mutex_unlock(&t->mu);
+    if (!exited)
+        return -EBUSY;
+    /* the thread's last touch of t was the unlock after setting exited */
     pthread_cond_destroy(&t->cv);
     pthread_mutex_destroy(&t->mu);
     free(t);

@@ -152,6 +152,7 @@ class HostSource(Source):
         self._native: Any = None
         self._host: int | None = None  # struct gp_host *
         self._ticker: native.Ticker | None = None
+        self._stuck = False  # the thread did not stop: its state is never touched again
         self._ticks_cap = max(4, math.ceil(BUFFER_S / self.sample_interval_s))
         self._max_procs = 0  # the most processes ever handed to the C side: its row buffer's size
         self._dropped = 0
@@ -428,16 +429,21 @@ class HostSource(Source):
             out.append((schema.HOST_PROCS, procs))
         return out
 
+    def _stop_ticker(self) -> None:
+        if self._ticker is not None:
+            self._stuck = not self._ticker.stop(STOP_TIMEOUT_S)
+            self._ticker = None
+
     def final(self, now_ns: int) -> Iterable[Batch]:
         """The ticks not drained yet and one more at `now_ns` (threaded: the thread stopped first)."""
-        if self._ticker is not None and self._ticker.stop(STOP_TIMEOUT_S):
-            self._ticker = None
+        self._stop_ticker()
+        if self._stuck:
+            return []  # a tick that never returned holds the state's lock: leave it alone
         return self.sample(now_ns)
 
     def stop(self) -> None:
-        stuck = self._ticker is not None and not self._ticker.stop(STOP_TIMEOUT_S)
-        self._ticker = None
-        if self._host is not None and not stuck:  # a stuck tick still uses its state: never freed
+        self._stop_ticker()
+        if self._host is not None and not self._stuck:  # a stuck tick still uses its state: never freed
             self._native.gp_host_free(self._host)
         self._host = None
         for p in self._procs.values():

@@ -291,7 +291,10 @@ class NvmlSource(Source):
         self._lib: Any = None  # collector/native's library when the native thread runs
         self._state: int | None = None  # its struct gp_nvml *
         self._ticker: native.Ticker | None = None
-        self._stuck_states: list[int] = []  # abandoned in a hung call: never freed
+        # threads abandoned in a hung call, with their states: freed once the call has returned
+        self._stuck: list[tuple[native.Ticker, int]] = []
+        self._native_stopped = False
+        self._stuck_reported = False
         self._caps: tuple[int, ...] = ()
         self._final_arrays: list[Batch] = []
         self._dropped = 0
@@ -529,15 +532,24 @@ class NvmlSource(Source):
         call = NATIVE_METRICS[metric.value][1] if 0 <= metric.value < len(NATIVE_METRICS) else "NVML call"
         self._lib.gp_nvml_abandon(self._state)
         self._ticker.stop(0.0)  # detached: it is inside the call
-        self._stuck_states.append(self._state)
+        self._stuck.append((self._ticker, self._state))
         self._state = self._ticker = None
         self._back_off(NvmlTimeout(call, gpu.value, timeout_s))
-        stuck = [st for st in self._stuck_states if self._lib.gp_nvml_current_call(st, ctypes.byref(metric),
-                                                                                  ctypes.byref(gpu))]
-        if len(stuck) >= MAX_ABANDONED_THREADS:
-            self._ctx.report_error(self.name, f"{len(stuck)} NVML calls are still stuck; not calling NVML")
-            return
-        self._start_native()
+
+    def _reap_stuck(self) -> None:
+        """Free the abandoned threads' states once their call has returned; start a fresh thread
+        when none runs and fewer than MAX_ABANDONED_THREADS are still stuck."""
+        assert self._ctx is not None
+        for ticker, state in list(self._stuck):
+            if ticker.reap():
+                self._stuck.remove((ticker, state))
+                self._lib.gp_nvml_free(state)
+        if self._state is None and not self._native_stopped:
+            if len(self._stuck) < MAX_ABANDONED_THREADS:
+                self._start_native()
+            elif not self._stuck_reported:
+                self._stuck_reported = True
+                self._ctx.report_error(self.name, f"{len(self._stuck)} NVML calls are still stuck; not calling NVML")
 
     def _drain_native(self, state: int, acc: _Acc) -> None:
         """The rows the ticks of `state` left since the last drain; their failed calls classified
@@ -608,6 +620,7 @@ class NvmlSource(Source):
             state = self._state
             self._check_hang()
             self._drain_native(state, acc)  # the old state's rows too, when it was just abandoned
+        self._reap_stuck()
         mono = time.monotonic()
         if mono >= self._next_proc_t:
             self._next_proc_t = mono + self.process_interval_s
@@ -622,20 +635,20 @@ class NvmlSource(Source):
                 self._back_off(e)
 
     def _stop_native(self) -> bool:
-        """Stop the thread and free its state; False when it is stuck in a call."""
-        if self._ticker is None:
+        """Stop the thread for good and free its state; False when it is stuck in a call."""
+        self._native_stopped = True
+        if self._ticker is None or self._state is None:
             return True
-        stopped = self._ticker.stop(max(1.0, self._wd.timeout_s))
-        self._ticker = None
-        if stopped and self._state is not None:
-            acc = _Acc()
-            self._drain_native(self._state, acc)
-            self._final_arrays = acc.arrays
-            self._lib.gp_nvml_free(self._state)
-        elif self._state is not None:
-            self._stuck_states.append(self._state)
-        self._state = None
-        return stopped
+        ticker, state = self._ticker, self._state
+        self._ticker = self._state = None
+        if not ticker.stop(max(1.0, self._wd.timeout_s)):
+            self._stuck.append((ticker, state))
+            return False
+        acc = _Acc()
+        self._drain_native(state, acc)
+        self._final_arrays = acc.arrays
+        self._lib.gp_nvml_free(state)
+        return True
 
     def sample(self, now_ns: int) -> Iterable[Batch]:
         out: list[Batch] = []
@@ -870,7 +883,7 @@ class NvmlSource(Source):
         if self.nv is None:
             return
         nv = self.nv
-        if not self._stop_native() or self._stuck_states:
+        if not self._stop_native() or self._stuck:
             # a native call is still stuck and may use the GPM samples or the event set: leave them
             for g in self.gpus:
                 g.gpm_samples = []
