@@ -76,10 +76,6 @@ def sampler() -> ctypes.CDLL:
     vp, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
     lib.gp_ticker_start.argtypes = [i64, vp, vp]
     lib.gp_ticker_start.restype = vp
-    lib.gp_ticker_busy_since.argtypes = [vp]
-    lib.gp_ticker_busy_since.restype = u64
-    lib.gp_ticker_ticks.argtypes = [vp]
-    lib.gp_ticker_ticks.restype = u64
     lib.gp_ticker_stop.argtypes = [vp, i64]
     lib.gp_ticker_stop.restype = ctypes.c_int
     lib.gp_ticker_reap.argtypes = [vp]
@@ -101,8 +97,6 @@ def sampler() -> ctypes.CDLL:
     lib.gp_nvml_set_gpu.restype = None
     lib.gp_nvml_skip_gpu.argtypes = [vp, ctypes.c_int, u64]
     lib.gp_nvml_skip_gpu.restype = None
-    lib.gp_nvml_gpu_state.argtypes = [vp, ctypes.c_int, vp]
-    lib.gp_nvml_gpu_state.restype = ctypes.c_int
     lib.gp_nvml_current_call.argtypes = [vp, vp, vp]
     lib.gp_nvml_current_call.restype = u64
     lib.gp_nvml_tick.argtypes = [vp, u64]
@@ -142,13 +136,6 @@ class Ticker:
             raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")
         self._ptr: int | None = ptr
         self._detached: int | None = None  # stopped while stuck in a tick: reaped once it left
-
-    def busy_since_ns(self) -> int:
-        """Monotonic start of the tick in progress, 0 between ticks."""
-        return int(self._lib.gp_ticker_busy_since(self._ptr)) if self._ptr else 0
-
-    def ticks(self) -> int:
-        return int(self._lib.gp_ticker_ticks(self._ptr)) if self._ptr else 0
 
     def stop(self, timeout_s: float) -> bool:
         """True when the thread has exited; False when it is stuck in a tick (then it is left

@@ -449,13 +449,6 @@ EXPORT void gp_nvml_skip_gpu(struct gp_nvml *s, int i, uint64_t until_ns)
     __atomic_store_n(&s->gpus[i].skip_until_ns, until_ns, __ATOMIC_RELEASE);
 }
 
-/* What the ticks learnt of GPU i: the metrics they disabled; returns 1 when it is lost. */
-EXPORT int gp_nvml_gpu_state(struct gp_nvml *s, int i, uint32_t *disabled)
-{
-    *disabled = __atomic_load_n(&s->gpus[i].disabled, __ATOMIC_ACQUIRE);
-    return __atomic_load_n(&s->gpus[i].lost, __ATOMIC_ACQUIRE);
-}
-
 /* The call in progress: since when (0: none), which metric, which GPU. */
 EXPORT uint64_t gp_nvml_current_call(struct gp_nvml *s, int32_t *metric, int32_t *gpu)
 {

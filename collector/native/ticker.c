@@ -10,12 +10,11 @@
  * next_tick puts the Python sources, so the rows of every source of one rate share timestamps.
  * A tick that ran long skips the ticks it missed instead of bursting.
  *
- * The watchdog's view: `busy_since_ns` is the start of the tick in progress (0 between ticks),
- * so the Python side can tell a tick stuck in a call (an NVML call in a wedged driver) from a
- * slow one. Such a thread cannot be cancelled safely; gp_ticker_stop gives up on it after its
- * timeout and leaves it detached, its ticker and tick state still in use by the stuck call;
- * gp_ticker_reap frees the ticker once the thread has left (then the tick state is the
- * caller's to free).
+ * A tick stuck in a call (an NVML call in a wedged driver; nvmltick.c tells the Python side
+ * which call and since when) cannot be cancelled safely: gp_ticker_stop gives up on it after
+ * its timeout and leaves it detached, its ticker and tick state still in use by the stuck call;
+ * gp_ticker_reap frees the ticker once the thread has left (then the tick state is the caller's
+ * to free).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -38,8 +37,6 @@ struct gp_ticker {
     int64_t interval_ns;
     gp_tick_fn tick;
     void *state;
-    uint64_t busy_since_ns; /* read by gp_ticker_busy_since without the lock: atomics */
-    uint64_t ticks;
 };
 
 static uint64_t mono_ns(void)
@@ -66,11 +63,7 @@ static void *ticker_loop(void *arg)
         if (t->stop)
             break;
         pthread_mutex_unlock(&t->mu);
-        now = mono_ns();
-        __atomic_store_n(&t->busy_since_ns, now, __ATOMIC_RELEASE);
-        t->tick(t->state, now);
-        __atomic_store_n(&t->busy_since_ns, 0, __ATOMIC_RELEASE);
-        __atomic_add_fetch(&t->ticks, 1, __ATOMIC_RELAXED);
+        t->tick(t->state, mono_ns());
         pthread_mutex_lock(&t->mu);
     }
     t->exited = 1;
@@ -107,17 +100,6 @@ EXPORT struct gp_ticker *gp_ticker_start(int64_t interval_ns, gp_tick_fn tick, v
         return NULL;
     }
     return t;
-}
-
-/* When the tick in progress started (CLOCK_MONOTONIC ns), 0 between ticks. */
-EXPORT uint64_t gp_ticker_busy_since(struct gp_ticker *t)
-{
-    return __atomic_load_n(&t->busy_since_ns, __ATOMIC_ACQUIRE);
-}
-
-EXPORT uint64_t gp_ticker_ticks(struct gp_ticker *t)
-{
-    return __atomic_load_n(&t->ticks, __ATOMIC_RELAXED);
 }
 
 /* Stop the thread: 0 when it has exited (the ticker is freed; its tick state is the caller's
