@@ -49,10 +49,6 @@ static uint64_t mono_ns(void)
 static void *ticker_loop(void *arg)
 {
     struct gp_ticker *t = arg;
-    /* signals are for Python's main thread, never for a sampler */
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);
     pthread_mutex_lock(&t->mu);
     while (!t->stop) {
         uint64_t now = mono_ns();
@@ -91,7 +87,13 @@ EXPORT struct gp_ticker *gp_ticker_start(int64_t interval_ns, gp_tick_fn tick, v
     t->interval_ns = interval_ns;
     t->tick = tick;
     t->state = state;
+    /* created with every signal blocked (a thread inherits its creator's mask): signals are for
+     * Python's main thread, never for a sampler */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     int rc = pthread_create(&t->thread, NULL, ticker_loop, t);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         pthread_cond_destroy(&t->cv);
         pthread_mutex_destroy(&t->mu);
