@@ -94,6 +94,16 @@ def test_collect_duration_with_nvml_double_end_to_end(tmp_path: Path, job: subpr
         in s["missing_metrics"]
     with h5py.File(out, "r") as f:
         assert f.attrs["emulated_gpus"]  # emulated values are labelled as such
+        # the 10 Hz sources sampled on their native threads, and the file says so and at what rate
+        assert f["/gpu/samples"].attrs["sampler"] == "native thread"
+        assert f["/host/procs"].attrs["reader"] == "native"
+        rates = json.loads(f.attrs["rates_json"])
+        assert rates["host"] == rates["nvml"] == 10.0
+        # both on the common grid: just after multiples of 100 ms of the monotonic clock (the last
+        # rows, taken at the seal, fall where the seal did)
+        for table in ("/gpu/samples", "/host/node"):
+            phase = f[table]["t_ns"][:-4].astype(np.int64) % 100_000_000
+            assert np.median(phase) < 5_000_000, (table, phase)
     t = open_node_trace(out)
     pids = set(t.table("/host/procs")["pid"])
     assert job.pid in pids and len(pids) >= 3
