@@ -371,7 +371,7 @@ EXPORT void gp_nvml_tick(struct gp_nvml *s, uint64_t now)
     s->t_samples_n = s->t_gpm_n = s->t_events_n = s->t_errors_n = 0;
     for (int i = 0; i < s->n_gpus; i++) {
         struct gp_nvml_gpu *g = &s->gpus[i];
-        if (g->lost || g->skip_until_ns > now)
+        if (g->lost || __atomic_load_n(&g->skip_until_ns, __ATOMIC_ACQUIRE) > now)
             continue;
         if (sample_gpu(s, g, now) == -2)
             return;
