@@ -9,8 +9,9 @@
 collector_cpu: `gpuprof collect` with the default sources (metrics: host + NVML at 10 Hz, clock,
 process tracker), 8 emulated GPUs, 16 real job processes; CPU of the collector process from
 /proc/PID/stat, peak RSS from VmHWM. baseline: a process that makes only the same emulated NVML
-calls, done the same way (NvmlSource.sample at 10 Hz: the pre-bound ctypes path of
-collector/sources/nvml_direct.py under the per-call watchdog), for the same time, concurrently.
+calls, done the same way (NvmlSource as the collector runs it: its native sampling thread at 10 Hz,
+collector/native/nvmltick.c, drained by NvmlSource.sample once a second, processes queried at
+1 Hz), for the same time, concurrently.
 """
 
 from __future__ import annotations
