@@ -161,22 +161,26 @@ def synthetic_minute_rows(rng: np.random.Generator, t0: int, seconds: float) -> 
 
 
 def bench_filters(tmp: Path, minutes: float) -> None:
-    """Same 10-minute default-rate data through the writer with each filter, flushed every 2 s."""
+    """Same 10-minute default-rate data through the writer with each filter, flushed every
+    collector.flush_interval_s, as the collector does."""
+    from slurm_hooks.config import defaults
+
+    every = float(defaults()["collector"]["flush_interval_s"])
     for filt in ("gzip", "lzf", "none"):
         rng = np.random.default_rng(1)
         path = tmp / f"f-{filt}.h5"
         meta = NodeMeta(job_id="bench", node="n", modes=("metrics",), synthetic=True)
         c0 = time.process_time()
         w = NodeTraceWriter(path, meta, schema.tables_for_modes(("metrics",)), compression=filt)
-        for k in range(int(minutes * 60 / 2)):
-            for tpath, rows in synthetic_minute_rows(rng, k * 2 * 10**9, 2.0).items():
+        for k in range(int(minutes * 60 / every)):
+            for tpath, rows in synthetic_minute_rows(rng, int(k * every * 1e9), every).items():
                 w.append(tpath, rows)
             w.flush()
         w.seal(drops={})
         cpu = time.process_time() - c0
         print(json.dumps({"bench": "trace_filter", "filter": filt, "minutes": minutes,
                           "mb_per_min": round(path.stat().st_size / 1e6 / minutes, 4),
-                          "writer_cpu_s": round(cpu, 3), "synthetic": True}), flush=True)
+                          "writer_cpu_s": round(cpu, 3), "flush_interval_s": every, "synthetic": True}), flush=True)
 
 
 def bench_writer(tmp: Path, seconds: float) -> None:
