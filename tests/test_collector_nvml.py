@@ -251,9 +251,11 @@ def test_native_thread_values_rates_gpm_on_the_grid(nvml: Any) -> None:
     got = drain_for(src, 2.0)
     s = got[schema.GPU_SAMPLES.path]
     per_gpu = np.bincount(s["gpu"], minlength=3)
-    assert all(32 <= n <= 42 for n in per_gpu), per_gpu  # 20 Hz for 2 s
     t0 = s["t_ns"][s["gpu"] == 0].astype(np.int64)
-    assert np.all(t0 % 50_000_000 < 10_000_000), t0 % 50_000_000  # just after multiples of 50 ms
+    assert per_gpu.min() == per_gpu.max() >= 30, per_gpu  # 20 Hz for about 2 s, every GPU each tick
+    assert abs(np.median(np.diff(t0)) - 50_000_000) < 2_000_000, np.diff(t0)  # at the rate
+    assert len(t0) >= 0.9 * ((t0[-1] - t0[0]) / 50_000_000 + 1)  # no tick missing on a quiet machine
+    assert np.median(t0 % 50_000_000) < 5_000_000, t0 % 50_000_000  # just after multiples of 50 ms
     assert np.allclose(s["power_w"], 123.456) and np.all(s["temp_c"] == 71)
     assert np.all(s["mem_used_bytes"][s["gpu"] == 1] == 11 * 2**30)
     first = s["t_ns"] == s["t_ns"].min()
