@@ -297,7 +297,3 @@ def write_rendered(texts: dict[str, str], outs: dict[str, Path]) -> dict[str, Pa
     for ext in ("txt", "json", "html"):
         _atomic_write(outs[ext], texts[ext])
     return {k: outs[k] for k in ("txt", "json", "html")}
-
-
-def write_reports(a: JobAnalysis, outs: dict[str, Path]) -> dict[str, Path]:
-    return write_rendered(render_reports(a), outs)

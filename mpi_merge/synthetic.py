@@ -144,10 +144,6 @@ class Timeline:
     comm_sizes: list[int]
 
 
-def _in_episode(cfg: SynthConfig, t_s: np.ndarray, node: int, causes: tuple[str, ...]) -> list[Straggler]:
-    return [s for s in cfg.stragglers if s.node == node and s.cause in causes]
-
-
 def simulate(cfg: SynthConfig, rng: np.random.Generator) -> Timeline:
     R = cfg.nodes * cfg.ranks_per_node
     K = int(cfg.duration_s * 1e3 / cfg.period_ms)

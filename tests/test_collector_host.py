@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,24 @@ def test_native_reader_sees_new_switches_of_a_single_threaded_process(reader: st
         assert b[idle.pid] == a[idle.pid] >= 1, ticks
 
 
+@contextmanager
+def native_source_on(script: str) -> Iterator[HostSource]:
+    """A HostSource (one tick per sample, C reader) following one Python process running script."""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(0.2)
+        src = HostSource()
+        src.start(ctx_for(frozenset({proc.pid})))
+        try:
+            assert src.proc_reader == "native"
+            yield src
+        finally:
+            src.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_native_reader_follows_threads_that_come_later() -> None:
     """Threads started after the process was first read are listed at the next tick (the count in
     /proc/PID/stat differs from the threads listed) and their switches are summed from then on."""
@@ -170,22 +189,13 @@ def test_native_reader_follows_threads_that_come_later() -> None:
             "time.sleep(0.6)\n"
             "for _ in range(5): threading.Thread(target=f, daemon=True).start()\n"
             "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", late])
-    try:
-        time.sleep(0.2)
-        src = HostSource()
-        src.start(ctx_for(frozenset({proc.pid})))
-        assert src.proc_reader == "native"
+    with native_source_on(late) as src:
         first = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
         time.sleep(1.0)
         src.sample(time.monotonic_ns())  # sees 6 threads, 1 listed: relists
         time.sleep(0.3)
         last = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
         listed = int(src._fds["n_threads"][0])
-        src.stop()
-    finally:
-        proc.kill()
-        proc.wait()
     assert int(first["num_threads"]) == 1 and int(last["num_threads"]) == 6 and listed == 6
     # 5 threads sleeping 5 ms for 0.3 s: far more switches than the sleeping leader alone makes
     assert int(last["voluntary_ctxsw"]) - int(first["voluntary_ctxsw"]) > 100
@@ -196,21 +206,12 @@ def test_idle_process_reads_resume_as_soon_as_it_runs() -> None:
     last tick (its CPU time, threads and I/O cannot have moved): the moment it runs again, every
     tick sees its CPU time grow, and while it sleeps the values stay those of its last full read."""
     late = "import time\ntime.sleep(0.6)\nt = time.time()\nwhile time.time() - t < 30: pass\n"
-    proc = subprocess.Popen([sys.executable, "-c", late])
-    try:
-        time.sleep(0.2)
-        src = HostSource()
-        src.start(ctx_for(frozenset({proc.pid})))
-        assert src.proc_reader == "native"
-        cpu, idle = [], []
+    cpu, idle = [], []
+    with native_source_on(late) as src:
         for _ in range(12):
             cpu.append(int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0]))
             idle.append(int(src._fds["idle_ticks"][0]))
             time.sleep(0.1)
-        src.stop()
-    finally:
-        proc.kill()
-        proc.wait()
     sleeping = [i for i in range(1, 12) if idle[i] > 1]
     assert len(sleeping) >= 2, idle  # ticks while it slept took the short path
     assert all(cpu[i] == cpu[i - 1] for i in sleeping), (cpu, idle)

@@ -581,15 +581,13 @@ class NvmlSource(Source):
                 g.gpm = False
                 for col, _ in GPM_METRICS:
                     self._missing(g, col, f"nvmlGpmSampleGet: {name}"[:96])
-            elif name in PERMANENT:
-                self._missing(g, metric, name)
-                if metric == "util_gpu":
+            else:
+                self._nvml_name(g, metric, name)  # permanent -> missing, else an error row
+                if name in PERMANENT and metric == "util_gpu":
                     self._missing(g, "util_mem", f"{name} (with util_gpu)")
-                elif metric == "field_values":
+                elif name in PERMANENT and metric == "field_values":
                     for col, _, _ in FIELDS:
                         self._missing(g, col, "nvmlDeviceGetFieldValues not supported")
-            else:
-                self._ctx.report_error(self.name, f"GPU {g.index} {metric}: {name}")
         s = samples[: int(counts[0])]
         if len(s):
             rows = np.empty(len(s), _DTYPES[schema.GPU_SAMPLES.path])
