@@ -36,9 +36,13 @@ demo: cluster
 bench: cluster
 	etc/dev/bench.sh
 
+# mypy sees the packages under their installed names (gpuprof.*) through a tree of links.
 lint:
-	$(VENV)/bin/ruff check slurm_hooks collector mpi_merge tests
-	$(VENV)/bin/mypy slurm_hooks collector mpi_merge
+	$(VENV)/bin/ruff check slurm_hooks collector mpi_merge tests setup.py
+	mkdir -p build/typecheck/gpuprof
+	for p in slurm_hooks collector mpi_merge; do ln -sfn ../../../$$p build/typecheck/gpuprof/$$p; done
+	MYPYPATH=build/typecheck $(VENV)/bin/mypy --namespace-packages --explicit-package-bases \
+		-p gpuprof.slurm_hooks -p gpuprof.collector -p gpuprof.mpi_merge
 
 clean: cluster-down
 	rm -rf .cluster build *.egg-info

@@ -1,5 +1,5 @@
-/* Generated from collector/schema.py by collector.bpf_support.ops_header(): do not edit.
- * Regenerate: .venv/bin/python -m collector.bpf_support > bpf/gpuprof_ops.h */
+/* Generated from collector/schema.py by gpuprof.collector.bpf_support.ops_header(): do not edit.
+ * Regenerate: .venv/bin/python -m gpuprof.collector.bpf_support > bpf/gpuprof_ops.h */
 #ifndef GPUPROF_OPS_H
 #define GPUPROF_OPS_H
 #define GP_OP_MPI_Allreduce 0

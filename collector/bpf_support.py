@@ -22,28 +22,23 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.sources.base import SourceUnavailable
+from gpuprof.collector import schema
+from gpuprof.collector.schema import INTERNAL_COMM_OPS
+from gpuprof.collector.sources.base import SourceUnavailable
+from gpuprof.collector.sources.probe_table import collectives_defines
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 MAIN_SOURCE = BPF_DIR / "gpuprof.c"
 OPS_HEADER = BPF_DIR / "gpuprof_ops.h"
 
-# Communicator events that are not rows of /collectives/communicators but update rank and size.
-INTERNAL_COMM_OPS: dict[str, int] = {
-    "MPI_Comm_rank": 100,
-    "MPI_Comm_size": 101,
-    "ncclCommCount": 102,
-    "ncclCommUserRank": 103,
-}
 
 
 # --- generated header ----------------------------------------------------------------------------
 def ops_header() -> str:
     """bpf/gpuprof_ops.h: op numbers of the schema's enums for the C side (a test keeps it in sync)."""
     lines = [
-        "/* Generated from collector/schema.py by collector.bpf_support.ops_header(): do not edit.",
-        " * Regenerate: .venv/bin/python -m collector.bpf_support > bpf/gpuprof_ops.h */",
+        "/* Generated from collector/schema.py by gpuprof.collector.bpf_support.ops_header(): do not edit.",
+        " * Regenerate: .venv/bin/python -m gpuprof.collector.bpf_support > bpf/gpuprof_ops.h */",
         "#ifndef GPUPROF_OPS_H",
         "#define GPUPROF_OPS_H",
     ]
@@ -445,11 +440,9 @@ class BpfHub:
 
 
 def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:
-    """Compile-time constants of every BPF source; imported lazily to keep the modules independent."""
+    """Compile-time constants of every BPF source (the program is compiled once for all of them)."""
     out: dict[str, str] = {}
     if "GP_WITH_COLLECTIVES" in switches:
-        from collector.sources.bpf_collectives import collectives_defines
-
         out.update(collectives_defines())
     return out
 

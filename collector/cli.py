@@ -1,4 +1,4 @@
-"""`gpuprof collect` and `gpuprof inspect`: thin click wrappers over collector.daemon and reader."""
+"""`gpuprof collect` and `gpuprof inspect`: thin click wrappers over gpuprof.collector.daemon and reader."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from typing import Any
 
 import click
 
-from collector import schema
-from slurm_hooks import config as config_mod
-from slurm_hooks import environment
-from slurm_hooks.errors import GpuprofError
+from gpuprof.collector import config as config_mod
+from gpuprof.collector import environment, schema
+from gpuprof.collector.errors import GpuprofError
 
 
 def _config(ctx: click.Context) -> dict[str, dict[str, Any]]:
@@ -73,7 +72,7 @@ def collect(
     gpus: str | None,
 ) -> None:
     """Record one node's trace for a job (or a process tree) until SIGINT/SIGTERM, --duration or seal."""
-    from collector.daemon import Collector, CollectorOptions
+    from gpuprof.collector.daemon import Collector, CollectorOptions
 
     if job_id is None and pid is None:
         raise click.UsageError("give --job JOBID or --pid PID")
@@ -155,7 +154,7 @@ def format_summary(s: dict[str, Any]) -> str:
 @click.pass_context
 def inspect(ctx: click.Context, file: str, as_json: bool) -> None:
     """Summarize a node trace: sources, rates, span, record counts, drops, errors, missing metrics."""
-    from collector.reader import open_node_trace, summarize
+    from gpuprof.collector.reader import open_node_trace, summarize
 
     try:
         s = summarize(open_node_trace(file))

@@ -21,12 +21,26 @@ import socket
 import stat
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from slurm_hooks.errors import CollectorError
+from gpuprof.collector.errors import CollectorError
 
-if TYPE_CHECKING:
-    from collector.daemon import Collector
+
+class Controlled(Protocol):
+    """What the control socket asks of a collector (daemon.Collector is one); a protocol so that
+    this module does not import the daemon, which imports it."""
+
+    state: str
+    finished_event: threading.Event
+
+    @property
+    def output(self) -> Path: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def request_flush(self) -> bool: ...
+
+    def request_stop(self, reason: str) -> None: ...
 
 log = logging.getLogger("gpuprof.collector")
 
@@ -39,7 +53,7 @@ COMMANDS = ("status", "flush", "seal")
 class ControlServer:
     """Serves requests one at a time on its own thread (requests are rare and short)."""
 
-    def __init__(self, collector: Collector, path: Path, *, mode: int = 0o600) -> None:
+    def __init__(self, collector: Controlled, path: Path, *, mode: int = 0o600) -> None:
         self.collector = collector
         self.path = Path(path)
         self._closing = threading.Event()
@@ -130,8 +144,8 @@ class ControlServer:
             c.request_stop("seal requested on the control socket")
             c.finished_event.wait(SEAL_WAIT_S)
             if c.state == "sealed":
-                return {"ok": True, "file": str(c.opts.output), "sealed": True}
-            return {"ok": False, "file": str(c.opts.output), "sealed": False,
+                return {"ok": True, "file": str(c.output), "sealed": True}
+            return {"ok": False, "file": str(c.output), "sealed": False,
                     "error": c.status().get("error", f"state {c.state}")}
         return {"ok": False, "error": f"unknown cmd {cmd!r}; known: {', '.join(COMMANDS)}"}
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.ring import Ring, split_capacity
-from collector.schema import Table
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.sources.clock import ClockSource, clock_pair
-from collector.writer import NodeMeta, NodeTraceWriter
-from slurm_hooks import environment as env
-from slurm_hooks.errors import CollectorError
+from gpuprof.collector import environment as env
+from gpuprof.collector import schema
+from gpuprof.collector.errors import CollectorError
+from gpuprof.collector.ring import Ring, split_capacity
+from gpuprof.collector.schema import Table
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.clock import ClockSource, clock_pair
+from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
 
 log = logging.getLogger("gpuprof.collector")
 
@@ -102,14 +102,14 @@ class _SourceState:
 MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
     "metrics": (),  # built below: they take their rates from the config at construction
     "collectives": (
-        ("collector.sources.bpf_collectives", "BpfCollectivesSource"),
-        ("collector.sources.fastpath", "FastpathSource"),
+        ("gpuprof.collector.sources.bpf_collectives", "BpfCollectivesSource"),
+        ("gpuprof.collector.sources.fastpath", "FastpathSource"),
     ),
     "stacks": (
-        ("collector.sources.bpf_stacks", "BpfStacksSource"),
-        ("collector.sources.bpf_offcpu", "BpfOffcpuSource"),
+        ("gpuprof.collector.sources.bpf_stacks", "BpfStacksSource"),
+        ("gpuprof.collector.sources.bpf_offcpu", "BpfOffcpuSource"),
     ),
-    "kernels": (("collector.sources.bpf_kernels", "BpfKernelsSource"),),
+    "kernels": (("gpuprof.collector.sources.bpf_kernels", "BpfKernelsSource"),),
 }
 
 
@@ -117,8 +117,8 @@ def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -
     """The sources the modes ask for (MODE_SOURCES), in a stable order."""
     sources: list[Source] = [ClockSource(float(config["collector"]["clock_interval_s"]))]
     if "metrics" in modes:
-        from collector.sources.host import HostSource
-        from collector.sources.nvml import NvmlSource
+        from gpuprof.collector.sources.host import HostSource
+        from gpuprof.collector.sources.nvml import NvmlSource
 
         sources.append(HostSource(float(config["sources.host"]["rate_hz"]), threaded=True))
         sources.append(NvmlSource(config["sources.nvml"], threaded=True))
@@ -166,7 +166,7 @@ class Collector:
     """One node's collector for one job (or one process tree)."""
 
     def __init__(self, opts: CollectorOptions, sources: list[Source] | None = None) -> None:
-        from collector.proctrack import ProcessTracker
+        from gpuprof.collector.proctrack import ProcessTracker
 
         self.opts = opts
         self.cfg = opts.config["collector"]
@@ -256,6 +256,11 @@ class Collector:
         d[TRACKER_RING] = self._tracker_ring.dropped
         d[DIAG_RING] = self._diag_ring.dropped
         return d
+
+    @property
+    def output(self) -> Path:
+        """The node file this collector writes."""
+        return self.opts.output
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -528,7 +533,7 @@ class Collector:
         self._apply_nice()
         self._raise_fd_limit()
         if self.opts.control_socket is not None:
-            from collector.control import ControlServer
+            from gpuprof.collector.control import ControlServer
 
             # bound first: a socket that cannot be created is a start failure, before any file exists
             self._control = ControlServer(self, self.opts.control_socket, mode=self.opts.socket_mode)

@@ -1,7 +1,7 @@
 """Renders the table listing of docs/trace-format.md from collector/schema.py.
 
-    python -m collector.docgen            print the generated part
-    python -m collector.docgen --write    replace it in docs/trace-format.md
+    python -m gpuprof.collector.docgen            print the generated part
+    python -m gpuprof.collector.docgen --write    replace it in docs/trace-format.md
 tests/test_trace_format.py fails when the doc and the schema disagree.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from collector import schema
+from gpuprof.collector import schema
 
-BEGIN = "<!-- BEGIN GENERATED FROM collector/schema.py (python -m collector.docgen --write) -->"
+BEGIN = "<!-- BEGIN GENERATED FROM collector/schema.py (python -m gpuprof.collector.docgen --write) -->"
 END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "trace-format.md"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from collector import schema
+from gpuprof.collector import schema
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 

@@ -11,8 +11,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector import schema
-from slurm_hooks.errors import TraceFormatError
+from gpuprof.collector import schema
+from gpuprof.collector.errors import TraceFormatError
 
 REQUIRED_ATTRS = ("schema", "schema_version", "job_id", "node", "boot_id", "modes", "start_monotonic_ns",
                   "start_realtime_ns")

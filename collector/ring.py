@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from collector.schema import Table
+from gpuprof.collector.schema import Table
 
 MIN_CAPACITY_BYTES = 64 * 1024
 

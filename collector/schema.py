@@ -1,7 +1,7 @@
 """Node trace format v1: the one place where tables, columns, units and root attributes are defined.
 
 The writer creates exactly these tables, the reader checks them, docs/trace-format.md describes
-them, and mpi_merge/ reads them through collector.reader. Every table is a 1-D chunked, compressed
+them, and mpi_merge/ reads them through gpuprof.collector.reader. Every table is a 1-D chunked, compressed
 HDF5 dataset of a compound type, one row per record, at /<group>/<table>. Times are CLOCK_MONOTONIC
 nanoseconds of the node (column names ending in `_ns`); /clock/pairs maps them to the node's
 CLOCK_REALTIME. A metric that could not be read is NaN in its column and the reason is a row in
@@ -33,7 +33,7 @@ ROOT_ATTRS: dict[str, str] = {
     "start_monotonic_ns": "collector start, CLOCK_MONOTONIC ns",
     "start_realtime_ns": "collector start, CLOCK_REALTIME ns since the epoch",
     "job_nodelist": "the job's nodes as a Slurm hostlist ('' when not run for a Slurm job)",
-    "synthetic": "true only for files written by the synthetic generator (mpi_merge.synthetic)",
+    "synthetic": "true only for files written by the synthetic generator (gpuprof.mpi_merge.synthetic)",
     "sealed": "(at seal) true once the final flush completed",
     "end_monotonic_ns": "(at seal) collector end, CLOCK_MONOTONIC ns",
     "end_realtime_ns": "(at seal) collector end, CLOCK_REALTIME ns",
@@ -450,3 +450,12 @@ def tables_for_modes(modes: tuple[str, ...]) -> tuple[Table, ...]:
     for m in modes:
         out.extend(t for t in MODE_TABLES[m] if t not in out)
     return tuple(out)
+
+
+# Communicator events of the probes (bpf/gpuprof_ops.h) that are not rows of /collectives/communicators but update rank and size.
+INTERNAL_COMM_OPS: dict[str, int] = {
+    "MPI_Comm_rank": 100,
+    "MPI_Comm_size": 101,
+    "ncclCommCount": 102,
+    "ncclCommUserRank": 103,
+}

@@ -30,8 +30,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector import schema
-from collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
 
 STACK_NONE = 0
 STACK_LOST = 0xFFFFFFFF  # the kernel could not store the stack (map full, hash collision)

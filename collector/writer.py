@@ -21,10 +21,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector import schema
-from collector.schema import Table
-from slurm_hooks import __version__
-from slurm_hooks.errors import TraceFormatError
+from gpuprof.collector import __version__, schema
+from gpuprof.collector.errors import TraceFormatError
+from gpuprof.collector.schema import Table
 
 # Small chunks on purpose: every flush rewrites the partial last chunk of each table, and HDF5 does
 # not reuse the space of the replaced compressed chunk, so large chunks bloat the file (measured in

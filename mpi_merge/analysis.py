@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import h5py
 import numpy as np
 
-from collector import schema
-from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, NodeClockModel, fit_clocks
-from mpi_merge.loading import NodeSummary
-from mpi_merge.matching import (
+from gpuprof.collector import schema
+from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, NodeClockModel, fit_clocks
+from gpuprof.mpi_merge.loading import NodeSummary
+from gpuprof.mpi_merge.matching import (
     P2P_OPS,
     CommStore,
     CommTable,
@@ -44,8 +44,8 @@ from mpi_merge.matching import (
     mismatch_rows,
     node_instances,
 )
-from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, Finding, StragglerParams, find_stragglers
-from mpi_merge.waitstates import (
+from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, Finding, StragglerParams, find_stragglers
+from gpuprof.mpi_merge.waitstates import (
     PATTERNS,
     CommSummary,
     CommWaits,

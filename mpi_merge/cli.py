@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from slurm_hooks.environment import launched_by_mpirun
-from slurm_hooks.errors import GpuprofError
+from gpuprof.collector.environment import launched_by_mpirun
+from gpuprof.collector.errors import GpuprofError
 
 
 def _comm() -> Any:
@@ -25,7 +25,7 @@ def _comm() -> Any:
 
     launched = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID"))
     if not launched:
-        from mpi_merge.merge import SerialComm
+        from gpuprof.mpi_merge.merge import SerialComm
 
         return SerialComm()
     from mpi4py import MPI
@@ -34,7 +34,7 @@ def _comm() -> Any:
 
 
 def _merge_config(ctx: click.Context) -> dict[str, Any]:
-    from slurm_hooks import config
+    from gpuprof.collector import config
 
     return config.load(ctx.obj.get("config_path") if ctx.obj else None)["merge"]
 
@@ -49,9 +49,9 @@ def _merge_config(ctx: click.Context) -> dict[str, Any]:
 def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_nodes: str | None,
           reference: str | None, quiet: bool) -> None:
     """Merge a job's node files (JOB id or directory) into one job file and reports."""
-    from mpi_merge import merge as m
-    from mpi_merge.clock import ClockParams
-    from mpi_merge.stragglers import StragglerParams
+    from gpuprof.mpi_merge import merge as m
+    from gpuprof.mpi_merge.clock import ClockParams
+    from gpuprof.mpi_merge.stragglers import StragglerParams
 
     comm = _comm()
     try:
@@ -93,8 +93,8 @@ def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_n
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def report(job_file: str, fmt: str) -> None:
     """Print the report stored in a merged job file."""
-    from mpi_merge.export import load_report
-    from mpi_merge.report import render_text
+    from gpuprof.mpi_merge.export import load_report
+    from gpuprof.mpi_merge.report import render_text
 
     try:
         r = load_report(job_file)
@@ -111,7 +111,7 @@ def report(job_file: str, fmt: str) -> None:
               help="csv: TABLE:COLUMN of one series across nodes, e.g. gpu/samples:util_gpu, host/node:cpu_busy")
 def export(job_file: str, fmt: str, output: str, series: str) -> None:
     """Export a merged job file: Perfetto/Chrome trace JSON, collapsed stacks, speedscope JSON or CSV."""
-    from mpi_merge import export as ex
+    from gpuprof.mpi_merge import export as ex
 
     try:
         n = ex.export(Path(job_file), fmt, Path(output), series=series)

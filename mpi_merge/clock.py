@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mpi_merge.common import (
+from gpuprof.mpi_merge.common import (
     block_rows,
     nanmedian_rows,
     nanquantile_cols,

@@ -17,11 +17,11 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector import schema
-from mpi_merge.clock import NodeClockModel
-from mpi_merge.jobfile import JOB_SCHEMA
-from mpi_merge.loading import ClockMap
-from slurm_hooks.errors import TraceFormatError
+from gpuprof.collector import schema
+from gpuprof.collector.errors import TraceFormatError
+from gpuprof.mpi_merge.clock import NodeClockModel
+from gpuprof.mpi_merge.jobfile import JOB_SCHEMA
+from gpuprof.mpi_merge.loading import ClockMap
 
 FORMATS = ("perfetto", "collapsed", "speedscope", "csv")
 
@@ -131,7 +131,7 @@ def export_perfetto(f: h5py.File, out: Path) -> int:
 def _stack_rows(f: h5py.File, table: str = "stacks/samples", weight: str = "count") -> Counter[str]:
     """Folded stacks of every node from the eBPF stack tables (stack ids resolved through the node's
     /stacks/frames and /stacks/symbols), the node name as the root frame."""
-    from collector.symbolize import folded_stacks
+    from gpuprof.collector.symbolize import folded_stacks
 
     folded: Counter[str] = Counter()
     found = False

@@ -21,14 +21,13 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector import schema
-from mpi_merge.analysis import JobAnalysis
-from mpi_merge.clock import NodeClockModel
-from mpi_merge.common import block_rows
-from mpi_merge.matching import CommTable, StoredComm
-from mpi_merge.waitstates import PATTERNS, CommSummary, CommWaits
-from slurm_hooks import __version__
-from slurm_hooks.errors import MergeError
+from gpuprof.collector import __version__, schema
+from gpuprof.collector.errors import MergeError
+from gpuprof.mpi_merge.analysis import JobAnalysis
+from gpuprof.mpi_merge.clock import NodeClockModel
+from gpuprof.mpi_merge.common import block_rows
+from gpuprof.mpi_merge.matching import CommTable, StoredComm
+from gpuprof.mpi_merge.waitstates import PATTERNS, CommSummary, CommWaits
 
 JOB_SCHEMA = "slurm-gpuprof.job"
 JOB_SCHEMA_VERSION = 1

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.reader import NodeTrace, open_node_trace
-from mpi_merge.matching import COLLECTIVE_SET
-from slurm_hooks.errors import TraceFormatError
+from gpuprof.collector import schema
+from gpuprof.collector.errors import TraceFormatError
+from gpuprof.collector.reader import NodeTrace, open_node_trace
+from gpuprof.mpi_merge.matching import COLLECTIVE_SET
 
 # The calls of one node, with times mapped to that node's CLOCK_REALTIME (ns since the epoch).
 CALL_DTYPE = np.dtype(

@@ -17,8 +17,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector.schema import COLLECTIVE_OPS
-from mpi_merge.common import ArrayLike2D, quiet_nan, read_rows, row_blocks
+from gpuprof.collector.schema import COLLECTIVE_OPS
+from gpuprof.mpi_merge.common import ArrayLike2D, quiet_nan, read_rows, row_blocks
 
 OPS = COLLECTIVE_OPS
 _I = {name: i for i, name in enumerate(OPS)}

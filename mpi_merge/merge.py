@@ -42,21 +42,21 @@ from typing import Any, Protocol
 import h5py
 import numpy as np
 
-from mpi_merge.analysis import JobAnalyzer, Selection, p2p_rows
-from mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from mpi_merge.jobfile import (
+from gpuprof.collector import environment
+from gpuprof.collector.errors import MergeError
+from gpuprof.mpi_merge.analysis import JobAnalyzer, Selection, p2p_rows
+from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
+from gpuprof.mpi_merge.jobfile import (
     CollectivesWriter,
     copy_aligned_times,
     copy_node_tables,
     finish_job_file,
     write_aligned_times,
 )
-from mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
-from mpi_merge.matching import CommStore
-from mpi_merge.report import render_reports, write_rendered
-from mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
-from slurm_hooks import environment
-from slurm_hooks.errors import MergeError
+from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
+from gpuprof.mpi_merge.matching import CommStore
+from gpuprof.mpi_merge.report import render_reports, write_rendered
+from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
 
 EXIT_COMPLETE = 0
 EXIT_ERROR = 2
@@ -151,8 +151,8 @@ def resolve_source(source: str, output_stem: str | None) -> tuple[Path, Path, st
         name = d.name.removesuffix(".gpuprof.d")
         return d, d.parent / name, None, None
     if _JOB_ID.match(source):
-        from slurm_hooks.job import job_source
-        from slurm_hooks.paths import node_dir_for_stdout, stdout_stem
+        from gpuprof.slurm_hooks.job import job_source
+        from gpuprof.slurm_hooks.paths import node_dir_for_stdout, stdout_stem
 
         job = job_source().lookup(source)
         node_dir = node_dir_for_stdout(job.stdout)
@@ -362,7 +362,7 @@ def _load_calls(path: Path) -> np.ndarray:
 def merge_at_job_end(node_dir: str, stdout_path: str, nodes: list[str]) -> MergeResult:
     """For the lead's job-end path without MPI: one process merges `node_dir` next to the job's
     stdout (slurm-123.out -> slurm-123.gpuprof.{h5,txt,json,html})."""
-    from slurm_hooks.paths import stdout_stem
+    from gpuprof.slurm_hooks.paths import stdout_stem
 
     d, stem = stdout_stem(stdout_path)
     res = merge(node_dir, output_stem=str(d / stem), expect_nodes=nodes)

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from mpi_merge.analysis import JobAnalysis
-from mpi_merge.common import quiet_nan
-from mpi_merge.jobfile import _json_default
-from mpi_merge.waitstates import PATTERNS
+from gpuprof.mpi_merge.analysis import JobAnalysis
+from gpuprof.mpi_merge.common import quiet_nan
+from gpuprof.mpi_merge.jobfile import _json_default
+from gpuprof.mpi_merge.waitstates import PATTERNS
 
-SYNTHETIC_BANNER = "SYNTHETIC DATA (mpi_merge.synthetic): not a measurement of any real job"
+SYNTHETIC_BANNER = "SYNTHETIC DATA (gpuprof.mpi_merge.synthetic): not a measurement of any real job"
 
 
 def _fmt(x: Any, spec: str = ".1f", none: str = "n/a") -> str:

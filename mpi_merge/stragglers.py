@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mpi_merge.common import block_rows, quiet_nan, row_blocks
-from mpi_merge.loading import Series
-from mpi_merge.waitstates import CommSummary
+from gpuprof.mpi_merge.common import block_rows, quiet_nan, row_blocks
+from gpuprof.mpi_merge.loading import Series
+from gpuprof.mpi_merge.waitstates import CommSummary
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ The model (all times in a "true" time axis, seconds from job start):
     CPU busy and off-CPU time), "network" (the collective returns late on that node in about half
     the instances of the episode, so the node arrives late next time with normal compute).
 
-`python -m mpi_merge.synthetic --nodes N --out DIR` writes DIR/<node>.h5 and DIR/ground_truth.json.
+`python -m gpuprof.mpi_merge.synthetic --nodes N --out DIR` writes DIR/<node>.h5 and DIR/ground_truth.json.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import click
 import h5py
 import numpy as np
 
-from collector import schema
-from collector.writer import NodeMeta, NodeTraceWriter
+from gpuprof.collector import schema
+from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
 
 WORLD_COMM_ID = 0x5EED_0000_0000_0001
 SUB_COMM_BASE = 0x5EED_0000_0001_0000
@@ -227,7 +227,7 @@ def write_node(
     boot_id = "synthetic-boot-shared" if cfg.same_host else f"synthetic-boot-{i}"
     meta = NodeMeta(
         job_id=cfg.job_id, node=name, modes=modes, rates={"nvml": cfg.metric_rate_hz, "host": cfg.metric_rate_hz},
-        config={"generator": "mpi_merge.synthetic"}, synthetic=True, hostname=hostname, boot_id=boot_id,
+        config={"generator": "gpuprof.mpi_merge.synthetic"}, synthetic=True, hostname=hostname, boot_id=boot_id,
     )
     start_mono = int(clock.to_monotonic_ns(np.array([-1.0]))[0])
     w = NodeTraceWriter(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpi_merge.common import quiet_nan
-from mpi_merge.matching import (
+from gpuprof.mpi_merge.common import quiet_nan
+from gpuprof.mpi_merge.matching import (
     BARRIER_OPS,
     N_TO_ONE_OPS,
     NXN_OPS,

@@ -1,3 +1,1 @@
-"""slurm-gpuprof: the Slurm side of the suite (hooks, DCGM lock, job lookup, CLI, config)."""
-
-__version__ = "0.1.0"
+"""slurm-gpuprof: the Slurm side of the suite (hooks, DCGM lock, job lookup, CLI)."""

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurm_hooks import environment as env
-from slurm_hooks.errors import GpuprofError, JobLookupError
-from slurm_hooks.job import JobInfo, job_source
-from slurm_hooks.paths import node_dir_for_stdout, stdout_stem
+from gpuprof.collector import environment as env
+from gpuprof.collector.errors import GpuprofError, JobLookupError
+from gpuprof.slurm_hooks.job import JobInfo, job_source
+from gpuprof.slurm_hooks.paths import node_dir_for_stdout, stdout_stem
 
 
 def merge_job_command(job: JobInfo, cfg: dict[str, Any], python: str) -> list[str]:
@@ -31,7 +31,7 @@ def merge_job_command(job: JobInfo, cfg: dict[str, Any], python: str) -> list[st
     node_dir = node_dir_for_stdout(job.stdout, cfg["hooks"]["output_dir_template"], work_dir=job.work_dir,
                                    job_id=job.job_id, user=job.user)
     ranks = max(1, min(int(cfg["merge"]["max_ranks"]), len(job.nodes) or 1))
-    body = shlex.join([python, "-m", "slurm_hooks.automerge", "run", "--job", job.job_id, "--dir", str(node_dir),
+    body = shlex.join([python, "-m", "gpuprof.slurm_hooks.automerge", "run", "--job", job.job_id, "--dir", str(node_dir),
                        "--stdout", job.stdout, "--nodes", ",".join(job.nodes), "--ranks", str(ranks),
                        "--mpirun", cfg["merge"]["mpirun"]])
     return [
@@ -85,7 +85,7 @@ def run(job_id: str, node_dir: Path, stdout: str, nodes: list[str], ranks: int, 
     if missing:
         print(f"gpuprof merge: job {job_id}: no trace from {', '.join(missing)} after waiting", flush=True)
     d, stem = stdout_stem(stdout)
-    cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "mpi4py", "-m", "slurm_hooks.cli",
+    cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "mpi4py", "-m", "gpuprof.slurm_hooks.cli",
            "merge", str(node_dir), "--output-stem", str(d / stem), "--expect-nodes", ",".join(nodes)]
     environ = dict(os.environ)
     if os.geteuid() == 0:
@@ -97,7 +97,7 @@ def run(job_id: str, node_dir: Path, stdout: str, nodes: list[str], ranks: int, 
 def main(argv: list[str]) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m slurm_hooks.automerge")
+    ap = argparse.ArgumentParser(prog="python -m gpuprof.slurm_hooks.automerge")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--job", required=True)
@@ -112,8 +112,8 @@ def main(argv: list[str]) -> int:
 
 def epilog_slurmctld(config_path: str | None = None) -> int:
     """EpilogSlurmctld: submit the merge job for a profiled job. Always returns 0."""
-    from slurm_hooks import config as config_mod
-    from slurm_hooks import log as log_mod
+    from gpuprof.collector import config as config_mod
+    from gpuprof.slurm_hooks import log as log_mod
 
     job_id = env.get(env.SLURM_JOB_ID) or "?"
     log = log_mod.setup("epilog-slurmctld", job_id, "slurmctld")

@@ -1,6 +1,6 @@
 """`gpuprof`: one click CLI, a thin wrapper per subcommand over plain functions.
 
-Each package contributes its own commands (slurm_hooks.commands, collector.cli, mpi_merge.cli);
+Each package contributes its own commands (gpuprof.slurm_hooks.commands, gpuprof.collector.cli, gpuprof.mpi_merge.cli);
 they are imported lazily so that a hook pays only for what it runs.
 """
 
@@ -10,21 +10,21 @@ import importlib
 
 import click
 
-from slurm_hooks import __version__
+from gpuprof.collector import __version__
 
 # command name -> (module, attribute). Only commands that work are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prolog": ("slurm_hooks.commands", "prolog"),
-    "epilog": ("slurm_hooks.commands", "epilog"),
-    "task-prolog": ("slurm_hooks.commands", "task_prolog"),
-    "doctor": ("slurm_hooks.commands", "doctor"),
-    "config": ("slurm_hooks.commands", "config_cmd"),
-    "dcgm": ("slurm_hooks.commands", "dcgm"),
-    "collect": ("collector.cli", "collect"),
-    "inspect": ("collector.cli", "inspect"),
-    "merge": ("mpi_merge.cli", "merge"),
-    "report": ("mpi_merge.cli", "report"),
-    "export": ("mpi_merge.cli", "export"),
+    "prolog": ("gpuprof.slurm_hooks.commands", "prolog"),
+    "epilog": ("gpuprof.slurm_hooks.commands", "epilog"),
+    "task-prolog": ("gpuprof.slurm_hooks.commands", "task_prolog"),
+    "doctor": ("gpuprof.slurm_hooks.commands", "doctor"),
+    "config": ("gpuprof.slurm_hooks.commands", "config_cmd"),
+    "dcgm": ("gpuprof.slurm_hooks.commands", "dcgm"),
+    "collect": ("gpuprof.collector.cli", "collect"),
+    "inspect": ("gpuprof.collector.cli", "inspect"),
+    "merge": ("gpuprof.mpi_merge.cli", "merge"),
+    "report": ("gpuprof.mpi_merge.cli", "report"),
+    "export": ("gpuprof.mpi_merge.cli", "export"),
 }
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from slurm_hooks import config as config_mod
-from slurm_hooks import hooks
-from slurm_hooks.errors import GpuprofError
+from gpuprof.collector import config as config_mod
+from gpuprof.collector.errors import GpuprofError
+from gpuprof.slurm_hooks import hooks
 
 
 def _cfg_path(ctx: click.Context) -> str | None:
@@ -43,7 +43,7 @@ def task_prolog(ctx: click.Context) -> None:
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check this node: Slurm, plugin, munge, BPF, NVML, DCGM, MPI, HDF5, config."""
-    from slurm_hooks.doctor import run_checks
+    from gpuprof.slurm_hooks.doctor import run_checks
 
     checks, _ = run_checks(_cfg_path(ctx))
     failed = [c for c in checks if c.required and not c.ok]
@@ -87,8 +87,8 @@ def dcgm() -> None:
 
 
 def _lock(ctx: click.Context):  # type: ignore[no-untyped-def]
-    from slurm_hooks import log as log_mod
-    from slurm_hooks.dcgm_lock import DcgmLock
+    from gpuprof.slurm_hooks import log as log_mod
+    from gpuprof.slurm_hooks.dcgm_lock import DcgmLock
 
     try:
         cfg = config_mod.load(_cfg_path(ctx.find_root()))
@@ -108,7 +108,7 @@ def dcgm_status(ctx: click.Context) -> None:
 @click.pass_context
 def dcgm_site_pause(ctx: click.Context) -> None:
     """The site pauses DCGM profiling itself; the suite will not resume it until site-resume."""
-    from slurm_hooks.dcgm_lock import SITE_HOLDER
+    from gpuprof.slurm_hooks.dcgm_lock import SITE_HOLDER
 
     r = _lock(ctx).acquire(SITE_HOLDER, {"by": "site"})
     click.echo(f"action {r.action} ({r.dcgmi}); holders {r.holders}")
@@ -118,7 +118,7 @@ def dcgm_site_pause(ctx: click.Context) -> None:
 @click.pass_context
 def dcgm_site_resume(ctx: click.Context) -> None:
     """Drop the site's hold; DCGM resumes when no profiled job holds it either."""
-    from slurm_hooks.dcgm_lock import SITE_HOLDER
+    from gpuprof.slurm_hooks.dcgm_lock import SITE_HOLDER
 
     r = _lock(ctx).release(SITE_HOLDER)
     click.echo(f"action {r.action} ({r.dcgmi}); holders {r.holders}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_hooks.paths import make_private_dir
+from gpuprof.slurm_hooks.paths import make_private_dir
 
 SITE_HOLDER = "site"
 

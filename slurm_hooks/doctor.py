@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_hooks import config as config_mod
-from slurm_hooks import environment as env
-from slurm_hooks.errors import ConfigError
+from gpuprof.collector import config as config_mod
+from gpuprof.collector import environment as env
+from gpuprof.collector.errors import ConfigError
 
 
 @dataclass
@@ -92,7 +92,7 @@ def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | N
     ok, detail = _cmd(["munge", "-n"])
     checks.append(Check("munge", ok, "credential created" if ok else detail, "start munged (systemctl start munge)"))
 
-    from collector.bpf_support import bpf_doctor
+    from gpuprof.collector.bpf_support import bpf_doctor
 
     for name, ok, fix in bpf_doctor():
         checks.append(Check(name, ok, "ok" if ok else "unavailable", fix, required=False))

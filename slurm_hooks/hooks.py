@@ -1,4 +1,4 @@
-"""Prolog, epilog and task prolog: plain functions; slurm_hooks.commands wraps them for the CLI.
+"""Prolog, epilog and task prolog: plain functions; gpuprof.slurm_hooks.commands wraps them for the CLI.
 
 Rules every hook keeps (ARCHITECTURE.md, decision 5):
 - it returns normally whatever happens: a failing Prolog or Epilog drains the node. Errors are
@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from collector.schema import parse_modes
-from slurm_hooks import config as config_mod
-from slurm_hooks import environment as env
-from slurm_hooks import log as log_mod
-from slurm_hooks.dcgm_lock import DcgmLock, holder_name
-from slurm_hooks.errors import GpuprofError, JobLookupError
-from slurm_hooks.job import JobInfo, from_hook_environment, job_source
-from slurm_hooks.paths import make_private_dir, node_dir_for_stdout, place_as_user
+from gpuprof.collector import config as config_mod
+from gpuprof.collector import environment as env
+from gpuprof.collector.errors import GpuprofError, JobLookupError
+from gpuprof.collector.schema import parse_modes
+from gpuprof.slurm_hooks import log as log_mod
+from gpuprof.slurm_hooks.dcgm_lock import DcgmLock, holder_name
+from gpuprof.slurm_hooks.job import JobInfo, from_hook_environment, job_source
+from gpuprof.slurm_hooks.paths import make_private_dir, node_dir_for_stdout, place_as_user
 
 # Job states in which a job still holds its nodes (scontrol's JobState, flags stripped).
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING",
@@ -70,7 +70,7 @@ def _load_config(config_path: str | None, log: logging.Logger) -> dict[str, Any]
 
 def collector_command(cfg_path: str | None, job: JobInfo, node: str, modes: tuple[str, ...], trace: Path,
                       socket: Path, python: str) -> list[str]:
-    cmd = [python, "-m", "slurm_hooks.cli"]
+    cmd = [python, "-m", "gpuprof.slurm_hooks.cli"]
     if cfg_path:
         cmd += ["--config", cfg_path]
     cmd += ["collect", "--job", job.job_id, "--node", node, "--uid", str(job.uid), "--modes", ",".join(modes),
@@ -89,7 +89,7 @@ def _start_collector(cmd: list[str], nice: int, log_path: Path) -> subprocess.Po
 
 def _wait_recording(socket: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     """Poll the control socket until the collector says it records; '' on success, else why not."""
-    from collector.control import request
+    from gpuprof.collector.control import request
 
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -212,7 +212,7 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
 
 def _remove_fastpath_rings(job_id: str, log: logging.Logger) -> None:
     """The collector removes the job's shared-memory rings when it stops; one that died cannot."""
-    from collector.sources.fastpath import RING_DIR
+    from gpuprof.collector.sources.fastpath import RING_DIR
 
     for ring in Path(RING_DIR).glob(f"gpuprof-{job_id}-*"):
         pid = ring.name.rsplit("-", 1)[-1]
@@ -227,8 +227,8 @@ def _remove_fastpath_rings(job_id: str, log: logging.Logger) -> None:
 
 
 def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:
-    from collector.control import request
-    from collector.writer import recover
+    from gpuprof.collector.control import request
+    from gpuprof.collector.writer import recover
 
     state_file = state_dir / "state.json"
     try:
@@ -312,7 +312,7 @@ def task_prolog_lines(raw_modes: str | None, cfg: dict[str, Any]) -> list[str]:
     lines = [f"export {env.GPUPROF_MODES}={','.join(modes)}"]
     if "collectives" in modes:
         try:
-            from collector.sources.fastpath import fastpath_exports
+            from gpuprof.collector.sources.fastpath import fastpath_exports
         except ImportError:
             return lines
         lines += fastpath_exports(modes, cfg)

@@ -10,9 +10,9 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from slurm_hooks import environment as env
-from slurm_hooks.errors import JobLookupError
-from slurm_hooks.paths import PatternContext, default_stdout, expand_stdout_pattern
+from gpuprof.collector import environment as env
+from gpuprof.collector.errors import JobLookupError
+from gpuprof.slurm_hooks.paths import PatternContext, default_stdout, expand_stdout_pattern
 
 SCONTROL_TIMEOUT_S = 10.0
 

@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_hooks.errors import GpuprofError
+from gpuprof.collector.errors import GpuprofError
 
 
 class PlacementError(GpuprofError):

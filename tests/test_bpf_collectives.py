@@ -29,27 +29,29 @@ from harness import (
 
 NCCL_LIB = nccl_library()
 
-from collector import schema
-from collector.bpf_support import OPS_HEADER, ops_header
-from collector.sources import bpf_collectives as bc
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import OPS_HEADER, ops_header
+from gpuprof.collector.sources import bpf_collectives as bc
+from gpuprof.collector.sources import collective_calls as cc
+from gpuprof.collector.sources import probe_table as pt
 
 NRANKS = 4
 
 
 def test_ops_header_matches_schema() -> None:
-    assert OPS_HEADER.read_text() == ops_header(), "regenerate: python -m collector.bpf_support > bpf/gpuprof_ops.h"
+    assert OPS_HEADER.read_text() == ops_header(), "regenerate: python -m gpuprof.collector.bpf_support > bpf/gpuprof_ops.h"
 
 
 def test_probe_table_is_consistent() -> None:
-    assert len(bc.PROBES) <= 128 and len(bc.PROBE_IDS) == len(bc.PROBES)
-    for p in bc.PROBES:
+    assert len(pt.PROBES) <= 128 and len(pt.PROBE_IDS) == len(pt.PROBES)
+    for p in pt.PROBES:
         p.op_code  # every op is a schema enum value  # noqa: B018
         args = [getattr(p, f) for f in ("comm", "count", "dtype", "peer", "tag", "request", "stream")]
         assert all(0 <= a <= 14 for a in args), p
 
 
 def test_ids_rules() -> None:
-    reg = bc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": str(pid),
+    reg = cc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": str(pid),
                                                      "OMPI_COMM_WORLD_SIZE": "2"},
                           mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
     init = schema.COMMUNICATOR_OPS.index("MPI_Init")
@@ -63,13 +65,13 @@ def test_ids_rules() -> None:
     w1, w2 = reg.lookup(1, 0x10, 3, 0), reg.lookup(2, 0x10, 3, 0)
     assert w1.comm_id == w2.comm_id and (w1.rank, w1.size) == (1, 2)
     assert reg.lookup(1, 0x9A, 3, 0).comm_id == reg.lookup(2, 0x9B, 3, 0).comm_id != w1.comm_id
-    assert bc.fnv1a64(b"") == 0xCBF29CE484222325
+    assert cc.fnv1a64(b"") == 0xCBF29CE484222325
 
 
 def test_call_rows_resolve_reused_handles() -> None:
     """A handle freed and reused: each call row gets the communicator live at its entry, as a
     per-row lookup() gives it; calls without a communicator get id 0."""
-    reg = bc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
+    reg = cc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
                                                      "OMPI_COMM_WORLD_SIZE": "2"},
                           mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
     ops = schema.COMMUNICATOR_OPS
@@ -80,11 +82,11 @@ def test_call_rows_resolve_reused_handles() -> None:
     reg.on_comm({**ev, "op": ops.index("MPI_Comm_free"), "t_ns": 500, "handle": 0x99})
     reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 700, "handle": 0x99, "parent": 0x10, "color": 2,
                  "index": 1})
-    calls = np.zeros(7, dtype=bc.CALL_DTYPE)
+    calls = np.zeros(7, dtype=cc.CALL_DTYPE)
     calls["pid"] = [7, 7, 7, 7, 7, 7, 8]  # pid 8: MPI_Init before the collector looked (made up from its world)
     calls["t_enter_ns"] = [200, 800, 300, 900, 50, 400, 300]
     calls["handle"] = [0x99, 0x99, 0x10, 0x99, 0x10, 0, 0x10]
-    calls["seq"] = [0, 0, 0, 1, 1, bc.GP_SEQ_NONE, 0]
+    calls["seq"] = [0, 0, 0, 1, 1, pt.GP_SEQ_NONE, 0]
     rows = reg.call_rows(calls, "fastpath")
     real = [i for i in range(7) if i != 5]
     want = [reg.lookup(int(calls["pid"][i]), int(calls["handle"][i]), int(calls["t_enter_ns"][i]), 0) for i in real]
@@ -153,7 +155,7 @@ def test_nccl_arguments_decoded() -> None:
     try:
         # The wheel's libnccl is not in the linker cache: attach to it as the process scan would.
         attached = src.attach_library("nccl", str(NCCL_LIB))
-        assert {p.symbol for p in bc.PROBES if p.library == "nccl"} <= set(attached)
+        assert {p.symbol for p in pt.PROBES if p.library == "nccl"} <= set(attached)
         gated.go()
         rc, out, err = gated.wait()
         assert rc == 0, err

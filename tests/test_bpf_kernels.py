@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 import native_progs
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
 
-from collector import bpf_support, schema
-from collector.sources.base import SourceUnavailable
-from collector.sources.bpf_kernels import LAUNCH_PROBES, BpfKernelsSource
-from collector.symbolize import stack_names
+from gpuprof.collector import bpf_support, schema
+from gpuprof.collector.sources.base import SourceUnavailable
+from gpuprof.collector.sources.bpf_kernels import LAUNCH_PROBES, BpfKernelsSource
+from gpuprof.collector.symbolize import stack_names
 
 APIS = schema.KERNEL_APIS
 SOURCES = schema.KERNEL_FUNCTIONS.enums["source"]

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 import native_progs
 from harness import bpf_skip_reason, make_ctx
 
-from collector import bpf_support, schema
-from collector.sources.base import SourceUnavailable
-from collector.sources.bpf_stacks import BpfStacksSource
-from collector.symbolize import STACK_LOST, demangle, folded_stacks, stack_names
+from gpuprof.collector import bpf_support, schema
+from gpuprof.collector.sources.base import SourceUnavailable
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+from gpuprof.collector.symbolize import STACK_LOST, demangle, folded_stacks, stack_names
 
 
 def _skip() -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurm_hooks.cli import COMMANDS, cli
+from gpuprof.slurm_hooks.cli import COMMANDS, cli
 
 FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"
 

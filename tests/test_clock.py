@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpi_merge import synthetic as syn
-from mpi_merge.clock import ClockParams, fit_clocks, segment_fit
-from mpi_merge.loading import discover, summarize_node
-from mpi_merge.matching import NodeInstances, build_comms, node_instances
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.clock import ClockParams, fit_clocks, segment_fit
+from gpuprof.mpi_merge.loading import discover, summarize_node
+from gpuprof.mpi_merge.matching import NodeInstances, build_comms, node_instances
 
 
 def fit(d: Path, method: str = "bounds") -> tuple[Any, Any, list[str], int]:

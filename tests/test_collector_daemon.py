@@ -19,13 +19,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "nvml_double"))
 import double
 
-from collector import schema
-from collector.control import request
-from collector.reader import open_node_trace, summarize
-from collector.writer import recover
-from slurm_hooks.errors import CollectorError
+from gpuprof.collector import schema
+from gpuprof.collector.control import request
+from gpuprof.collector.errors import CollectorError
+from gpuprof.collector.reader import open_node_trace, summarize
+from gpuprof.collector.writer import recover
 
-GPUPROF = [sys.executable, "-m", "slurm_hooks.cli"]
+GPUPROF = [sys.executable, "-m", "gpuprof.slurm_hooks.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 is_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts a tmpfs)")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collector import native, schema
-from collector.proctrack import ProcessTracker, find_job_cgroups, pids_in_cgroups, process_tree
-from collector.sources.base import SourceContext
-from collector.sources.host import HostSource
+from gpuprof.collector import native, schema
+from gpuprof.collector.proctrack import ProcessTracker, find_job_cgroups, pids_in_cgroups, process_tree
+from gpuprof.collector.sources.base import SourceContext
+from gpuprof.collector.sources.host import HostSource
 
 BUSY = "import time\nt=time.time()\nwhile time.time()-t<30: pass\n"
 

@@ -17,10 +17,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "nvml_double"))
 import double
 
-from collector import schema
-from collector.sources.base import SourceContext, SourceUnavailable
-from collector.sources.nvml import NvmlSource
-from slurm_hooks.config import defaults
+from gpuprof.collector import schema
+from gpuprof.collector.config import defaults
+from gpuprof.collector.sources.base import SourceContext, SourceUnavailable
+from gpuprof.collector.sources.nvml import NvmlSource
 
 pytestmark = pytest.mark.nvml
 
@@ -216,7 +216,7 @@ def test_one_long_lived_call_thread_and_stuck_ones_exit(nvml: Any) -> None:
 def test_field_value_union_decoding() -> None:
     import struct
 
-    from collector.sources.nvml_direct import field_value
+    from gpuprof.collector.sources.nvml_direct import field_value
 
     def raw(fmt: str, v: float) -> int:
         return int.from_bytes(struct.pack("<" + fmt, v).ljust(8, b"\0"), "little")
@@ -314,7 +314,7 @@ def test_native_thread_hung_call_is_abandoned_and_others_go_on(nvml: Any) -> Non
 
 def test_native_thread_buffer_is_bounded(nvml: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ticks not drained in time are counted as dropped rows, never kept."""
-    import collector.sources.nvml as nvml_module
+    import gpuprof.collector.sources.nvml as nvml_module
 
     monkeypatch.setattr(nvml_module, "BUFFER_S", 0.05)  # the minimum of 4 ticks
     src, _ = nvml({"rate_hz": 50}, threaded=True, gpus=2)

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from collector import schema
-from collector.ring import MIN_CAPACITY_BYTES, Ring, split_capacity
+from gpuprof.collector import schema
+from gpuprof.collector.ring import MIN_CAPACITY_BYTES, Ring, split_capacity
 
 T = schema.CLOCK_PAIRS  # 20-byte rows
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_hooks import config
-from slurm_hooks.errors import ConfigError
+from gpuprof.collector import config
+from gpuprof.collector.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from slurm_hooks.config import defaults
-from slurm_hooks.dcgm_lock import SITE_HOLDER, DcgmLock, holder_name
+from gpuprof.collector.config import defaults
+from gpuprof.slurm_hooks.dcgm_lock import SITE_HOLDER, DcgmLock, holder_name
 
 FAKE = str(Path(__file__).parent / "doubles" / "fake_dcgmi")
 LOG = logging.getLogger("test-dcgm")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from conftest import NODES, Cluster
 
-from collector.reader import open_node_trace
-from collector.schema import COLLECTIVE_CALLS, COLLECTIVE_OPS
+from gpuprof.collector.reader import open_node_trace
+from gpuprof.collector.schema import COLLECTIVE_CALLS, COLLECTIVE_OPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.bpf, pytest.mark.mpi]
 REPO = Path(__file__).resolve().parents[1]

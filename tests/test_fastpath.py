@@ -36,8 +36,8 @@ from harness import (
     run_source_over,
 )
 
-from collector import schema
-from collector.sources import fastpath as fp
+from gpuprof.collector import schema
+from gpuprof.collector.sources import fastpath as fp
 
 FASTPATH = {"sources.collectives": {"mpi_path": "fastpath", "nccl_path": "fastpath"}}
 
@@ -138,7 +138,7 @@ def test_foreign_and_corrupt_rings_ignored(built: dict[str, Path], tmp_path: Pat
 
 def test_layout_matches_bpf_struct(built: dict[str, Path]) -> None:
     """The decoded field names of the ring records are those of the BPF path."""
-    from collector.sources.bpf_collectives import CALL_FIELDS
+    from gpuprof.collector.sources.collective_calls import CALL_FIELDS
 
     lay = fp.layout()
     assert [f[0] for f in lay["call"]] == list(CALL_FIELDS)

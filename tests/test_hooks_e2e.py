@@ -16,7 +16,7 @@ import h5py
 import pytest
 from conftest import NODES, Cluster
 
-from collector.reader import open_node_trace
+from gpuprof.collector.reader import open_node_trace
 
 pytestmark = pytest.mark.slurm
 FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"

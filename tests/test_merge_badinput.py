@@ -11,9 +11,9 @@ import h5py
 import pytest
 from click.testing import CliRunner
 
-from mpi_merge import synthetic as syn
-from mpi_merge.cli import merge as merge_cmd
-from mpi_merge.merge import EXIT_COMPLETE, EXIT_PARTIAL, merge
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.cli import merge as merge_cmd
+from gpuprof.mpi_merge.merge import EXIT_COMPLETE, EXIT_PARTIAL, merge
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import h5py
 import numpy as np
 import pytest
 
-from mpi_merge import analysis, common, matching
-from mpi_merge import synthetic as syn
-from mpi_merge.merge import merge
+from gpuprof.mpi_merge import analysis, common, matching
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.merge import merge
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = shutil.which("mpirun")
@@ -145,7 +145,7 @@ def test_largest_message_to_rank0_does_not_grow_with_nodes(jobs: dict[int, Path]
     script.write_text(
         "import pickle, sys\n"
         "from mpi4py import MPI\n"
-        "from mpi_merge.merge import merge\n"
+        "from gpuprof.mpi_merge.merge import merge\n"
         "class Recording:\n"
         "    '''COMM_WORLD, recording the pickled size of everything rank 0 receives.'''\n"
         "    def __init__(self, c): self.c, self.largest = c, 0\n"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mpi_merge import synthetic as syn
-from mpi_merge.jobfile import compare_job_files
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.jobfile import compare_job_files
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = shutil.which("mpirun")
@@ -39,7 +39,7 @@ def test_same_job_file_for_1_2_4_ranks(job: Path, tmp_path: Path) -> None:
     outs = {}
     for n in (1, 2, 4):
         stem = tmp_path / f"k{n}"
-        p = mpirun(n, "-m", "slurm_hooks.cli", "merge", str(job), "--output-stem", str(stem), "--quiet")
+        p = mpirun(n, "-m", "gpuprof.slurm_hooks.cli", "merge", str(job), "--output-stem", str(stem), "--quiet")
         assert p.returncode == 0, p.stderr[-3000:]
         outs[n] = Path(f"{stem}.gpuprof.h5")
     assert compare_job_files(outs[1], outs[2]) == []
@@ -53,14 +53,14 @@ def test_error_on_one_rank_aborts_all(job: Path, tmp_path: Path) -> None:
     script = tmp_path / "failing_rank.py"
     script.write_text(
         "from mpi4py import MPI\n"
-        "import mpi_merge.merge as m\n"
+        "import gpuprof.mpi_merge.merge as m\n"
         "real = m.summarize_node\n"
         "def broken(path, *args):\n"
         "    if MPI.COMM_WORLD.Get_rank() == 1:\n"
         "        raise OSError('injected read failure on rank 1')\n"
         "    return real(path, *args)\n"
         "m.summarize_node = broken\n"
-        "from slurm_hooks.cli import main\n"
+        "from gpuprof.slurm_hooks.cli import main\n"
         f"import sys; sys.argv = ['gpuprof', 'merge', {str(job)!r}, '--output-stem', {str(tmp_path / 'x')!r}]\n"
         "main()\n"
     )

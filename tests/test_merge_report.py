@@ -10,10 +10,10 @@ import h5py
 import pytest
 from click.testing import CliRunner
 
-from mpi_merge import synthetic as syn
-from mpi_merge.cli import export as export_cmd
-from mpi_merge.cli import report as report_cmd
-from mpi_merge.merge import merge
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.cli import export as export_cmd
+from gpuprof.mpi_merge.cli import report as report_cmd
+from gpuprof.mpi_merge.merge import merge
 
 
 @pytest.fixture(scope="module")

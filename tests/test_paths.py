@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_hooks.paths import (
+from gpuprof.slurm_hooks.paths import (
     PatternContext,
     PlacementError,
     expand_stdout_pattern,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mpi_merge import synthetic as syn
-from mpi_merge.analysis import JobAnalysis, analyze
-from mpi_merge.loading import discover, summarize_node
-from mpi_merge.stragglers import StragglerParams
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.analysis import JobAnalysis, analyze
+from gpuprof.mpi_merge.loading import discover, summarize_node
+from gpuprof.mpi_merge.stragglers import StragglerParams
 
 
 def run(d: Path, cfg: syn.SynthConfig) -> JobAnalysis:

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from click.testing import CliRunner
 
-from collector.reader import open_node_trace
-from mpi_merge import synthetic as syn
+from gpuprof.collector.reader import open_node_trace
+from gpuprof.mpi_merge import synthetic as syn
 
 
 def test_files_are_marked_synthetic_and_readable(tmp_path: Path) -> None:

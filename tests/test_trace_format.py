@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from collector import docgen, schema
-from collector.reader import open_node_trace, summarize
-from slurm_hooks.errors import TraceFormatError
+from gpuprof.collector import docgen, schema
+from gpuprof.collector.errors import TraceFormatError
+from gpuprof.collector.reader import open_node_trace, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -31,7 +31,7 @@ def test_every_data_file(case: str) -> None:
         with pytest.raises(TraceFormatError) as e:
             open_node_trace(path)
         assert str(path) in str(e.value) and expect["error"] in str(e.value)
-        r = subprocess.run([sys.executable, "-m", "slurm_hooks.cli", "inspect", str(path)],
+        r = subprocess.run([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "inspect", str(path)],
                            capture_output=True, text=True, check=False, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert r.returncode == 2 and "Traceback" not in r.stderr and str(path) in r.stderr
         return
@@ -54,12 +54,12 @@ def test_missing_file_is_named() -> None:
 
 def test_doc_lists_the_schema() -> None:
     text = (ROOT / "docs" / "trace-format.md").read_text()
-    assert docgen.render() in text, "docs/trace-format.md is stale: run python -m collector.docgen --write"
+    assert docgen.render() in text, "docs/trace-format.md is stale: run python -m gpuprof.collector.docgen --write"
 
 
 def test_inspect_json_of_sealed_case() -> None:
     path = DATA / "sealed-metrics" / "node.h5"
-    r = subprocess.run([sys.executable, "-m", "slurm_hooks.cli", "inspect", "--json", str(path)],
+    r = subprocess.run([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "inspect", "--json", str(path)],
                        capture_output=True, text=True, check=False, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     s = json.loads(r.stdout)
     assert s["sealed"] and s["schema"] == "slurm-gpuprof.node v1" and s["rates_hz"]["host"] == 10

@@ -17,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from collector.schema import Table
+from gpuprof.collector.schema import Table
 
 
 class SourceUnavailable(Exception):

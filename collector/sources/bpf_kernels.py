@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.bpf_support import (
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import (
     BpfHub,
     attach_symbols,
     detach_symbols,
@@ -28,9 +28,9 @@ from collector.bpf_support import (
     read_maps,
     read_ring_drops,
 )
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.sources.bpf_stacks import acquire_hub, own_stack, stack_store
-from collector.symbolize import StackStore, demangle
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.bpf_stacks import acquire_hub, own_stack, stack_store
+from gpuprof.collector.symbolize import StackStore, demangle
 
 # symbol -> BPF program (the _ptsz forms take the same arguments)
 LAUNCH_PROBES: dict[str, str] = {
@@ -88,7 +88,7 @@ class BpfKernelsSource(Source):
         b[b"gp_kfuncs"].open_ring_buffer(self._on_kfunc)
         self.stacks = b[b"gp_launch_stacks"]
         self.hub.set_pids(ctx.pids())
-        from collector.sources.bpf_collectives import system_libraries
+        from gpuprof.collector.sources.collective_calls import system_libraries
 
         for path in system_libraries(SYSTEM_LIBRARIES):
             self.attach_file(path)

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.bpf_support import BpfHub, read_ring_drops
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.sources.bpf_stacks import WindowedCounts, acquire_hub, own_stack, stack_store
-from collector.symbolize import StackStore
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import BpfHub, read_ring_drops
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.bpf_stacks import WindowedCounts, acquire_hub, own_stack, stack_store
+from gpuprof.collector.symbolize import StackStore
 
 
 def _tgid_of(tid: int) -> int:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from collector import schema
-from collector.bpf_support import BpfHub, defines_for_all, read_ring_drops
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.symbolize import STACK_LOST, STACK_NONE, StackStore
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_ring_drops
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, StackStore
 
 PERF_TYPE_SOFTWARE = 1
 PERF_COUNT_SW_CPU_CLOCK = 0

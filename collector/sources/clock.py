@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from collector import schema
-from collector.sources.base import Batch, Source, SourceContext
+from gpuprof.collector import schema
+from gpuprof.collector.sources.base import Batch, Source, SourceContext
 
 _ATTEMPTS = 3
 

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from collector import native, schema
-from collector.bpf_support import BPF_DIR
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from collector.sources.bpf_collectives import CALL_DTYPE, PATH_CODES, CommRegistry, resolve_paths
-from slurm_hooks import environment as env
+from gpuprof.collector import environment as env
+from gpuprof.collector import native, schema
+from gpuprof.collector.bpf_support import BPF_DIR
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.collective_calls import CALL_DTYPE, CommRegistry
+from gpuprof.collector.sources.probe_table import PATH_CODES
 
 BUILD_DIR = BPF_DIR / "fastpath" / "build"
 LIBRARIES = {"mpi": BUILD_DIR / "libgpuprof_pmpi.so", "nccl": BUILD_DIR / "libgpuprof_nccl.so"}
@@ -41,6 +42,18 @@ def built_libraries() -> dict[str, Path | None]:
     """The interposer libraries that are built (make -C bpf/fastpath), by library."""
     ok = LAYOUT.exists()
     return {lib: (p if ok and p.exists() else None) for lib, p in LIBRARIES.items()}
+
+
+def resolve_paths(config: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per library: 'uprobe' or 'fastpath' (auto = fast path when its library is built)."""
+    built = built_libraries()
+    out = {}
+    for lib in ("mpi", "nccl"):
+        want = config.get("sources.collectives", {}).get(f"{lib}_path", "auto")
+        if want == "auto":
+            want = "fastpath" if built.get(lib) else "uprobe"
+        out[lib] = want
+    return out
 
 
 def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], job_id: str | None = None,

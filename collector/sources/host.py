@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from collector import native, schema
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector import native, schema
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 
 # /proc/PID/io is readable only by the owner or root; an unreadable counter is this value (the
 # column is an unsigned integer, so it cannot hold NaN) and a /diagnostics/missing row says why.

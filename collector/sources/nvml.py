@@ -33,10 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from collector import native, schema
-from collector.sources import nvml_direct
-from collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from slurm_hooks import environment
+from gpuprof.collector import environment, native, schema
+from gpuprof.collector.sources import nvml_direct
+from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 
 UINT_MAX = 0xFFFFFFFF
 MAX_ABANDONED_THREADS = 4

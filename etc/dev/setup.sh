@@ -132,7 +132,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     log "created $VENV"
 fi
 STAMP="$VENV/.gpuprof-installed"
-if [ ! -e "$STAMP" ] || [ "$REPO/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -e "$STAMP" ] || [ "$REPO/pyproject.toml" -nt "$STAMP" ] || [ "$REPO/setup.py" -nt "$STAMP" ] \
+    || ! "$VENV/bin/python" -c 'import gpuprof.slurm_hooks' 2>/dev/null; then
     log "installing the project into $VENV (pip install -e '.[test]')"
     # mpi4py is compiled against the MPI whose mpicc is found first: Debian's Open MPI.
     (cd "$REPO" && MPICC="$(command -v mpicc)" "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test]')

@@ -32,16 +32,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "nvml_double"))
 import double
 
-from collector import schema
-from collector.writer import NodeMeta, NodeTraceWriter
+from gpuprof.collector import schema
+from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
 
 TICK = os.sysconf("SC_CLK_TCK")
 BASELINE = r"""
 import os, sys, time
 sys.path.insert(0, {root!r})
-from collector.sources.nvml import NvmlSource
-from collector.sources.base import SourceContext
-from slurm_hooks.config import defaults
+from gpuprof.collector.sources.nvml import NvmlSource
+from gpuprof.collector.sources.base import SourceContext
+from gpuprof.collector.config import defaults
 pids = frozenset(int(p) for p in {pids!r})
 ctx = SourceContext("b", "n", ("metrics",), {{}}, lambda: pids, lambda: (), lambda s, m: None, lambda *a: None)
 src = NvmlSource(defaults()["sources.nvml"] | {{"gpus": "all"}}, threaded=True)
@@ -81,7 +81,7 @@ def bench_collector(duration: float, tmp: Path) -> None:
     # 16 are children of this script, so --pid is this process and the tracker finds them
     out = tmp / "node.h5"
     coll = subprocess.Popen(
-        [sys.executable, "-m", "slurm_hooks.cli", "collect", "--pid", str(os.getpid()), "--modes", "metrics",
+        [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--pid", str(os.getpid()), "--modes", "metrics",
          "--gpus", "all", "--output", str(out), "--duration", str(duration), "--nice", "0"],
         env=env, stderr=subprocess.DEVNULL)
     base = subprocess.Popen([sys.executable, "-c", BASELINE.format(root=str(ROOT), pids=pids, duration=duration)],
@@ -163,7 +163,7 @@ def synthetic_minute_rows(rng: np.random.Generator, t0: int, seconds: float) -> 
 def bench_filters(tmp: Path, minutes: float) -> None:
     """Same 10-minute default-rate data through the writer with each filter, flushed every
     collector.flush_interval_s, as the collector does."""
-    from slurm_hooks.config import defaults
+    from gpuprof.collector.config import defaults
 
     every = float(defaults()["collector"]["flush_interval_s"])
     for filt in ("gzip", "lzf", "none"):

@@ -3,7 +3,7 @@ generator's suite, merge throughput and rank-0 memory. One JSON object per line.
 
     .venv/bin/python tests/bench/bench_merge.py [--quick] [--only clock|stragglers|throughput]
 
-All inputs come from mpi_merge.synthetic (SYNTHETIC data, ground truth known); see docs/merge.md.
+All inputs come from gpuprof.mpi_merge.synthetic (SYNTHETIC data, ground truth known); see docs/merge.md.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mpi_merge import synthetic as syn
-from mpi_merge.analysis import analyze
-from mpi_merge.clock import ClockParams, fit_clocks
-from mpi_merge.loading import discover, summarize_node
-from mpi_merge.matching import build_comms, node_instances
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.analysis import analyze
+from gpuprof.mpi_merge.clock import ClockParams, fit_clocks
+from gpuprof.mpi_merge.loading import discover, summarize_node
+from gpuprof.mpi_merge.matching import build_comms, node_instances
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -119,7 +119,7 @@ def driver(src: str, stem: str) -> None:
     """Run under mpirun: merge, then rank 0 prints its wall time and peak RSS."""
     from mpi4py import MPI
 
-    from mpi_merge.merge import merge
+    from gpuprof.mpi_merge.merge import merge
 
     comm = MPI.COMM_WORLD
     comm.Barrier()

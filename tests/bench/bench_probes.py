@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO / "tests" / "progs"))
 
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, mpirun_cmd, run_source_over
 
-from collector import schema
-from collector.sources.base import Source
-from collector.sources.bpf_collectives import BpfCollectivesSource
-from collector.sources.fastpath import FastpathSource, built_libraries
+from gpuprof.collector import schema
+from gpuprof.collector.sources.base import Source
+from gpuprof.collector.sources.bpf_collectives import BpfCollectivesSource
+from gpuprof.collector.sources.fastpath import FastpathSource, built_libraries
 
 BENCH = REPO / "tests" / "progs" / "build" / "mpi_bench"
 ALLREDUCE = schema.COLLECTIVE_OPS.index("MPI_Allreduce")
@@ -175,8 +175,8 @@ def stack_sampling(quick: bool) -> dict[str, Any]:
 
     import h5py
 
-    from collector.sources.bpf_stacks import BpfStacksSource
-    from collector.writer import CHUNK_ROWS, compression_kwargs
+    from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+    from gpuprof.collector.writer import CHUNK_ROWS, compression_kwargs
 
     reason = bpf_skip_reason()
     if reason:

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "nvml_double"))
 import double
 
-from collector.control import request
-from collector.writer import recover
-from slurm_hooks.errors import CollectorError
+from gpuprof.collector.control import request
+from gpuprof.collector.errors import CollectorError
+from gpuprof.collector.writer import recover
 
 
 def case(name: str, expect: dict[str, object]) -> Path:
@@ -39,7 +39,7 @@ def case(name: str, expect: dict[str, object]) -> Path:
 
 def collect(out: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "slurm_hooks.cli", "collect", "--modes", "metrics", "--pid", str(os.getpid()),
+        [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--modes", "metrics", "--pid", str(os.getpid()),
          "--gpus", "all", "--output", str(out), *extra], env=env)
 
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from collector import schema
-from collector.bpf_support import bpf_unavailable_reason
-from collector.sources.base import Batch, Source, SourceContext
-from slurm_hooks import config as gpuprof_config
+from gpuprof.collector import config as gpuprof_config
+from gpuprof.collector import schema
+from gpuprof.collector.bpf_support import bpf_unavailable_reason
+from gpuprof.collector.sources.base import Batch, Source, SourceContext
 
 REPO = Path(__file__).resolve().parents[2]
 PROGS = REPO / "tests" / "progs"
@@ -226,7 +226,8 @@ def nccl_library() -> Path | None:
 
 def check_nccl(calls: Any, raw: Any, comm_events: list[dict[str, Any]], expected: dict[str, Any]) -> None:
     """Each NCCL entry point once, every argument as given (stack-passed ones included)."""
-    from collector.sources import bpf_collectives as bc
+    from gpuprof.collector.sources import collective_calls as cc
+    from gpuprof.collector.sources import probe_table as pt
 
     ops = schema.COLLECTIVE_OPS
     got = {ops[int(r["op"])]: r for r in calls}
@@ -249,8 +250,8 @@ def check_nccl(calls: Any, raw: Any, comm_events: list[dict[str, Any]], expected
     assert [int(got[n]["seq"]) for n in colls] == list(range(len(colls)))
     assert int(got["ncclSend"]["seq"]) == 0 and int(got["ncclRecv"]["seq"]) == 0
     for n in ("ncclGroupStart", "ncclGroupEnd"):
-        assert int(got[n]["seq"]) == bc.GP_SEQ_NONE
-    by_op = {bc._comm_op_name(int(e["op"])): e for e in comm_events}
+        assert int(got[n]["seq"]) == pt.GP_SEQ_NONE
+    by_op = {cc.comm_op_name(int(e["op"])): e for e in comm_events}
     init = by_op["ncclCommInitRank"]
     assert (init["size"], init["rank"]) == (expected["init"]["nranks"], expected["init"]["rank"])
     cfg = by_op["ncclCommInitRankConfig"]
@@ -260,7 +261,7 @@ def check_nccl(calls: Any, raw: Any, comm_events: list[dict[str, Any]], expected
     uid = bytes.fromhex(expected["init"]["uid"])
     for ev in (init, cfg):
         if ev.get("uid_hash"):
-            assert ev["uid_hash"] == bc.fnv1a64(uid)
+            assert ev["uid_hash"] == cc.fnv1a64(uid)
         else:
             assert bytes(ev["uid"]) == uid
     split = by_op["ncclCommSplit"]
@@ -269,5 +270,5 @@ def check_nccl(calls: Any, raw: Any, comm_events: list[dict[str, Any]], expected
     for name in ("ncclCommDestroy", "ncclCommAbort"):
         assert by_op[name]["handle"] == 0 and by_op[name]["ret"] == expected[name]
     # ncclCommInitAll reports one communicator per device (rank i of ndev).
-    initall = [e for e in comm_events if bc._comm_op_name(int(e["op"])) == "ncclCommInitAll"]
+    initall = [e for e in comm_events if cc.comm_op_name(int(e["op"])) == "ncclCommInitAll"]
     assert [(e["rank"], e["size"]) for e in initall] == [(i, 2) for i in range(expected["initall"]["ndev"])]

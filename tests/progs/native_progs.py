@@ -10,7 +10,7 @@ from typing import Any
 
 import h5py
 
-from collector import schema
+from gpuprof.collector import schema
 
 PROGS = Path(__file__).resolve().parent
 BUILD = PROGS / "build"

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_hooks import environment
-from slurm_hooks.errors import ConfigError
+from gpuprof.collector import environment
+from gpuprof.collector.errors import ConfigError
 
 SITE_CONFIG = Path("/etc/gpuprof/gpuprof.toml")
 
