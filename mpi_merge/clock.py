@@ -5,20 +5,37 @@ ranks, on each node's realtime clock (float ns from the job epoch). Output: per 
 function o(t) = node clock - reference clock, piecewise linear (offset + drift per segment), with a
 residual, the number of points and the half-width of the causality interval as its uncertainty.
 
-Method "bounds" (ours), per window of `window_s`:
+Method "minimal" (the default): the node's wall clock (what NTP/chrony gives) is the prior, and
+the collectives are hard causality constraints (no rank leaves an N-to-N collective before the last
+rank entered). Every constraint is a difference constraint between two nodes' corrections,
+    d_a - d_b <= exit_a - enter_b      (node a's earliest exit, node b's latest enter, one instance)
+so the feasible set is closed under componentwise min and max. Per piece of the job (a window of
+`window_s`, split in halves where one constant correction cannot satisfy its instances because the
+clocks drift within it):
+  1. relax from the prior upwards and downwards (Bellman-Ford sweeps over the instances, through
+     the top-two trick: O(instances x nodes) a sweep): the least feasible correction >= the prior
+     and the greatest <= the prior; both satisfy every constraint, so their mean does, and it is
+     the prior itself whenever the prior is feasible: a clock moves only as far as the data require
+     (Scalasca's controlled logical clock, Becker et al., applied to the clock model instead of to
+     the events). A piece that does not converge within nodes sweeps holds a cycle of constraints
+     no correction satisfies: its data are inconsistent, it keeps the prior and the report says so;
+  2. per node, its error interval: the range of corrections the constraints allow with the
+     reference fixed (relaxation from -inf and +inf), not a statistic of the estimate; a node with no
+     constraint in a piece keeps the prior there and its model says so (unconstrained spans);
+  3. the pieces' corrections joined as a piecewise-linear model whose drift is bounded by the
+     kernel's slew limit (|drift| <= 500 ppm): the points are clipped into the tube that the bound
+     leaves around the intervals; when no such tube exists the data ask for more than 500 ppm and
+     the model says so. Steps 1-3 are repeated against the current model (evaluated at each
+     instance, so the drift it already has is removed before the next constant is fitted).
+After alignment no instance violates causality beyond `violation_tol_ns` (counted and reported).
+
+Method "bounds" (the previous default, kept for comparison), per window of `window_s`:
   1. start from the exit-synchronous estimate (all ranks leave an N-to-N collective at about the same
      instant): a median polish of exit times over instances x nodes, per window;
-  2. repeat: with the other nodes' current offsets, each instance bounds this node's correction
-     from both sides by causality: no rank leaves before the last rank entered, so
-         delta <= exit_a - max_{j!=a} enter_j     and     delta >= enter_a - min_{j!=a} exit_j
-     (everything on the current aligned clocks). The window's feasible interval is the intersection
-     (min of upper bounds, max of lower bounds). When it is narrow (<= max_bound_width_us) take its
-     centre: it minimizes the worst-case error over everything the data allows. When it is wide (a
-     persistent straggler leaves one side loose) take the exit-synchronous estimate clipped into it.
-     Drift within a window is removed first, because bounds are taken against the current piecewise
-     model evaluated at each instance, not against a constant;
-  3. fit line segments to the window estimates greedily (a new segment where one line no longer
-     fits within the noise), which finds NTP rate changes without being told where they are.
+  2. clip it into each window's feasible interval against the others' current offsets;
+  3. fit line segments to the window estimates greedily.
+It invents offsets where the data do not pin them (exit asymmetries of MPI algorithms read as clock
+offsets): on real recordings of one host it moved clocks by milliseconds.
 
 The naive methods (none, constant, start_end, exit_median) are the same function with another
 `method`, so the benchmark compares them on identical data.
@@ -45,16 +62,18 @@ from gpuprof.mpi_merge.common import (
     row_blocks,
 )
 
-METHODS = ("bounds", "bounds_center", "exit_median", "start_end", "constant", "none")
+METHODS = ("minimal", "bounds", "bounds_center", "exit_median", "start_end", "constant", "none")
+MAX_DRIFT_PPM = 500.0  # the kernel slews a clock by at most 500 ppm (adjtimex)
 
 
 @dataclass(frozen=True)
 class ClockParams:
-    method: str = "bounds"
+    method: str = "minimal"
     window_s: float = 2.0
     min_points: int = 8  # windows with fewer instances are merged into their neighbour
     max_bound_width_us: float = 200.0
     iterations: int = 4
+    max_iterations: int = 16  # "minimal": more rounds while instances are still out of order
     segment_tol_us: float | None = None  # None: 4 x the noise of the window estimates, at least 1 us
     start_end_points: int = 100  # instances at each end for the Score-P-like start/end method
     # A low quantile of a node's exit differences, not the median: exit delays are never negative,
@@ -62,6 +81,8 @@ class ClockParams:
     # quantile's own bias is the same on every node (identical jitter) and cancels against the
     # reference.
     exit_quantile: float = 0.25
+    max_drift_ppm: float = MAX_DRIFT_PPM
+    violation_tol_ns: float = 1000.0  # an aligned exit this far before the last enter is a violation
 
 
 DEFAULT_CLOCK_PARAMS = ClockParams()
@@ -79,6 +100,14 @@ class NodeClockModel:
     n_points: int = 0
     uncertainty_ns: float = float("nan")  # median half-width of the causality interval
     is_reference: bool = False
+    # "minimal": per model point (seg_start), the interval of offsets the constraints allow
+    # (-inf / +inf where a side is not constrained); empty for the other methods
+    point_lo: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    point_hi: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    unconstrained_spans: list[tuple[float, float]] = field(default_factory=list)  # node clock ns, prior kept
+    inconsistent: str = ""  # why the data contradict every model of this node ('' when they do not)
+    drift_note: str = ""  # where this model itself drifts beyond the slew limit, and why
+    max_drift_ppm: float = MAX_DRIFT_PPM
 
     def offset_ns(self, t: np.ndarray | float) -> np.ndarray:
         """node clock - reference clock (ns) at node-clock time t (float ns from the epoch)."""
@@ -94,6 +123,27 @@ class NodeClockModel:
     @property
     def mean_drift_ppm(self) -> float:
         return float(np.mean(self.seg_drift_ppm)) if len(self.seg_drift_ppm) else 0.0
+
+    def interval_ns(self, t: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """The offsets at node-clock time t that the constraints allow: between model points, each
+        point's interval widened by the drift bound over the distance to it, the tighter of the two
+        neighbours taken. (-inf, +inf) where nothing constrains the node; (offset, offset) for the
+        reference; (NaN, NaN) for the methods that keep no intervals."""
+        tt = np.asarray(t, dtype=np.float64)
+        if self.is_reference:
+            o = self.offset_ns(tt)
+            return o, o.copy()
+        if not len(self.point_lo):
+            nan = np.full_like(tt, np.nan)
+            return nan, nan.copy()
+        s = self.max_drift_ppm * 1e-6
+        i = np.clip(np.searchsorted(self.seg_start, tt, side="right") - 1, 0, len(self.seg_start) - 1)
+        j = np.minimum(i + 1, len(self.seg_start) - 1)
+        with np.errstate(invalid="ignore"):
+            di, dj = np.abs(tt - self.seg_start[i]) * s, np.abs(self.seg_start[j] - tt) * s
+            lo = np.fmax(self.point_lo[i] - di, self.point_lo[j] - dj)
+            hi = np.fmin(self.point_hi[i] + di, self.point_hi[j] + dj)
+        return lo, hi
 
 
 @dataclass
@@ -293,7 +343,7 @@ def fit_clocks(
             m.node = node_names[ni]
             m.is_reference = ni == ref
             by_node[ni] = m
-        fit.causality_violations = _violations(sub, [res[j] for j in range(len(ref_comp))])
+        fit.causality_violations = _violations(sub, [res[j] for j in range(len(ref_comp))], params.violation_tol_ns)
     for ni in range(n_nodes):
         if ni in by_node:
             models.append(by_node[ni])
@@ -336,9 +386,16 @@ def _fit_by_domain(inst: InstanceRows, node_names: list[str], reference: str, pa
                    sub.causality_violations, pres.useful, list(sub.notes))
     for g in doms:
         if len(g) > 1:
-            fit.notes.append(f"{', '.join(node_names[i] for i in g)} read one clock (same boot id): "
-                             "zero offset between them by construction")
+            bad = _violations(_Subset(inst, np.arange(inst.n_rows), g), [_IDENTITY] * len(g), params.violation_tol_ns)
+            agree = ("their collectives agree" if not bad else
+                     f"but their data DISAGREE: in {bad} instance(s) a rank left before another entered on "
+                     "that one clock (timestamps of one node are off: check its collector)")
+            fit.notes.append(f"{', '.join(node_names[i] for i in g)} read one clock (same host and boot id): "
+                             f"zero offset between them by construction; {agree}")
     return fit
+
+
+_IDENTITY = NodeClockModel("", True, "", np.zeros(1), np.zeros(1), np.zeros(1))  # no correction
 
 
 def _window_index(t: np.ndarray, window_ns: float, min_points: int) -> tuple[np.ndarray, int]:
@@ -457,6 +514,8 @@ def _fit_component(inst: InstanceRows, ref: int, p: ClockParams) -> list[NodeClo
     if p.method == "none" or n == 1:
         return [NodeClockModel("", True, "", np.array([t[0]]), np.zeros(1), np.zeros(1), 0.0, int(npts[a]))
                 for a in range(n)]
+    if p.method == "minimal":
+        return _fit_minimal(rows, t, npts, ref, p)
 
     def read_D(k0: int, k1: int) -> np.ndarray:
         return rows.take(_all(k0, k1))[2] - t[k0:k1, None]
@@ -588,3 +647,276 @@ def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float 
         with quiet_nan():
             bad += int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
     return bad
+
+
+# --- method "minimal": the prior moved only as far as the constraints require --------------------
+RELAX_TOL_NS = 1.0  # a relaxation sweep that moves no correction by more than this has converged
+MAX_SWEEPS = 64  # more sweeps than this without converging is treated as a contradicting cycle
+
+
+def _relax(E: np.ndarray, X: np.ndarray, d0: np.ndarray, up: bool, box_lo: np.ndarray | None = None,
+           box_hi: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """Fixpoint of the causality constraints  d_a - d_b <= X[k, a] - E[k, b]  (a != b, both present
+    in instance k) and box_lo <= d <= box_hi, from d0 (inside the box): the least solution >= d0 (up)
+    or the greatest solution <= d0.
+
+    E, X: [instances, nodes] latest enter and earliest exit on the current model's clocks (NaN where
+    a node took no part). Each sweep is one Bellman-Ford round over every constraint at once, with
+    the top-two trick (O(instances x nodes)); -inf / +inf in d0 mean "no bound yet". Returns
+    (solution, converged); not converging, or leaving the box, means no correction satisfies the
+    constraints (a cycle of them, or one with the box: a box of width 0 pins a node)."""
+    d = d0.astype(np.float64).copy()
+    sweeps = min(E.shape[1] + 1, MAX_SWEEPS)
+    for _ in range(sweeps):
+        with quiet_nan():
+            if up:
+                new = np.fmax(d, np.nanmax(E - _others_extreme(X - d, "min"), axis=0))
+            else:
+                new = np.fmin(d, np.nanmin(X - _others_extreme(E - d, "max"), axis=0))
+        if box_hi is not None and up and np.any(new > box_hi + RELAX_TOL_NS):
+            return d, False
+        if box_lo is not None and not up and np.any(new < box_lo - RELAX_TOL_NS):
+            return d, False
+        with np.errstate(invalid="ignore"):  # inf - inf where a node is still unbounded: equal
+            moved = np.where(new == d, 0.0, np.abs(new - d))
+        if not (moved > RELAX_TOL_NS).any():
+            return new, True
+        d = new
+    return d, False
+
+
+@dataclass
+class _Piece:
+    """A run of instances (rows r0..r1 in time order) fitted with one constant correction."""
+
+    r0: int
+    r1: int
+    t: float  # median instance time, node clock ns
+    lo: np.ndarray  # [n] interval of the correction with the reference fixed (-inf/+inf: unbounded)
+    hi: np.ndarray
+    consistent: bool = True
+
+
+def _joint(E: np.ndarray, X: np.ndarray, target: np.ndarray, box_lo: np.ndarray, box_hi: np.ndarray,
+           ) -> np.ndarray | None:
+    """A correction near the target that satisfies the piece's constraints within the box (the
+    reference pinned by a box of width 0), or None when none does.
+
+    Each node first goes to the point of its own feasible range nearest the target (its range with
+    the reference fixed: it moves only as far as the data require, towards the truth, which lies in
+    that range). Those points need not satisfy the constraints between two other nodes together;
+    the least solution >= them and the greatest <= them do (both exist: the set is closed under
+    componentwise max and min, so its corners are feasible), and so does their mean, which is the
+    points themselves whenever they are jointly feasible."""
+    rng = _interval(E, X, box_lo, box_hi)
+    if rng is None:
+        return None
+    lo, hi = rng
+    x = np.clip(target, lo, hi)
+    up, ok_up = _relax(E, X, x, True, box_lo, box_hi)
+    down, ok_down = _relax(E, X, x, False, box_lo, box_hi)
+    if not (ok_up and ok_down):
+        return None
+    return np.clip((up + down) / 2, lo, hi)
+
+
+def _interval(E: np.ndarray, X: np.ndarray, box_lo: np.ndarray, box_hi: np.ndarray,
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per node, the range of corrections the piece's constraints allow within the box (the
+    reference pinned by a box of width 0): relaxation from the box's lower corner upwards and from
+    its upper corner downwards. None when the constraints contradict each other or the box."""
+    lo, ok_lo = _relax(E, X, box_lo.copy(), True, box_lo, box_hi)
+    hi, ok_hi = _relax(E, X, box_hi.copy(), False, box_lo, box_hi)
+    if not (ok_lo and ok_hi):
+        return None
+    return lo, hi
+
+
+def _ref_box(n: int, ref: int) -> tuple[np.ndarray, np.ndarray]:
+    box_lo, box_hi = np.full(n, -np.inf), np.full(n, np.inf)
+    box_lo[ref] = box_hi[ref] = 0.0
+    return box_lo, box_hi
+
+
+def _residual(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], r0: int, r1: int,
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Latest enter and earliest exit of rows r0..r1 on the current models' clocks."""
+    E_raw, X_raw, _ = rows.take(_all(r0, r1))
+    # each node's model at its own timestamps, exactly as align() will map them
+    E = np.column_stack([m.align(E_raw[:, a]) for a, m in enumerate(models)])
+    X = np.column_stack([m.align(X_raw[:, a]) for a, m in enumerate(models)])
+    return E, X
+
+
+def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, win: np.ndarray,
+            nw: int) -> list[_Piece]:
+    """Each window's interval; a window whose constraints no constant satisfies (drift inside it) is
+    split in halves until each half is satisfiable, or a single contradicting instance is left."""
+    n = rows.n_cols
+    out: list[_Piece] = []
+    bounds = np.searchsorted(win, np.arange(nw + 1))
+    # a window of more than a block of cells is fitted in pieces of a block: memory stays bounded by
+    # BLOCK_CELLS whatever the node count (docs/merge.md, "Rank 0's memory")
+    step = block_rows(n)
+    spans = [(a, min(int(bounds[w + 1]), a + step)) for w in range(nw)
+             for a in range(int(bounds[w]), int(bounds[w + 1]), step)]
+    for r0, r1 in spans:
+        E, X = _residual(rows, t, models, r0, r1)
+        stack = [(r0, r1)]
+        while stack:
+            a, b = stack.pop()
+            got = _interval(E[a - r0:b - r0], X[a - r0:b - r0], *_ref_box(n, ref))
+            tm = float(np.median(t[a:b]))
+            if got is not None:
+                out.append(_Piece(a, b, tm, *got))
+            elif b - a > 1:
+                mid = (a + b) // 2
+                stack.extend([(mid, b), (a, mid)])
+            else:
+                nan = np.full(n, np.nan)
+                out.append(_Piece(a, b, tm, nan, nan.copy(), consistent=False))
+    out.sort(key=lambda pc: pc.r0)
+    return out
+
+
+def _tube(tp: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The intervals tightened so that a path with |slope| <= s runs through all of them (forward and
+    backward passes); False when no such path exists."""
+    lo, hi = lo.copy(), hi.copy()
+    for i in range(1, len(tp)):
+        g = s * (tp[i] - tp[i - 1])
+        lo[i], hi[i] = max(lo[i], lo[i - 1] - g), min(hi[i], hi[i - 1] + g)
+    for i in range(len(tp) - 2, -1, -1):
+        g = s * (tp[i + 1] - tp[i])
+        lo[i], hi[i] = max(lo[i], lo[i + 1] - g), min(hi[i], hi[i + 1] + g)
+    return lo, hi, bool(np.all(lo <= hi + RELAX_TOL_NS))
+
+
+def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: float) -> np.ndarray:
+    """Points as close to `want` as the tube allows, each within s x dt of the previous one."""
+    p = np.empty_like(want)
+    for i in range(len(tp)):
+        a, b = lo[i], hi[i]
+        if i:
+            g = s * (tp[i] - tp[i - 1])
+            a, b = max(a, p[i - 1] - g), min(b, p[i - 1] + g)
+        p[i] = min(max(want[i], a), b) if a <= b else (a + b) / 2
+    return p
+
+
+def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, p: ClockParams,
+                 ) -> list[NodeClockModel]:
+    """Per iteration: each piece's interval against the current model (_pieces), each node's tube of
+    bounded drift through them (_tube), then one forward pass over the pieces choosing, jointly for
+    all nodes, the correction nearest the prior inside the constraints and inside each node's tube
+    and drift bound from its previous point (_joint). The points joined linearly are the new model."""
+    n = rows.n_cols
+    s = p.max_drift_ppm * 1e-6
+    win, nw = _window_index(t, p.window_s * 1e9, p.min_points)
+    zero = np.zeros(1)
+    models = [NodeClockModel("", True, "", np.array([t[0]]), zero.copy(), zero.copy(), max_drift_ppm=p.max_drift_ppm)
+              for _ in range(n)]
+    pieces: list[_Piece] = []
+    notes = [""] * n  # sticky: a later iteration, fitted against a corrected model, may not see it
+    contradicted = np.zeros(n, bool)
+    for it in range(max(1, p.max_iterations)):
+        # each round fits constants against the last round's model; joined linearly they can leave a
+        # few instances out of order between two points: go on until none is (or the data say why)
+        if it >= p.iterations and _violations(rows, models, p.violation_tol_ns) == 0:
+            break
+        pieces = _pieces(rows, t, models, ref, win, nw)
+        tp = np.array([pc.t for pc in pieces])
+        base = np.column_stack([m.offset_ns(tp) for m in models])  # [pieces, n]
+        lo = base + np.array([pc.lo for pc in pieces])
+        hi = base + np.array([pc.hi for pc in pieces])
+        lo, hi = np.where(np.isnan(lo), -np.inf, lo), np.where(np.isnan(hi), np.inf, hi)  # contradicting
+        tube_lo, tube_hi = lo.copy(), hi.copy()
+        for a in range(n):
+            if a == ref:
+                continue
+            la, ha, ok = _tube(tp, lo[:, a], hi[:, a], s)
+            if ok:
+                tube_lo[:, a], tube_hi[:, a] = la, ha
+            elif not notes[a]:
+                notes[a] = (f"the collectives ask for a drift beyond {p.max_drift_ppm:.0f} ppm (the kernel's slew "
+                            "limit): the data are inconsistent with any physical clock")
+        pts = np.zeros((len(pieces), n))
+        if it < p.iterations:
+            # jointly per piece: the correction nearest the prior that the piece's constraints allow;
+            # then per node the path nearest those points with bounded drift inside the node's tube
+            want = base.copy()
+            for i, pc in enumerate(pieces):
+                if not pc.consistent:
+                    continue
+                E, X = _residual(rows, t, models, pc.r0, pc.r1)
+                d = _joint(E, X, -base[i], *_ref_box(n, ref))
+                if d is None:
+                    contradicted |= np.isfinite(E).any(axis=0)
+                    continue
+                want[i] = base[i] + d
+            for a in range(n):
+                if a != ref:
+                    pts[:, a] = _bounded_path(tp, want[:, a], tube_lo[:, a], tube_hi[:, a], s)
+        else:
+            # repair: what the per-node paths left out of order between nodes, fixed jointly piece by
+            # piece in time order, each node kept inside its tube and its drift bound from the last point
+            for i, pc in enumerate(pieces):
+                b_lo, b_hi = tube_lo[i] - base[i], tube_hi[i] - base[i]
+                if i:
+                    g = s * (tp[i] - tp[i - 1])
+                    b_lo = np.fmax(b_lo, pts[i - 1] - g - base[i])
+                    b_hi = np.fmin(b_hi, pts[i - 1] + g - base[i])
+                b_lo[ref] = b_hi[ref] = 0.0
+                d = None
+                if pc.consistent:
+                    E, X = _residual(rows, t, models, pc.r0, pc.r1)
+                    d = _joint(E, X, np.zeros(n), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
+                    if d is None:  # the constraints win over the drift bound (said below, if it shows)
+                        d = _joint(E, X, np.zeros(n), *_ref_box(n, ref))
+                    if d is None:
+                        contradicted |= np.isfinite(E).any(axis=0)
+                pts[i] = base[i] + (d if d is not None else 0.0)
+        tp_all = np.concatenate([[t[0]], tp, [t[-1]]])
+        new_models = []
+        for a in range(n):
+            pa = np.concatenate([pts[:1, a], pts[:, a], pts[-1:, a]])
+            with np.errstate(invalid="ignore", divide="ignore"):
+                drift = np.append(np.diff(pa) / np.maximum(np.diff(tp_all), 1.0) * 1e6, 0.0)
+            la = np.concatenate([tube_lo[:1, a], tube_lo[:, a], tube_lo[-1:, a]])
+            ha = np.concatenate([tube_hi[:1, a], tube_hi[:, a], tube_hi[-1:, a]])
+            new_models.append(NodeClockModel("", True, "", tp_all, pa, drift, float("nan"), int(npts[a]),
+                                             point_lo=la, point_hi=ha, inconsistent=notes[a],
+                                             max_drift_ppm=p.max_drift_ppm))
+        models = new_models
+    # what the final pieces say about each node: its error interval and where nothing constrained it
+    for a, m in enumerate(models):
+        if a == ref:
+            m.uncertainty_ns = 0.0
+            continue
+        steep = np.flatnonzero(np.abs(m.seg_drift_ppm) > p.max_drift_ppm * (1 + 1e-9))
+        if len(steep) and not m.inconsistent:
+            # not a claim about the data (its tube exists): the greedy joint repair found no path
+            # within the bound that also keeps every node pair in order, so the model says so
+            m.drift_note = (f"between t={m.seg_start[steep[0]] / 1e9:.1f} s and "
+                            f"t={m.seg_start[min(steep[-1] + 1, len(m.seg_start) - 1)] / 1e9:.1f} s this model "
+                            f"drifts up to {float(np.max(np.abs(m.seg_drift_ppm))):.0f} ppm (beyond the "
+                            f"{p.max_drift_ppm:.0f} ppm slew limit) to keep every collective in order; the "
+                            "collectives pin the node only loosely there (see its interval)")
+        widths = [pc.hi[a] - pc.lo[a] for pc in pieces if np.isfinite(pc.hi[a] - pc.lo[a])]
+        m.uncertainty_ns = float(np.median(widths)) / 2 if widths else float("nan")
+        spans: list[tuple[float, float]] = []
+        for pc in pieces:
+            if pc.consistent and np.isinf(pc.lo[a]) and np.isinf(pc.hi[a]):
+                t0, t1 = float(t[pc.r0]), float(t[pc.r1 - 1])
+                if spans and spans[-1][1] >= float(t[max(pc.r0 - 1, 0)]):
+                    spans[-1] = (spans[-1][0], t1)
+                else:
+                    spans.append((t0, t1))
+        m.unconstrained_spans = spans
+        if not widths:
+            m.reason = "no collective constrains this node's clock: it keeps its wall clock (the prior)"
+        if contradicted[a]:
+            extra = ("some instances contradict every clock correction (a cycle of causality constraints: "
+                     "this node's timestamps disagree with the others'); the prior is kept there")
+            m.inconsistent = f"{m.inconsistent}; {extra}" if m.inconsistent else extra
+    return models

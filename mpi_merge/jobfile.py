@@ -220,15 +220,23 @@ def finish_job_file(job_tmp: Path, a: JobAnalysis, collectives_part: Path, *, me
                 "offset_ns_at_start": float(m.seg_offset[0]) if len(m.seg_offset) else None,
                 "drift_ppm_mean": m.mean_drift_ppm if m.aligned else None, "segments": len(m.seg_start),
                 "residual_ns": m.residual_ns, "uncertainty_ns": m.uncertainty_ns, "n_points": m.n_points,
+                "inconsistent": m.inconsistent, "drift_note": m.drift_note,
+                "unconstrained_spans_json": json.dumps([[int(s0) + a.epoch_rt, int(s1) + a.epoch_rt]
+                                                        for s0, s1 in m.unconstrained_spans]),
             })
+            has_iv = len(m.point_lo) == len(m.seg_start)
             for i in range(len(m.seg_start)):
                 seg_rows.append({"node": m.node, "segment": i,
                                  "t_start_ns": round(m.seg_start[i]) + a.epoch_rt,
-                                 "offset_ns": float(m.seg_offset[i]), "drift_ppm": float(m.seg_drift_ppm[i])})
+                                 "offset_ns": float(m.seg_offset[i]), "drift_ppm": float(m.seg_drift_ppm[i]),
+                                 "offset_lo_ns": float(m.point_lo[i]) if has_iv else float("nan"),
+                                 "offset_hi_ns": float(m.point_hi[i]) if has_iv else float("nan")})
         _table(clk, "nodes", node_rows, "per node: clock model summary against the reference node")
         _table(clk, "segments", seg_rows,
                "piecewise linear offset (node realtime - reference realtime) from t_start_ns (node realtime, "
-               "ns since the epoch) until the next segment: offset_ns + drift_ppm*1e-6*(t - t_start_ns)")
+               "ns since the epoch) until the next segment: offset_ns + drift_ppm*1e-6*(t - t_start_ns); "
+               "offset_lo_ns..offset_hi_ns: the offsets the causality constraints allow at t_start_ns "
+               "(-inf/+inf: unconstrained; NaN: the method keeps no intervals)")
         with h5py.File(collectives_part, "r") as src:
             src.copy(src["collectives"], f, name="collectives")
         an = f.create_group("analysis")
