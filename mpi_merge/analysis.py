@@ -346,7 +346,10 @@ class JobAnalyzer:
         for mm in mism:
             self.partial.append(f"communicator {mm.comm_id:#x}: {mm.kind} at seq {mm.first_seq}: {mm.detail}")
         times = [StoreAligned(store, ci, _models_of_rank(c, names, models)) for ci, c in enumerate(store.comms)]
-        findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params)
+        # each node's clock error (the model's uncertainty; 0 where unknown) sets the stragglers' effect floor
+        clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
+        findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
+                                             clock_error_ns=clock_err)
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
@@ -434,6 +437,19 @@ def _f(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
+def _clock_interval(m: NodeClockModel, epoch_rt: int) -> dict[str, Any]:
+    """What the data allow of a node's offset (method "minimal"): the interval at the model's first
+    point, where the model keeps the prior for lack of any constraint, and what the data contradict."""
+    lo, hi = m.interval_ns(np.array([m.seg_start[0]])) if len(m.seg_start) else (np.full(1, np.nan),) * 2
+    return {
+        "interval_lo_us": _f(float(lo[0]) / 1e3), "interval_hi_us": _f(float(hi[0]) / 1e3),
+        # seconds since the job's epoch (the node-clock times of the models are ns from it)
+        "unconstrained_spans_s": [[s0 / 1e9, s1 / 1e9] for s0, s1 in m.unconstrained_spans],
+        "unconstrained_spans_realtime_ns": [[int(s0) + epoch_rt, int(s1) + epoch_rt] for s0, s1 in m.unconstrained_spans],
+        "inconsistent": m.inconsistent, "drift_note": m.drift_note,
+    }
+
+
 def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
     """The machine-readable report (the .json file); the text and HTML reports render it."""
     ms = 1e6
@@ -451,6 +467,7 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
                 "drift_ppm": _f(m.mean_drift_ppm) if m.aligned else None,
                 "segments": len(m.seg_start), "residual_us": _f(m.residual_ns / 1e3),
                 "uncertainty_us": _f(m.uncertainty_ns / 1e3), "n_points": m.n_points,
+                **_clock_interval(m, a.epoch_rt),
             },
             "gpus": s.gpus,
         })
@@ -487,7 +504,11 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
                   "causality_violations": a.clock.causality_violations,
                   "instances_used": a.clock.instances_used, "notes": a.clock.notes},
         "nodes": nodes, "idle_or_underused_gpus": idle, "communicators": comms, "ranks": ranks,
-        "stragglers": [f.as_dict() for f in a.findings], "straggler_metrics": a.straggler_metrics,
+        # stragglers are root causes (cost, propagated lateness under each); the summary says how many
+        # tests the false discovery rate was controlled over
+        "stragglers": [f.as_dict() for f in a.findings],
+        "straggler_summary": a.straggler_metrics.get("_summary", {}),
+        "straggler_metrics": {k: v for k, v in a.straggler_metrics.items() if k != "_summary"},
         "mismatches": [describe(m) for m in a.mismatches],
         "p2p": None if a.p2p_waits is None else {
             "pairs": len(a.p2p_waits.late_sender_ns), "unmatched": p2p_unmatched,

@@ -57,6 +57,19 @@ def render_text(r: dict[str, Any]) -> str:
         out.append(f"{n['node']:<14}{_fmt(k['offset_us'], '.1f'):>12}{_fmt(k['drift_ppm'], '.2f'):>10}"
                    f"{k['segments']:>5}{_fmt(k['residual_us'], '.2f'):>9}{_fmt(k['uncertainty_us'], '.1f'):>8}"
                    f"{k['n_points']:>8}{n['collective_calls']:>9}{n['drops_total']:>7}  {state}")
+    for n in r["nodes"]:
+        k = n["clock"]
+        spans = k.get("unconstrained_spans_s") or []
+        if spans:
+            out.append(f"  {n['node']}: no collective constrains its clock over "
+                       + ", ".join(f"t={a:.1f}-{b:.1f} s" for a, b in spans[:5])
+                       + (f" (+{len(spans) - 5} more)" if len(spans) > 5 else "")
+                       + ": its wall clock (the prior) is kept there")
+        for key in ("inconsistent", "drift_note"):
+            if k.get(key):
+                out.append(f"  {n['node']}: {k[key]}")
+    for note in c.get("notes", []):
+        out.append(f"  {note}")
     out.append("")
     out.append(f"{'node':<14}{'gpu':>4}  {'name':<22}{'util%':>7}{'sm%':>7}{'mem_max_GiB':>12}")
     for n in r["nodes"]:
