@@ -176,6 +176,10 @@ class Selection:
         return job_comm_shapes([s.comm_shapes for s in self.nodes])
 
 
+def _rank_list(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks[:8]) + (f",... ({len(ranks)})" if len(ranks) > 8 else "")
+
+
 def p2p_rows(calls: np.ndarray) -> np.ndarray:
     """The point-to-point calls of a node: all match_p2p reads of it."""
     return calls[np.isin(calls["op"], list(P2P_OPS))]
@@ -269,6 +273,14 @@ class JobAnalyzer:
         for s in sel.nodes:
             if not s.n_calls:
                 self.partial.append(f"node {s.node}: no collective calls recorded (metrics kept, clock not aligned)")
+        # a node cut short (collector killed, node crashed) or without a file loses its own ranks from
+        # the instances it misses; the other ranks' instances are still judged
+        cut = {i for i, s in enumerate(sel.nodes) if s.partial_reasons}
+        for ci, ranks, start in store.exclude_cut_ranks(cut):
+            c = store.comms[ci]
+            who = (f"node {self.names[int(c.node_of_rank[ranks[0]])]}'s file ends" if start else "no node file has them")
+            self.partial.append(f"communicator {c.comm_id:#x}: ranks {_rank_list(ranks)} left out from seq {start} "
+                                f"on ({who}); its {c.n_seq - start} later instance(s) are judged on the other ranks")
         self.mismatch_flags: list[MismatchRows] = []
         self.complete: list[np.ndarray] = []
         self.clock: ClockFit | None = None

@@ -58,16 +58,31 @@ class CommTable:
     nbytes: np.ndarray  # [n_seq, size] int64
     root: np.ndarray  # [n_seq, size] int32
     seq0: int = 0  # seq of the first row: a CommStore block holds rows seq0 .. seq0 + n_seq - 1
+    # [size] seq from which a rank is left out (its node's file ends there, or it has no file at
+    # all): the instances it misses are judged on the other ranks instead of being lost for all.
+    # None: every rank takes part in every instance.
+    excluded_from: np.ndarray | None = None
 
     @property
     def n_seq(self) -> int:
         return int(self.enter.shape[0])
 
+    def active(self) -> np.ndarray:
+        """[n_seq, size] bool: the rank is expected in the instance (not excluded there)."""
+        if self.excluded_from is None:
+            return np.ones(self.op.shape, bool)
+        seqs = self.seq0 + np.arange(self.n_seq)
+        return seqs[:, None] < self.excluded_from[None, :]
+
     def complete(self) -> np.ndarray:
-        """Instances every rank entered and left, with one op: the ones wait states are computed on."""
-        present = (self.op >= 0).all(axis=1) & np.isfinite(self.exit).all(axis=1)
-        same = (self.op == self.op[:, :1]).all(axis=1)
-        return present & same
+        """Instances every expected rank entered and left, with one op, and at least two of them:
+        the ones wait states are computed on."""
+        act = self.active()
+        present = np.where(act, (self.op >= 0) & np.isfinite(self.exit), True).all(axis=1)
+        first = np.argmax(act, axis=1)  # the first expected rank's op is the one all must have called
+        ref_op = self.op[np.arange(self.n_seq), first]
+        same = np.where(act, self.op == ref_op[:, None], True).all(axis=1)
+        return present & same & (act.sum(axis=1) >= 2)
 
 
 @dataclass
@@ -172,6 +187,8 @@ class StoredComm:
     pid_of_rank: np.ndarray  # [size]
     data: dict[str, ArrayLike2D]  # STORE_FIELDS name -> [size, n_seq]
     written: np.ndarray  # [size] bool: a node has filled this rank's row
+    last_seq: np.ndarray  # [size] the last seq a rank called, -1 when none
+    excluded_from: np.ndarray  # [size] CommTable.excluded_from (n_seq: never excluded)
 
 
 class CommStore:
@@ -191,7 +208,8 @@ class CommStore:
                     data[name] = scratch.create_dataset(f"comm{ci}/{name}", shape=(size, n_seq), dtype=dtype,
                                                         fillvalue=fill)
             self.comms.append(StoredComm(cid, size, n_seq, np.full(size, -1, np.int64), np.zeros(size, np.int64),
-                                         data, np.zeros(size, bool)))
+                                         data, np.zeros(size, bool), np.full(size, -1, np.int64),
+                                         np.full(size, n_seq, np.int64)))
         self._index = {c.comm_id: ci for ci, c in enumerate(self.comms)}
 
     def add_node(self, ni: int, calls: np.ndarray) -> None:
@@ -218,11 +236,33 @@ class CommStore:
             for rr in np.unique(r):
                 mine = r == rr
                 c.pid_of_rank[rr] = int(p["pid"][mine][0])
+                c.last_seq[rr] = max(int(c.last_seq[rr]), int(s[mine].max()))
                 for name, dtype, fill in STORE_FIELDS:
                     row = c.data[name][rr] if c.written[rr] else np.full(c.n_seq, fill, dtype)
                     row[s[mine]] = values[name][mine]
                     c.data[name][rr] = row
                 c.written[rr] = True
+
+    def exclude_cut_ranks(self, cut_nodes: set[int]) -> list[tuple[int, list[int], int]]:
+        """Leave out, from the instances they miss, the ranks of nodes whose file was cut short (from
+        the seq after their last call) and ranks no node file has (from the start), instead of
+        making those instances incomplete for every rank. Returns (comm index, ranks, from seq) per
+        group left out, for the report."""
+        out = []
+        for ci, c in enumerate(self.comms):
+            unseen = np.flatnonzero(c.node_of_rank < 0)
+            if len(unseen) and len(unseen) < c.size:
+                c.excluded_from[unseen] = 0
+                out.append((ci, [int(r) for r in unseen], 0))
+            for ni in sorted(cut_nodes):
+                ranks = np.flatnonzero(c.node_of_rank == ni)
+                if not len(ranks):
+                    continue
+                start = int(c.last_seq[ranks].max()) + 1
+                if start < c.n_seq:
+                    c.excluded_from[ranks] = start
+                    out.append((ci, [int(r) for r in ranks], start))
+        return out
 
     def blocks(self, ci: int) -> list[tuple[int, int]]:
         """(first seq, end seq) of the blocks a pass over communicator ci reads."""
@@ -234,7 +274,8 @@ class CommStore:
         c = self.comms[ci]
         d = {name: np.ascontiguousarray(c.data[name][:, s0:s1].T) for name, _, _ in STORE_FIELDS}
         return CommTable(c.comm_id, c.size, c.node_of_rank, c.pid_of_rank, d["enter"], d["exit"], d["op"],
-                         d["nbytes"], d["root"], seq0=s0)
+                         d["nbytes"], d["root"], seq0=s0,
+                         excluded_from=c.excluded_from if (c.excluded_from < c.n_seq).any() else None)
 
     def read(self, ci: int, name: str, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
         """One field at the given seqs (any order) and ranks: [len(seqs), ranks]."""

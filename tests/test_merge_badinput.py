@@ -118,6 +118,28 @@ def test_cut_off_node_and_hang(tmp_path: Path) -> None:
     assert m["kind"] == "missing_rank" and m["culprit_nodes"] == ["node001"] and "cut off" in m["detail"]
 
 
+def test_cut_off_node_loses_only_its_own_ranks(tmp_path: Path) -> None:
+    """A node whose collector died half-way: its ranks are left out of the later instances, which
+    are still judged on the other ranks (not dropped for everyone), and the report says so."""
+    d = tmp_path / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=8, cutoff_nodes={1: 4.0}), d)
+    _code, rep, _ = run(d)
+    world = rep["communicators"][0]
+    assert world["complete"] >= 0.9 * world["instances"], world
+    left_out = [r for r in rep["partial_reasons"] if "left out from seq" in r]
+    assert left_out and "ranks 1 " in left_out[0] and "node node001's file ends" in left_out[0]
+
+
+def test_missing_node_file_leaves_its_ranks_out(base: Path, tmp_path: Path) -> None:
+    d = copy(base, tmp_path)
+    (d / "node003.h5").unlink()
+    code, rep, _ = run(d, "--expect-nodes", "node000,node001,node002,node003")
+    assert code == EXIT_PARTIAL and rep["missing_nodes"] == ["node003"]
+    world = rep["communicators"][0]
+    assert world["complete"] >= 0.9 * world["instances"], world
+    assert any("ranks 3 left out from seq 0" in r and "no node file" in r for r in rep["partial_reasons"])
+
+
 def test_hung_job_culprit(tmp_path: Path) -> None:
     d = tmp_path / "job.gpuprof.d"
     syn.generate(syn.SynthConfig(nodes=4, duration_s=8, hang_at_seq=500, hang_culprit=2), d)
