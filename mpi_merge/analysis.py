@@ -28,6 +28,7 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, NodeClockModel, fit_clocks
+from gpuprof.mpi_merge.common import row_blocks
 from gpuprof.mpi_merge.loading import NodeSummary
 from gpuprof.mpi_merge.matching import (
     P2P_OPS,
@@ -36,6 +37,8 @@ from gpuprof.mpi_merge.matching import (
     InstanceTable,
     Mismatch,
     MismatchRows,
+    NodeInstances,
+    P2PPairs,
     StoredComm,
     describe,
     find_mismatches,
@@ -43,6 +46,7 @@ from gpuprof.mpi_merge.matching import (
     match_p2p,
     mismatch_rows,
     node_instances,
+    p2p_instances,
 )
 from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, Finding, StragglerParams, find_stragglers
 from gpuprof.mpi_merge.waitstates import (
@@ -281,6 +285,7 @@ class JobAnalyzer:
             who = (f"node {self.names[int(c.node_of_rank[ranks[0]])]}'s file ends" if start else "no node file has them")
             self.partial.append(f"communicator {c.comm_id:#x}: ranks {_rank_list(ranks)} left out from seq {start} "
                                 f"on ({who}); its {c.n_seq - start} later instance(s) are judged on the other ranks")
+        self._p2p: P2PPairs | None = None  # matched once, in fit_clocks, for the clock fit and the waits
         self.mismatch_flags: list[MismatchRows] = []
         self.complete: list[np.ndarray] = []
         self.clock: ClockFit | None = None
@@ -288,7 +293,12 @@ class JobAnalyzer:
     def fit_clocks(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS) -> ClockFit:
         """Pass 1 over the store, then the clock fit. Returns the models every rank needs."""
         nodes, names = self.sel.nodes, self.names
-        inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms), self.scratch)
+        # matched messages constrain the clocks too (method "minimal": no receive completes before its
+        # send started); the other methods are exit-synchronous estimates that only collectives fit
+        self._p2p = match_p2p(self.p2p_calls, self.store.epoch_rt)
+        msg_rows = p2p_instances(self._p2p, len(nodes)) if params.method == "minimal" else None
+        n_msg = msg_rows.n_rows if msg_rows is not None else 0
+        inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms) + n_msg, self.scratch)
         for ci, c in enumerate(self.store.comms):
             flags = []
             complete = np.zeros(c.n_seq, bool)
@@ -299,6 +309,10 @@ class JobAnalyzer:
                 inst.append(node_instances([blk], len(nodes)))
             self.mismatch_flags.append(MismatchRows.concat(flags))
             self.complete.append(complete)
+        if msg_rows is not None and n_msg:
+            for k0, k1 in row_blocks(n_msg, len(nodes)):
+                inst.append(NodeInstances(*(getattr(msg_rows, f)[k0:k1] for f in
+                                            ("enter_max", "exit_min", "exit_med", "comm_id", "seq"))))
         if reference and reference not in names:
             self.partial.append(f"configured reference node {reference} not among the merged nodes; using the first")
             reference = ""
@@ -341,7 +355,7 @@ class JobAnalyzer:
             comms.append(cs)
             if heat_acc is not None:
                 heat = heat_acc.result()
-        p2p = match_p2p(self.p2p_calls, epoch)
+        p2p = self._p2p if self._p2p is not None else match_p2p(self.p2p_calls, epoch)
         p2p_waits = None
         if len(p2p.src):
             def al(nodes_idx: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -351,7 +365,8 @@ class JobAnalyzer:
                     out[sel_] = models[names[int(ni)]].align(t[sel_])
                 return out
             p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
-                                          al(p2p.recv_node, p2p.recv_enter))
+                                          al(p2p.recv_node, p2p.recv_enter), al(p2p.recv_node, p2p.recv_wait),
+                                          al(p2p.recv_node, p2p.recv_exit))
         partial_nodes = {s.node for s in sel.nodes if s.partial_reasons}
         mism = find_mismatches(store, self.mismatch_flags, names, partial_nodes,
                                {e.node: e.reason for e in sel.excluded if e.node})
@@ -368,9 +383,9 @@ class JobAnalyzer:
             mismatches=mism, findings=findings, straggler_metrics=smetrics,
             lanes=_lanes(comms[0], times[0]) if comms else None, heat=heat, partial_reasons=self.partial,
         )
-        if p2p.unmatched:
-            a.partial_reasons.append(f"{p2p.unmatched} point-to-point calls without a matching partner")
-        a.report = build_report_dict(a, p2p.unmatched)
+        for why, n in p2p.unmatched_reasons.items():
+            a.partial_reasons.append(f"point to point: {n} {why}")
+        a.report = build_report_dict(a, p2p.unmatched, {**p2p.unmatched_reasons, **p2p.unpaired_reasons})
         return a
 
 
@@ -462,7 +477,8 @@ def _clock_interval(m: NodeClockModel, epoch_rt: int) -> dict[str, Any]:
     }
 
 
-def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
+def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0,
+                      p2p_reasons: dict[str, int] | None = None) -> dict[str, Any]:
     """The machine-readable report (the .json file); the text and HTML reports render it."""
     ms = 1e6
     nodes = []
@@ -524,6 +540,7 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0) -> dict[str, Any]:
         "mismatches": [describe(m) for m in a.mismatches],
         "p2p": None if a.p2p_waits is None else {
             "pairs": len(a.p2p_waits.late_sender_ns), "unmatched": p2p_unmatched,
+            "unmatched_reasons": dict(p2p_reasons or {}),
             "Late Sender_ms_total": float(a.p2p_waits.late_sender_ns.sum()) / ms,
             "Late Receiver_ms_total": float(a.p2p_waits.late_receiver_ns.sum()) / ms,
         },

@@ -292,7 +292,7 @@ def _presence(inst: InstanceRows) -> _Presence:
     uf = _UnionFind(n)
     for k0, k1 in row_blocks(inst.n_rows, n):
         E, _, Xm = inst.take(_all(k0, k1))
-        present = np.isfinite(Xm) & np.isfinite(E)
+        present = np.isfinite(Xm) | np.isfinite(E)  # a message row has one side per node
         points += present.sum(axis=0)
         ok = present.sum(axis=1) >= 2
         useful += int(ok.sum())
@@ -333,7 +333,7 @@ def fit_clocks(
         rows = []
         for k0, k1 in row_blocks(inst.n_rows, n_nodes):
             E, _, Xm = inst.take(_all(k0, k1))
-            present = np.isfinite(Xm) & np.isfinite(E)
+            present = np.isfinite(Xm) | np.isfinite(E)  # a message row has one side per node
             hit = (present.sum(axis=1) >= 2) & present[:, ref_comp].any(axis=1)
             rows.append(np.flatnonzero(hit) + k0)
         sub = _Subset(inst, np.concatenate(rows), ref_comp)

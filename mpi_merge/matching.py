@@ -32,9 +32,16 @@ ONE_TO_N_OPS = frozenset(_I[n] for n in ("MPI_Bcast", "MPI_Scatter", "MPI_Scatte
 N_TO_ONE_OPS = frozenset(_I[n] for n in ("MPI_Reduce", "MPI_Gather", "MPI_Gatherv", "ncclReduce"))
 OTHER_BLOCKING = frozenset({_I["MPI_Scan"]})
 COLLECTIVE_SET = NXN_OPS | BARRIER_OPS | ONE_TO_N_OPS | N_TO_ONE_OPS | OTHER_BLOCKING
-SEND_OPS = frozenset({_I["MPI_Send"], _I["ncclSend"]})
-RECV_OPS = frozenset({_I["MPI_Recv"], _I["ncclRecv"]})
-P2P_OPS = SEND_OPS | RECV_OPS
+# Point to point: the send half of MPI_Sendrecv is a row of op MPI_Sendrecv, its receive half a row of
+# op MPI_Recv with the same times (docs/probes.md). Non-blocking ones complete in an MPI_Wait/Test row
+# that carries the communicator, seq, peer and tag of the call that started the request.
+BLOCKING_SEND_OPS = frozenset({_I["MPI_Send"], _I["MPI_Sendrecv"], _I["ncclSend"]})
+SEND_OPS = BLOCKING_SEND_OPS | {_I["MPI_Isend"]}
+RECV_OPS = frozenset({_I["MPI_Recv"], _I["MPI_Irecv"], _I["ncclRecv"]})
+NONBLOCKING_P2P_OPS = frozenset({_I["MPI_Isend"], _I["MPI_Irecv"]})
+COMPLETION_OPS = frozenset(_I[n] for n in ("MPI_Wait", "MPI_Waitall", "MPI_Test", "MPI_Testall"))
+P2P_OPS = SEND_OPS | RECV_OPS | COMPLETION_OPS
+SEQ_NONE = 0xFFFFFFFFFFFFFFFF  # a call without a sequence number (bpf/gpuprof_events.h GP_SEQ_NONE)
 NCCL_OPS = frozenset(i for i, n in enumerate(OPS) if n.startswith("nccl"))
 # Ops whose buffers must have the same size on every rank (v-variants legitimately differ).
 SAME_SIZE_OPS = frozenset(_I[n] for n in (
@@ -99,17 +106,28 @@ class Mismatch:
 
 @dataclass
 class P2PPairs:
+    """Matched messages: one entry per send matched with its receive. Times raw float ns from the
+    epoch, on the sending or receiving node's clock; NaN where a call never returned or a
+    non-blocking request has no completion row."""
+
     comm_id: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     tag: np.ndarray
     send_node: np.ndarray
     recv_node: np.ndarray
-    send_enter: np.ndarray  # raw float ns
-    send_exit: np.ndarray
-    recv_enter: np.ndarray
-    recv_exit: np.ndarray
+    send_enter: np.ndarray  # the send started (Send/Sendrecv/Isend entry)
+    send_exit: np.ndarray  # the send completed (its return, or its request's Wait/Test return)
+    recv_enter: np.ndarray  # the receive was posted (Recv/Irecv entry)
+    recv_exit: np.ndarray  # the receive completed (its return, or its request's Wait/Test return)
     unmatched: int = 0
+    # the receiver began to wait for the message: Recv entry, or its request's Wait entry
+    recv_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    send_blocking: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # Send/Sendrecv, not Isend
+    # calls with no partner recorded at all (data lost, or a partner without a file), by reason
+    unmatched_reasons: dict[str, int] = field(default_factory=dict)
+    # calls that have a partner but cannot be paired or timed from what the probes record, by reason
+    unpaired_reasons: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -414,45 +432,56 @@ def _ranks(rs: list[int]) -> str:
     return ",".join(str(r) for r in rs[:20]) + ("..." if len(rs) > 20 else "")
 
 
-def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
-    """Blocking sends and receives matched by (comm, src, dst, tag, order), as MPI orders them."""
-    sends: list[np.ndarray] = []
-    recvs: list[np.ndarray] = []
-    dt = np.dtype([("comm", "<u8"), ("src", "<i8"), ("dst", "<i8"), ("tag", "<i8"), ("node", "<i8"),
-                   ("enter", "<f8"), ("exit", "<f8")])
-    for ni, c in enumerate(calls_by_node):
-        if not len(c):
-            continue
-        for ops, is_send in ((SEND_OPS, True), (RECV_OPS, False)):
-            p = c[np.isin(c["op"], list(ops))]
-            if not len(p):
-                continue
-            a = np.zeros(len(p), dt)
-            a["comm"] = p["comm_id"]
-            a["src"] = p["comm_rank"] if is_send else p["root_or_peer"]
-            a["dst"] = p["root_or_peer"] if is_send else p["comm_rank"]
-            a["tag"] = p["tag"]
-            a["node"] = ni
-            a["enter"] = (p["enter_rt"] - epoch_rt).astype(np.float64)
-            a["exit"] = np.where(p["returned"], (p["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
-            (sends if is_send else recvs).append(a)
-    S = np.concatenate(sends) if sends else np.zeros(0, dt)
-    R = np.concatenate(recvs) if recvs else np.zeros(0, dt)
-    S = _with_order(S)
-    R = _with_order(R)
-    key = ("comm", "src", "dst", "tag", "order")
-    if len(S) and len(R):
-        sk = {tuple(x): i for i, x in enumerate(S[list(key)].tolist())}
-        pairs = [(sk[tuple(x)], j) for j, x in enumerate(R[list(key)].tolist()) if tuple(x) in sk]
-    else:
-        pairs = []
-    si = np.array([p[0] for p in pairs], np.int64)
-    ri = np.array([p[1] for p in pairs], np.int64)
-    return P2PPairs(
-        comm_id=S["comm"][si], src=S["src"][si], dst=S["dst"][si], tag=S["tag"][si], send_node=S["node"][si],
-        recv_node=R["node"][ri], send_enter=S["enter"][si], send_exit=S["exit"][si], recv_enter=R["enter"][ri],
-        recv_exit=R["exit"][ri], unmatched=int(len(S) + len(R) - 2 * len(pairs)),
-    )
+_P2P_DT = np.dtype([("comm", "<u8"), ("src", "<i8"), ("dst", "<i8"), ("tag", "<i8"), ("seq", "<u8"),
+                    ("node", "<i8"), ("pid", "<u8"), ("op", "<i8"), ("enter", "<f8"), ("exit", "<f8"),
+                    ("wait_enter", "<f8"), ("done", "<f8")])
+
+
+def _p2p_side(c: np.ndarray, ni: int, epoch_rt: int, is_send: bool) -> np.ndarray:
+    p = c[np.isin(c["op"], list(SEND_OPS if is_send else RECV_OPS))]
+    a = np.zeros(len(p), _P2P_DT)
+    a["comm"] = p["comm_id"]
+    a["src"] = p["comm_rank"] if is_send else p["root_or_peer"]
+    a["dst"] = p["root_or_peer"] if is_send else p["comm_rank"]
+    a["tag"], a["seq"], a["node"], a["pid"], a["op"] = p["tag"], p["seq"], ni, p["pid"], p["op"]
+    a["enter"] = (p["enter_rt"] - epoch_rt).astype(np.float64)
+    a["exit"] = np.where(p["returned"], (p["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
+    a["wait_enter"], a["done"] = a["enter"], a["exit"]
+    nb = np.isin(a["op"], list(NONBLOCKING_P2P_OPS))
+    if nb.any():
+        _complete_requests(a, nb, c, epoch_rt)
+    return a
+
+
+def _complete_requests(a: np.ndarray, nb: np.ndarray, c: np.ndarray, epoch_rt: int) -> None:
+    """Isend/Irecv rows get the times of their completion: the first Wait/Test row after them in the
+    same process with the same communicator, seq, peer and tag (what the probes copy from the
+    request into the completion). A completion is used once; none found leaves NaN."""
+    done = c[np.isin(c["op"], list(COMPLETION_OPS))]
+    if not len(done):
+        a["wait_enter"][nb] = np.nan
+        a["done"][nb] = np.nan
+        return
+    d_enter = (done["enter_rt"] - epoch_rt).astype(np.float64)
+    d_exit = np.where(done["returned"], (done["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
+    used = np.zeros(len(done), bool)
+    idx = np.flatnonzero(nb)
+    peer = np.where(a["op"][idx] == _I["MPI_Isend"], a["dst"][idx], a["src"][idx])
+    keys_done = {}
+    order = np.argsort(d_enter, kind="stable")
+    for j in order:
+        k = (int(done["pid"][j]), int(done["comm_id"][j]), int(done["seq"][j]), int(done["root_or_peer"][j]),
+             int(done["tag"][j]))
+        keys_done.setdefault(k, []).append(int(j))
+    for i, pr in zip(idx[np.argsort(a["enter"][idx], kind="stable")], peer[np.argsort(a["enter"][idx], kind="stable")]):
+        k = (int(a["pid"][i]), int(a["comm"][i]), int(a["seq"][i]), int(pr), int(a["tag"][i]))
+        cand = [j for j in keys_done.get(k, ()) if not used[j] and d_enter[j] >= a["enter"][i]]
+        if cand:
+            j = cand[0]
+            used[j] = True
+            a["wait_enter"][i], a["done"][i] = d_enter[j], d_exit[j]
+        else:
+            a["wait_enter"][i] = a["done"][i] = np.nan
 
 
 def _with_order(a: np.ndarray) -> np.ndarray:
@@ -471,6 +500,66 @@ def _with_order(a: np.ndarray) -> np.ndarray:
     srt["order"] = np.arange(len(srt)) - grp_start
     out[idx] = srt
     return out
+
+
+def _channel_keys(a: np.ndarray) -> np.ndarray:
+    """(comm, src, dst, tag, n) per message: n is its seq when recorded (the probes count per
+    channel and direction, so it survives a lost record), else its order of entry in the channel."""
+    ordered = _with_order(a)
+    n = np.where(a["seq"] != SEQ_NONE, a["seq"].astype(np.int64), ordered["order"])
+    k = np.zeros(len(a), [("comm", "<u8"), ("src", "<i8"), ("dst", "<i8"), ("tag", "<i8"), ("n", "<i8")])
+    for f in ("comm", "src", "dst", "tag"):
+        k[f] = a[f]
+    k["n"] = n
+    return k
+
+
+def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
+    """Sends and receives (blocking, Sendrecv halves, Isend/Irecv with their completions) matched by
+    (comm, src, dst, tag, n-th message in that channel), as MPI orders them: a sort-merge join of
+    the two sides, no dictionary of every call. What stays unmatched is counted by reason."""
+    sends = [_p2p_side(c, ni, epoch_rt, True) for ni, c in enumerate(calls_by_node) if len(c)]
+    recvs = [_p2p_side(c, ni, epoch_rt, False) for ni, c in enumerate(calls_by_node) if len(c)]
+    S = np.concatenate(sends) if sends else np.zeros(0, _P2P_DT)
+    R = np.concatenate(recvs) if recvs else np.zeros(0, _P2P_DT)
+    any_source = R["src"] < 0  # MPI_ANY_SOURCE: the probes do not read the status, the source is unknown
+    Rk = R[~any_source]
+    sk, rk = _channel_keys(S), _channel_keys(Rk)
+    si_sorted = np.argsort(sk, order=("comm", "src", "dst", "tag", "n"), kind="stable")
+    pos = np.searchsorted(sk[si_sorted], rk) if len(S) else np.zeros(len(rk), np.int64)
+    pos_c = np.clip(pos, 0, max(len(S) - 1, 0))
+    hit = (pos < len(S)) & (sk[si_sorted][pos_c] == rk) if len(S) else np.zeros(len(rk), bool)
+    si = si_sorted[pos_c[hit]]
+    ri = np.flatnonzero(hit)
+    _, first = np.unique(si, return_index=True)  # a send matches one receive (duplicate keys: the first)
+    si, ri = si[first], ri[first]
+    R_m = Rk[ri]
+    reasons: dict[str, int] = {}
+    unpaired: dict[str, int] = {}
+    if any_source.any():
+        unpaired["receives from MPI_ANY_SOURCE (the source is not recorded, so they cannot be paired)"] = \
+            int(any_source.sum())
+    # (comm, rank) of every rank that recorded point to point: a partner outside it has no node file
+    ranks_seen = set(zip(S["comm"].tolist(), S["src"].tolist())) | set(zip(R["comm"].tolist(), R["dst"].tolist()))
+    lone_s = np.setdiff1d(np.arange(len(S)), si)
+    lone_r = np.setdiff1d(np.arange(len(Rk)), ri)
+    for side, rows, peer_f in (("send", S[lone_s], "dst"), ("receive", Rk[lone_r], "src")):
+        absent = np.array([k not in ranks_seen for k in zip(rows["comm"].tolist(), rows[peer_f].tolist())], bool)
+        if absent.any():
+            reasons[f"{side}s whose partner rank has no node file (or recorded no point to point)"] = int(absent.sum())
+        if (~absent).any():
+            reasons[f"{side}s with no matching call recorded on the partner rank"] = int((~absent).sum())
+    unmatched = int(sum(reasons.values()))
+    nb_open = int(np.isnan(S["done"][si]).sum() + np.isnan(R_m["done"]).sum())
+    if nb_open:
+        unpaired["matched messages whose non-blocking request has no completion (MPI_Wait/Test) row"] = nb_open
+    return P2PPairs(
+        comm_id=S["comm"][si], src=S["src"][si], dst=S["dst"][si], tag=S["tag"][si], send_node=S["node"][si],
+        recv_node=R_m["node"], send_enter=S["enter"][si], send_exit=S["done"][si], recv_enter=R_m["enter"],
+        recv_exit=R_m["done"], unmatched=unmatched, recv_wait=R_m["wait_enter"],
+        send_blocking=np.isin(S["op"][si], list(BLOCKING_SEND_OPS)), unmatched_reasons=reasons,
+        unpaired_reasons=unpaired,
+    )
 
 
 @dataclass
@@ -538,6 +627,19 @@ class InstanceTable:
             raise IndexError(f"instance rows {rows.min()}..{rows.max()} outside 0..{self._n_rows - 1}")
         E, Xn, Xm = (read_rows(self.data[name], rows) for name in self.FIELDS)
         return E, Xn, Xm
+
+
+def p2p_instances(p: P2PPairs, n_nodes: int) -> NodeInstances:
+    """Matched messages between two nodes as rows of the clock fit's input: the sender's node has only
+    an enter (the send started), the receiver's only an exit (the receive completed), so the one
+    constraint of a row is the message's own: no receive completes before its send started."""
+    ok = (p.send_node != p.recv_node) & np.isfinite(p.send_enter) & np.isfinite(p.recv_exit)
+    k = int(ok.sum())
+    E, X = np.full((k, n_nodes), np.nan), np.full((k, n_nodes), np.nan)
+    rows = np.arange(k)
+    E[rows, p.send_node[ok]] = p.send_enter[ok]
+    X[rows, p.recv_node[ok]] = p.recv_exit[ok]
+    return NodeInstances(E, X, X.copy(), p.comm_id[ok].astype(np.uint64), np.zeros(k, np.int64))
 
 
 def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = CLOCK_OPS_DEFAULT) -> NodeInstances:

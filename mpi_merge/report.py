@@ -93,17 +93,27 @@ def render_text(r: dict[str, Any]) -> str:
         p = r["p2p"]
         out.append(f"Point to point: {p['pairs']} pairs ({p['unmatched']} unmatched), Late Sender "
                    f"{p['Late Sender_ms_total']:.1f} ms, Late Receiver {p['Late Receiver_ms_total']:.1f} ms")
+        for why, n in (p.get("unmatched_reasons") or {}).items():
+            out.append(f"  {n} {why}")
     out.append("")
     if r["stragglers"]:
-        out.append("STRAGGLERS:")
+        out.append("STRAGGLERS (root causes, with the waiting time of others each caused):")
         for s in r["stragglers"]:
             out.append(f"  {s['node']} (ranks {','.join(map(str, s['ranks']))} of communicator {s['comm_id']}): "
-                       f"cause {s['cause'].upper()}, last in {s['share_last']:.0%} of instances "
-                       f"(expected {s['expected_share']:.0%}), {s['lateness_when_last_ns'] / 1e6:.3f} ms late, "
-                       f"score {s['score_min']:.2f}, t={s['first_s']:.0f}-{s['last_s']:.0f} s")
+                       f"cause {s['cause'].upper()} ({s.get('kind', '')}), cost {s.get('cost_ns', 0) / 1e6:.1f} ms "
+                       f"({s.get('cost_share', 0):.0%} of the job's waits), last in {s['share_last']:.0%} of "
+                       f"instances (expected {s['expected_share']:.0%}), {s['lateness_when_last_ns'] / 1e6:.3f} ms "
+                       f"late, score {_fmt(s['score_min'], '.2f')}, q={_fmt(s.get('q_value'), '.2g')}, "
+                       f"t={s['first_s']:.0f}-{s['last_s']:.0f} s")
+            for p in s.get("propagated", []):
+                out.append(f"      propagated: {p['wait_ns'] / 1e6:.1f} ms of waiting on communicator {p['comm_id']} "
+                           f"via its ranks {','.join(map(str, p['ranks']))} ({p['instances']} instances)")
             out += [f"      evidence: {e}" for e in s["evidence"]]
     else:
-        out.append("Stragglers: none (no rank arrived last more often or later than chance and noise explain)")
+        summ = r.get("straggler_summary") or {}
+        out.append("Stragglers: none (no rank was the origin of the others' waits more often or longer than chance, "
+                   "noise and the clock error explain"
+                   + (f"; {summ['tests']} tests at false discovery rate {summ['fdr_q']:g})" if summ.get("tests") else ")"))
     if r["mismatches"]:
         out.append("")
         out.append("MISMATCHES:")
@@ -258,8 +268,13 @@ def render_html(a: JobAnalysis) -> str:
             n["drops_total"], "; ".join(n["partial_reasons"]) or ("not aligned: " + k["reason"] if not k["aligned"] else ""),
         )) + "</tr>")
     strag = "".join(
-        f"<li><b>{_e(s['node'])}</b>: {_e(s['cause'])}, last in {s['share_last']:.0%} "
-        f"(expected {s['expected_share']:.0%})<ul>" + "".join(f"<li>{_e(e)}</li>" for e in s["evidence"]) + "</ul></li>"
+        f"<li><b>{_e(s['node'])}</b> (ranks {_e(','.join(map(str, s['ranks'])))} of {_e(s['comm_id'])}): root cause "
+        f"{_e(s['cause'])} ({_e(s.get('kind', ''))}), cost {s.get('cost_ns', 0) / 1e6:.1f} ms "
+        f"({s.get('cost_share', 0):.0%} of the job's waits), last in {s['share_last']:.0%} "
+        f"(expected {s['expected_share']:.0%})<ul>"
+        + "".join(f"<li>propagated: {p['wait_ns'] / 1e6:.1f} ms on {_e(p['comm_id'])} via ranks "
+                  f"{_e(','.join(map(str, p['ranks'])))}</li>" for p in s.get("propagated", []))
+        + "".join(f"<li>{_e(e)}</li>" for e in s["evidence"]) + "</ul></li>"
         for s in r["stragglers"]
     ) or "<li>none</li>"
     missing = "".join(f"<li>{_e(x)}</li>" for x in r["partial_reasons"]) or "<li>nothing</li>"

@@ -96,10 +96,21 @@ class P2PWaits:
     late_receiver_ns: np.ndarray  # per pair, sender's wait (0 when none)
 
 
-def compute_p2p_waits(p: P2PPairs, send_enter: np.ndarray, send_exit: np.ndarray, recv_enter: np.ndarray) -> P2PWaits:
-    """Aligned times in; a Late Receiver wait counts only while the send was still blocked."""
-    ls = np.clip(send_enter - recv_enter, 0, None)
+def compute_p2p_waits(p: P2PPairs, send_enter: np.ndarray, send_exit: np.ndarray, recv_enter: np.ndarray,
+                      recv_wait: np.ndarray | None = None, recv_exit: np.ndarray | None = None) -> P2PWaits:
+    """Aligned times in (matching.P2PPairs' fields, on the reference clock).
+
+    Late Sender: the receiver waited (from Recv's entry, or its request's Wait entry) for a send that
+    started later, at most until the receive completed. Late Receiver: a blocking send (Send, the
+    send half of Sendrecv) waited for the receive to be posted, only while it was still blocked."""
+    wait_from = recv_enter if recv_wait is None else recv_wait
+    ls = send_enter - wait_from
+    if recv_exit is not None:
+        ls = np.fmin(ls, recv_exit - wait_from)
+    ls = np.clip(ls, 0, None)
     lr = np.clip(np.fmin(recv_enter, send_exit) - send_enter, 0, None)
+    if len(p.send_blocking) == len(lr):
+        lr = np.where(p.send_blocking, lr, 0.0)  # an Isend does not block: its Wait is not counted here
     return P2PWaits(np.nan_to_num(ls), np.nan_to_num(lr))
 
 
