@@ -743,9 +743,20 @@ def _residual(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], r
     """Latest enter and earliest exit of rows r0..r1 on the current models' clocks."""
     E_raw, X_raw, _ = rows.take(_all(r0, r1))
     # each node's model at its own timestamps, exactly as align() will map them
-    E = np.column_stack([m.align(E_raw[:, a]) for a, m in enumerate(models)])
-    X = np.column_stack([m.align(X_raw[:, a]) for a, m in enumerate(models)])
-    return E, X
+    return _align_columns(models, E_raw), _align_columns(models, X_raw)
+
+
+def _align_columns(models: list[NodeClockModel], T: np.ndarray) -> np.ndarray:
+    """T[:, a] aligned with models[a], all columns at once when the models share their segment starts
+    (the minimal fit gives every node the same points in time): NodeClockModel.align per column."""
+    s = models[0].seg_start
+    if not all(m.seg_start is s or np.array_equal(m.seg_start, s) for m in models) or not len(s):
+        return np.column_stack([m.align(T[:, a]) for a, m in enumerate(models)])
+    off = np.column_stack([m.seg_offset for m in models])  # [segments, n]
+    drift = np.column_stack([m.seg_drift_ppm for m in models])
+    i = np.clip(np.searchsorted(s, T, side="right") - 1, 0, len(s) - 1)
+    cols = np.arange(T.shape[1])[None, :]
+    return T - (off[i, cols] + drift[i, cols] * 1e-6 * (T - s[i]))
 
 
 def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, win: np.ndarray,
