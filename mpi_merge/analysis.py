@@ -19,7 +19,7 @@ blocks depend only on the tables' widths, so every rank count gives the same res
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,8 +27,15 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockFit, ClockParams, NodeClockModel, fit_clocks
-from gpuprof.mpi_merge.common import row_blocks
+from gpuprof.mpi_merge.clock import (
+    DEFAULT_CLOCK_PARAMS,
+    ClockFit,
+    ClockParams,
+    InstanceRows,
+    NodeClockModel,
+    fit_clocks,
+)
+from gpuprof.mpi_merge.common import Spread, row_blocks
 from gpuprof.mpi_merge.loading import NodeSummary
 from gpuprof.mpi_merge.matching import (
     P2P_OPS,
@@ -157,6 +164,29 @@ def select_nodes(
             excluded.append(Excluded(other.file, node, f"second file claiming node {node} (kept {Path(group[0].file).name})"))
     missing = sorted(set(expect_nodes or []) - {s.node for s in chosen})
     return chosen, excluded, missing, job_id
+
+
+@dataclass
+class ClockInput:
+    """What the clock fit reads: the [instance x node] table and how to fit it. `instances` is None in
+    the form sent to the other merge ranks, which open the table from its file themselves."""
+
+    instances: InstanceRows | None
+    n_rows: int
+    names: list[str]
+    reference: str
+    params: ClockParams
+    clock_domains: list[str]
+
+    def fit(self, instances: InstanceRows | None = None, spread: Spread | None = None) -> ClockFit:
+        inst = instances if instances is not None else self.instances
+        if not self.names or inst is None:
+            return ClockFit(self.reference, self.params.method, [], [])
+        return fit_clocks(inst, self.names, self.reference, self.params, clock_domains=self.clock_domains,
+                          spread=spread)
+
+    def without_table(self) -> ClockInput:
+        return replace(self, instances=None)
 
 
 @dataclass
@@ -290,15 +320,19 @@ class JobAnalyzer:
         self.complete: list[np.ndarray] = []
         self.clock: ClockFit | None = None
 
-    def fit_clocks(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS) -> ClockFit:
-        """Pass 1 over the store, then the clock fit. Returns the models every rank needs."""
+    def scan(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS,
+             instances: h5py.Group | None = None) -> ClockInput:
+        """Pass 1 over the store: completeness and mismatch flags per instance, and the clock fit's
+        [instance x node] input, into `instances` (an HDF5 group the other merge ranks can read once
+        its file is closed) or the scratch file. Returns what every rank needs to run the fit."""
         nodes, names = self.sel.nodes, self.names
         # matched messages constrain the clocks too (method "minimal": no receive completes before its
         # send started); the other methods are exit-synchronous estimates that only collectives fit
         self._p2p = match_p2p(self.p2p_calls, self.store.epoch_rt)
         msg_rows = p2p_instances(self._p2p, len(nodes)) if params.method == "minimal" else None
         n_msg = msg_rows.n_rows if msg_rows is not None else 0
-        inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms) + n_msg, self.scratch)
+        inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms) + n_msg,
+                             instances if instances is not None else self.scratch)
         for ci, c in enumerate(self.store.comms):
             flags = []
             complete = np.zeros(c.n_seq, bool)
@@ -319,16 +353,22 @@ class JobAnalyzer:
         if not reference:
             with_calls = [s.node for s in nodes if s.n_calls]
             reference = with_calls[0] if with_calls else (names[0] if names else "")
-        if names:
-            clock = fit_clocks(inst, names, reference, params,
-                               clock_domains=[f"{s.hostname}/{s.boot_id}" for s in nodes])
-        else:
-            clock = ClockFit(reference, params.method, [], [])
+        return ClockInput(inst, inst.n_rows, list(names), reference, params,
+                          [f"{s.hostname}/{s.boot_id}" for s in nodes])
+
+    def set_clock(self, clock: ClockFit) -> None:
+        """The fit of `scan`'s input (run here or over all merge ranks)."""
+        nodes, names = self.sel.nodes, self.names
         for m in clock.models:
             if not m.aligned and nodes[names.index(m.node)].n_calls:
                 self.partial.append(f"node {m.node}: clock not aligned: {m.reason}")
         self.clock = clock
-        return clock
+
+    def fit_clocks(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS) -> ClockFit:
+        """Pass 1 over the store, then the clock fit, all in this process."""
+        self.set_clock(self.scan(reference, params).fit())
+        assert self.clock is not None
+        return self.clock
 
     def finish(self, sink: CommSink, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS) -> JobAnalysis:
         """Pass 2 (aligned times and wait states, to the sink), mismatches, stragglers, the report."""

@@ -47,6 +47,7 @@ cells; what stays in memory is per instance (its time) and per window and node (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -54,6 +55,8 @@ from typing import Protocol
 import numpy as np
 
 from gpuprof.mpi_merge.common import (
+    SerialSpread,
+    Spread,
     block_rows,
     nanmedian_rows,
     nanquantile_cols,
@@ -304,16 +307,19 @@ def _presence(inst: InstanceRows) -> _Presence:
 
 def fit_clocks(
     inst: InstanceRows, node_names: list[str], reference: str, params: ClockParams = DEFAULT_CLOCK_PARAMS,
-    clock_domains: list[str] | None = None,
+    clock_domains: list[str] | None = None, spread: Spread | None = None,
 ) -> ClockFit:
     """Per node clock models against the reference node.
+
+    spread: the merge's ranks, over which the minimal fit deals its windows (every rank calls this
+    with the same arguments and gets the same result; None: all here).
 
     clock_domains (one per node, e.g. the boot id): nodes that read the same clock (several virtual
     Slurm nodes on one host share CLOCK_MONOTONIC and CLOCK_REALTIME) are one clock. Their offset to
     each other is zero by construction, not by estimate, and they are fitted as one column, so the
     estimate between hosts uses every rank of both."""
     if clock_domains is not None and len(set(clock_domains)) < len(clock_domains):
-        return _fit_by_domain(inst, node_names, reference, params, clock_domains)
+        return _fit_by_domain(inst, node_names, reference, params, clock_domains, spread)
     if params.method not in METHODS:
         raise ValueError(f"unknown clock method {params.method!r}; one of {METHODS}")
     n_nodes = len(node_names)
@@ -337,13 +343,14 @@ def fit_clocks(
             hit = (present.sum(axis=1) >= 2) & present[:, ref_comp].any(axis=1)
             rows.append(np.flatnonzero(hit) + k0)
         sub = _Subset(inst, np.concatenate(rows), ref_comp)
-        res = _fit_component(sub, ref_comp.index(ref), params)
+        res = _fit_component(sub, ref_comp.index(ref), params, spread)
         for j, ni in enumerate(ref_comp):
             m = res[j]
             m.node = node_names[ni]
             m.is_reference = ni == ref
             by_node[ni] = m
-        fit.causality_violations = _violations(sub, [res[j] for j in range(len(ref_comp))], params.violation_tol_ns)
+        fit.causality_violations = _violations(sub, [res[j] for j in range(len(ref_comp))],
+                                               params.violation_tol_ns, spread)
     for ni in range(n_nodes):
         if ni in by_node:
             models.append(by_node[ni])
@@ -363,14 +370,14 @@ def fit_clocks(
 
 
 def _fit_by_domain(inst: InstanceRows, node_names: list[str], reference: str, params: ClockParams,
-                   clock_domains: list[str]) -> ClockFit:
+                   clock_domains: list[str], spread: Spread | None = None) -> ClockFit:
     groups: dict[str, list[int]] = {}
     for i, d in enumerate(clock_domains):
         groups.setdefault(d, []).append(i)
     doms = list(groups.values())
     rep = [node_names[g[0]] for g in doms]
     ref_dom = next(k for k, g in enumerate(doms) if node_names.index(reference) in g)
-    sub = fit_clocks(_Collapsed(inst, doms), rep, rep[ref_dom], params)
+    sub = fit_clocks(_Collapsed(inst, doms), rep, rep[ref_dom], params, spread=spread)
     pres = _presence(inst)
     by_rep = {m.node: m for m in sub.models}
     models: list[NodeClockModel] = []
@@ -386,7 +393,8 @@ def _fit_by_domain(inst: InstanceRows, node_names: list[str], reference: str, pa
                    sub.causality_violations, pres.useful, list(sub.notes))
     for g in doms:
         if len(g) > 1:
-            bad = _violations(_Subset(inst, np.arange(inst.n_rows), g), [_IDENTITY] * len(g), params.violation_tol_ns)
+            bad = _violations(_Subset(inst, np.arange(inst.n_rows), g), [_IDENTITY] * len(g), params.violation_tol_ns,
+                              spread)
             agree = ("their collectives agree" if not bad else
                      f"but their data DISAGREE: in {bad} instance(s) a rank left before another entered on "
                      "that one clock (timestamps of one node are off: check its collector)")
@@ -499,7 +507,8 @@ def _others_extreme(V: np.ndarray, how: str) -> np.ndarray:
     return -res if how == "max" else res
 
 
-def _fit_component(inst: InstanceRows, ref: int, p: ClockParams) -> list[NodeClockModel]:
+def _fit_component(inst: InstanceRows, ref: int, p: ClockParams, spread: Spread | None = None,
+                   ) -> list[NodeClockModel]:
     n = inst.n_cols
     # the instances in time order (median exit over nodes), and each node's number of points
     t = np.empty(inst.n_rows)
@@ -515,7 +524,7 @@ def _fit_component(inst: InstanceRows, ref: int, p: ClockParams) -> list[NodeClo
         return [NodeClockModel("", True, "", np.array([t[0]]), np.zeros(1), np.zeros(1), 0.0, int(npts[a]))
                 for a in range(n)]
     if p.method == "minimal":
-        return _fit_minimal(rows, t, npts, ref, p)
+        return _fit_minimal(rows, t, npts, ref, p, spread or SerialSpread())
 
     def read_D(k0: int, k1: int) -> np.ndarray:
         return rows.take(_all(k0, k1))[2] - t[k0:k1, None]
@@ -637,16 +646,18 @@ def segment_fit(
     return starts, offs, drifts, float(np.sqrt(np.mean((y - model) ** 2)))
 
 
-def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float = 1000.0) -> int:
+def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float = 1000.0,
+                spread: Spread | None = None) -> int:
     """Instances where, after alignment, some node left before the last node entered (beyond tol)."""
-    bad = 0
-    for k0, k1 in row_blocks(inst.n_rows, inst.n_cols):
-        E, Xmin, _ = inst.take(_all(k0, k1))
-        Ea = np.column_stack([m.align(E[:, a]) for a, m in enumerate(models)])
-        Xa = np.column_stack([m.align(Xmin[:, a]) for a, m in enumerate(models)])
+    blocks = row_blocks(inst.n_rows, inst.n_cols)
+
+    def count(b: int) -> int:
+        E, Xmin, _ = inst.take(_all(*blocks[b]))
+        Ea, Xa = _align_columns(models, E), _align_columns(models, Xmin)
         with quiet_nan():
-            bad += int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
-    return bad
+            return int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
+
+    return sum((spread or SerialSpread()).map(count, len(blocks)))
 
 
 # --- method "minimal": the prior moved only as far as the constraints require --------------------
@@ -760,7 +771,7 @@ def _align_columns(models: list[NodeClockModel], T: np.ndarray) -> np.ndarray:
 
 
 def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, win: np.ndarray,
-            nw: int) -> list[_Piece]:
+            nw: int, spread: Spread) -> list[_Piece]:
     """Each window's interval; a window whose constraints no constant satisfies (drift inside it) is
     split in halves until each half is satisfiable, or a single contradicting instance is left."""
     n = rows.n_cols
@@ -771,21 +782,28 @@ def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref
     step = block_rows(n)
     spans = [(a, min(int(bounds[w + 1]), a + step)) for w in range(nw)
              for a in range(int(bounds[w]), int(bounds[w + 1]), step)]
-    for r0, r1 in spans:
+
+    def solve(i: int) -> list[_Piece]:
+        r0, r1 = spans[i]
         E, X = _residual(rows, t, models, r0, r1)
+        got_pieces = []
         stack = [(r0, r1)]
         while stack:
             a, b = stack.pop()
             got = _interval(E[a - r0:b - r0], X[a - r0:b - r0], *_ref_box(n, ref))
             tm = float(np.median(t[a:b]))
             if got is not None:
-                out.append(_Piece(a, b, tm, *got))
+                got_pieces.append(_Piece(a, b, tm, *got))
             elif b - a > 1:
                 mid = (a + b) // 2
                 stack.extend([(mid, b), (a, mid)])
             else:
                 nan = np.full(n, np.nan)
-                out.append(_Piece(a, b, tm, nan, nan.copy(), consistent=False))
+                got_pieces.append(_Piece(a, b, tm, nan, nan.copy(), consistent=False))
+        return got_pieces
+
+    for part in spread.map(solve, len(spans)):
+        out.extend(part)
     out.sort(key=lambda pc: pc.r0)
     return out
 
@@ -815,8 +833,20 @@ def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarr
     return p
 
 
+def _piece_point(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], pieces: list[_Piece],
+                 base: np.ndarray, ref: int, i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Piece i's joint correction back towards the prior (_joint), or the nodes of its contradicting
+    constraints when there is none."""
+    pc = pieces[i]
+    if not pc.consistent:
+        return None, None
+    E, X = _residual(rows, t, models, pc.r0, pc.r1)
+    d = _joint(E, X, -base[i], *_ref_box(rows.n_cols, ref))
+    return d, (np.isfinite(E).any(axis=0) if d is None else None)
+
+
 def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, p: ClockParams,
-                 ) -> list[NodeClockModel]:
+                 spread: Spread) -> list[NodeClockModel]:
     """Per iteration: each piece's interval against the current model (_pieces), each node's tube of
     bounded drift through them (_tube), then one forward pass over the pieces choosing, jointly for
     all nodes, the correction nearest the prior inside the constraints and inside each node's tube
@@ -833,9 +863,9 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
     for it in range(max(1, p.max_iterations)):
         # each round fits constants against the last round's model; joined linearly they can leave a
         # few instances out of order between two points: go on until none is (or the data say why)
-        if it >= p.iterations and _violations(rows, models, p.violation_tol_ns) == 0:
+        if it >= p.iterations and _violations(rows, models, p.violation_tol_ns, spread) == 0:
             break
-        pieces = _pieces(rows, t, models, ref, win, nw)
+        pieces = _pieces(rows, t, models, ref, win, nw, spread)
         tp = np.array([pc.t for pc in pieces])
         base = np.column_stack([m.offset_ns(tp) for m in models])  # [pieces, n]
         lo = base + np.array([pc.lo for pc in pieces])
@@ -855,16 +885,13 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         if it < p.iterations:
             # jointly per piece: the correction nearest the prior that the piece's constraints allow;
             # then per node the path nearest those points with bounded drift inside the node's tube
+            joint = functools.partial(_piece_point, rows, t, models, pieces, base, ref)
             want = base.copy()
-            for i, pc in enumerate(pieces):
-                if not pc.consistent:
-                    continue
-                E, X = _residual(rows, t, models, pc.r0, pc.r1)
-                d = _joint(E, X, -base[i], *_ref_box(n, ref))
-                if d is None:
-                    contradicted |= np.isfinite(E).any(axis=0)
-                    continue
-                want[i] = base[i] + d
+            for i, (d, bad_nodes) in enumerate(spread.map(joint, len(pieces))):
+                if d is not None:
+                    want[i] = base[i] + d
+                elif bad_nodes is not None:
+                    contradicted |= bad_nodes
             for a in range(n):
                 if a != ref:
                     pts[:, a] = _bounded_path(tp, want[:, a], tube_lo[:, a], tube_hi[:, a], s)

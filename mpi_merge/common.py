@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import h5py
 import numpy as np
 
 # A 2-D table that is either in memory or in an HDF5 file (the merge driver's scratch file).
 ArrayLike2D: TypeAlias = np.ndarray | h5py.Dataset
+T = TypeVar("T")
 
 
 @contextmanager
@@ -118,3 +119,41 @@ def read_rows(arr: ArrayLike2D, idx: np.ndarray, axis: int = 0, other: slice = s
     cut = [slice(int(uniq[a]), int(uniq[b - 1]) + 1) for a, b in zip(starts, ends)]
     got = np.concatenate([arr[c, other] if axis == 0 else arr[other, c] for c in cut], axis=axis)
     return got[inverse] if axis == 0 else got[:, inverse]
+
+
+class Spread(Protocol):
+    """Work items spread over the merge's ranks: `map(fn, n)` returns [fn(0), ..., fn(n-1)] on every
+    rank, each item computed on one rank only. Items must not depend on which rank runs them, so the
+    result is the same for every rank count."""
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]: ...
+
+
+class SerialSpread:
+    """Everything on this process (one rank, library use)."""
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        return [fn(i) for i in range(n)]
+
+
+class _AllGather(Protocol):
+    def Get_rank(self) -> int: ...
+    def Get_size(self) -> int: ...
+    def allgather(self, obj: Any) -> list[Any]: ...
+
+
+class CommSpread:
+    """Items dealt round robin over the ranks of an MPI communicator (mpi4py's allgather of the
+    results). Consecutive items (windows of the job) have about the same cost, so a round robin
+    balances them."""
+
+    def __init__(self, comm: _AllGather):
+        self.comm = comm
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        mine = {i: fn(i) for i in range(rank, n, size)}
+        out: dict[int, T] = {}
+        for part in self.comm.allgather(mine):
+            out.update(part)
+        return [out[i] for i in range(n)]

@@ -604,6 +604,15 @@ class InstanceTable:
                 self.data[name] = scratch.create_dataset(f"instances/{name}", shape=(max_rows, n_nodes),
                                                          dtype="<f8", fillvalue=np.nan)
 
+    @classmethod
+    def existing(cls, group: h5py.Group, n_rows: int) -> InstanceTable:
+        """A table another process wrote into `group` (read only), its first n_rows rows filled."""
+        self = cls.__new__(cls)
+        self.data = {name: group[f"instances/{name}"] for name in cls.FIELDS}
+        self._n_cols = int(self.data["enter_max"].shape[1])
+        self._n_rows = n_rows
+        return self
+
     def append(self, inst: NodeInstances) -> None:
         k0, k1 = self._n_rows, self._n_rows + inst.n_rows
         if k1 > self.data["enter_max"].shape[0]:

@@ -44,8 +44,9 @@ import numpy as np
 
 from gpuprof.collector import environment
 from gpuprof.collector.errors import MergeError
-from gpuprof.mpi_merge.analysis import JobAnalyzer, Selection, p2p_rows
+from gpuprof.mpi_merge.analysis import ClockInput, JobAnalyzer, Selection, p2p_rows
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
+from gpuprof.mpi_merge.common import CommSpread, SerialSpread
 from gpuprof.mpi_merge.jobfile import (
     CollectivesWriter,
     copy_aligned_times,
@@ -54,14 +55,14 @@ from gpuprof.mpi_merge.jobfile import (
     write_aligned_times,
 )
 from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
-from gpuprof.mpi_merge.matching import CommStore
+from gpuprof.mpi_merge.matching import CommStore, InstanceTable
 from gpuprof.mpi_merge.report import render_reports, write_rendered
 from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
 
 EXIT_COMPLETE = 0
 EXIT_ERROR = 2
 EXIT_PARTIAL = 3
-TAG_COUNT, TAG_SUMMARY, TAG_MODELS, TAG_ALIGNED, TAG_NODES = 11, 12, 14, 15, 16
+TAG_COUNT, TAG_SUMMARY, TAG_ALIGNED, TAG_NODES = 11, 12, 15, 16
 
 
 class Comm(Protocol):
@@ -73,6 +74,7 @@ class Comm(Protocol):
     def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
     def isend(self, obj: Any, dest: int, tag: int = 0) -> Request: ...
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+    def allgather(self, obj: Any) -> list[Any]: ...
 
 
 class Request(Protocol):
@@ -99,6 +101,9 @@ class SerialComm:
 
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
         raise MergeError("SerialComm has no peers to receive from")
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 @dataclass
@@ -256,10 +261,10 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     if rank == writer:
         copy_node_tables(job_tmp, [(node, Path(f)) for f, node in selected])
         steps.mark("copy_nodes")
-    models: dict[str, NodeClockModel] | None = None
-    sent: list[Request] = []
     job: JobAnalyzer | None = None
     scratch: h5py.File | None = None
+    clock_in: ClockInput | None = None
+    instances_file = parts_dir / "instances.h5"
     if rank == 0:
         assert sel is not None
         scratch = h5py.File(parts_dir / "scratch.h5", "w")
@@ -271,14 +276,21 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             p2p.append(p2p_rows(calls))
         steps.mark("load_calls")
         job = JobAnalyzer(sel, store, p2p, scratch)
-        models = {m.node: m for m in job.fit_clocks(reference, clock_params).models}
-        steps.mark("fit_clocks")
-        # not a broadcast: the writer takes them once its copy is done, rank 0 goes on meanwhile
-        sent = [c.isend(models, dest=r, tag=TAG_MODELS) for r in range(1, size)]
-    else:
-        models = c.recv(source=0, tag=TAG_MODELS)
-        steps.mark("wait_models")
-    assert models is not None
+        # the clock fit's input in a file of its own, closed before the others open it
+        with h5py.File(instances_file, "w") as inst_f:
+            clock_in = job.scan(reference, clock_params, inst_f)
+        steps.mark("scan")
+    # every rank fits the clocks: the windows are dealt over the ranks (CommSpread), all get the models
+    clock_in = c.bcast(clock_in.without_table() if clock_in is not None else None, root=0)
+    assert clock_in is not None
+    with h5py.File(instances_file, "r") as inst_f:
+        table = InstanceTable.existing(inst_f, clock_in.n_rows) if clock_in.names else None
+        spread = CommSpread(c) if size > 1 else SerialSpread()
+        clock = clock_in.fit(table, spread)
+    steps.mark("fit_clocks")
+    if job is not None:
+        job.set_clock(clock)
+    models: dict[str, NodeClockModel] = {m.node: m for m in clock.models}
 
     # 4. every rank aligns its nodes' calls; the writer copies them in when all are done
     for f, node in selected:
@@ -312,8 +324,6 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     steps.mark("finish_analysis")
     texts = render_reports(analysis)
     steps.mark("render")
-    for req in sent:
-        req.wait()
     if writer != 0:
         c.recv(source=writer, tag=TAG_NODES)
     steps.mark("wait_writer")

@@ -95,7 +95,8 @@ def run_recorded(d: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> Recorde
         rec.cells_of(matching.CommStore, "block")
         rec.rows_of(matching.CommStore, "add_node")
         rec.cells_of(matching.InstanceTable, "take")
-        rec.traced(analysis.JobAnalyzer, "fit_clocks")
+        rec.traced(analysis.JobAnalyzer, "scan")
+        rec.traced(analysis.ClockInput, "fit")
         rec.traced(analysis.JobAnalyzer, "finish")
         real_init = matching.CommStore.__init__
 
@@ -158,11 +159,15 @@ def test_largest_message_to_rank0_does_not_grow_with_nodes(jobs: dict[int, Path]
         "        obj = self.c.recv(buf, source=source, tag=tag)\n"
         "        self.largest = max(self.largest, len(pickle.dumps(obj)))\n"
         "        return obj\n"
+        "    def allgather(self, obj):\n"
+        "        out = self.c.allgather(obj)\n"
+        "        self.gathered = max(getattr(self, 'gathered', 0), max(len(pickle.dumps(o)) for o in out))\n"
+        "        return out\n"
         "c = Recording(MPI.COMM_WORLD)\n"
         "merge(sys.argv[1], comm=c, output_stem=sys.argv[2])\n"
-        "if c.Get_rank() == 0: print('LARGEST', c.largest)\n"
+        "if c.Get_rank() == 0: print('LARGEST', c.largest, getattr(c, 'gathered', 0))\n"
     )
-    largest = {}
+    largest, gathered = {}, {}
     for n, d in jobs.items():
         assert MPIRUN is not None
         p = subprocess.run(
@@ -172,6 +177,9 @@ def test_largest_message_to_rank0_does_not_grow_with_nodes(jobs: dict[int, Path]
             check=False,
         )
         assert p.returncode == 0, p.stderr[-3000:]
-        largest[n] = int(next(x for x in p.stdout.splitlines() if x.startswith("LARGEST")).split()[1])
+        line = next(x for x in p.stdout.splitlines() if x.startswith("LARGEST")).split()
+        largest[n], gathered[n] = int(line[1]), int(line[2])
     # one node's summary (its calls go through a file, one node at a time): the same at 4 and 16 nodes
     assert 1000 < largest[4] and largest[16] <= 1.05 * largest[4], largest
+    # the clock fit's share of one rank (its windows' intervals per node): grows with the nodes, no more
+    assert 0 < gathered[4] and gathered[16] <= 4.5 * gathered[4], gathered
