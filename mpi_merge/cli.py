@@ -45,9 +45,11 @@ def _merge_config(ctx: click.Context) -> dict[str, Any]:
 @click.option("--expect-nodes", default=None, help="Comma list of the job's nodes: a node without a file is reported.")
 @click.option("--reference", default=None, help="Reference node of the clock alignment.")
 @click.option("--quiet", is_flag=True, help="Do not print the text report.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress lines per step on stderr (default: on when stderr is a terminal).")
 @click.pass_context
 def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_nodes: str | None,
-          reference: str | None, quiet: bool) -> None:
+          reference: str | None, quiet: bool, progress: bool | None) -> None:
     """Merge a job's node files (JOB id or directory) into one job file and reports."""
     from gpuprof.mpi_merge import merge as m
     from gpuprof.mpi_merge.clock import ClockParams
@@ -64,6 +66,7 @@ def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_n
                                      max_bound_width_us=float(cfg["clock_max_bound_width_us"])),
             straggler_params=StragglerParams(window_s=float(cfg["straggler_window_s"]),
                                              score_threshold=float(cfg["straggler_score_threshold"])),
+            show_progress=sys.stderr.isatty() if progress is None else progress,
         )
     except (GpuprofError, OSError) as e:
         click.echo(f"gpuprof merge: error on rank {comm.Get_rank()}: {e}", err=True)

@@ -143,6 +143,31 @@ class StepTimes:
                   file=sys.stderr, flush=True)
 
 
+class Progress:
+    """Rank 0's progress lines on stderr (the merge job's log): per step what is done of how much,
+    and, from the rate so far, about how long the step still takes. At most one line a second."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._step_t0: dict[str, float] = {}
+
+    def __call__(self, step: str, done: int, total: int, unit: str, force: bool = False) -> None:
+        if not self.on:
+            return
+        now = time.monotonic()
+        t_step = self._step_t0.setdefault(step, now)
+        if not force and now - self._last < 1.0 and done < total:
+            return
+        self._last = now
+        left = ""
+        if 0 < done < total and now - t_step >= 1.0:  # a rate from less than a second says little
+            left = f", about {(now - t_step) / done * (total - done):.0f} s left in this step"
+        print(f"gpuprof merge: {step}: {done}/{total} {unit} ({now - self.t0:.1f} s{left})",
+              file=sys.stderr, flush=True)
+
+
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
 
@@ -181,8 +206,10 @@ def merge(
     reference: str = "",
     clock_params: ClockParams = DEFAULT_CLOCK_PARAMS,
     straggler_params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
+    show_progress: bool = False,
 ) -> MergeResult | None:
-    """Merge a job's node files. Returns the result on rank 0, None on the other ranks."""
+    """Merge a job's node files. Returns the result on rank 0, None on the other ranks.
+    show_progress: rank 0 prints progress lines per step on stderr."""
     c: Comm = comm if comm is not None else SerialComm()
     rank = c.Get_rank()
     t_start = time.monotonic()
@@ -202,14 +229,14 @@ def merge(
     files = plan["files"]
     parts_dir = Path(plan["parts_dir"])
     try:
-        return _merge(c, plan, files, parts_dir, t_start, reference, clock_params, straggler_params)
+        return _merge(c, plan, files, parts_dir, t_start, reference, clock_params, straggler_params, show_progress)
     finally:
         if rank == 0:
             shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_start: float, reference: str,
-           clock_params: ClockParams, straggler_params: StragglerParams) -> MergeResult | None:
+           clock_params: ClockParams, straggler_params: StragglerParams, show_progress: bool) -> MergeResult | None:
     rank, size = c.Get_rank(), c.Get_size()
     steps = StepTimes(rank)
     # the rank that assembles the job file from the node files while rank 0 analyzes
@@ -223,7 +250,11 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     #    saved for rank 0 to load one node at a time (step 3) and for this rank to align (step 4)
     summaries: list[NodeSummary] = []
     mine: set[str] = set()
+    progress = Progress(rank == 0 and show_progress)
     for f in claim_files(files, rank, size, parts_dir):
+        # files started by every rank: the first one each, then the claims in the parts directory
+        progress("reading node files", min(size, len(files)) + sum(1 for _ in parts_dir.glob("*.claim")),
+                 len(files), "files started")
         mine.add(f)
         s = summarize_node(f)
         if s.error is None:
@@ -232,6 +263,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         # the clock map is in the saved calls' times already: no rank needs it any more
         summaries.append(replace(s, clock=None))
     steps.mark("read")
+    progress("reading node files", len(mine), len(mine), "files read by rank 0", force=True)
 
     # 2. rank 0 receives the summaries rank by rank and selects the files to merge
     sel: Selection | None = None
@@ -274,6 +306,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             calls = _load_calls(calls_of[f])
             store.add_node(ni, calls)
             p2p.append(p2p_rows(calls))
+            progress("loading calls into the job-wide tables", ni + 1, len(selected), "nodes")
         steps.mark("load_calls")
         job = JobAnalyzer(sel, store, p2p, scratch)
         # the clock fit's input in a file of its own, closed before the others open it
@@ -288,6 +321,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         spread = CommSpread(c) if size > 1 else SerialSpread()
         clock = clock_in.fit(table, spread)
     steps.mark("fit_clocks")
+    progress("clock fit", clock_in.n_rows, clock_in.n_rows, f"instances on {size} rank(s)", force=True)
     if job is not None:
         job.set_clock(clock)
     models: dict[str, NodeClockModel] = {m.node: m for m in clock.models}
@@ -322,6 +356,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     finally:
         scratch.close()
     steps.mark("finish_analysis")
+    progress("wait states, stragglers", len(job.store.comms), len(job.store.comms), "communicators", force=True)
     texts = render_reports(analysis)
     steps.mark("render")
     if writer != 0:

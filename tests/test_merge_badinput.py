@@ -43,6 +43,15 @@ def test_clean_merge_is_complete(base: Path, tmp_path: Path) -> None:
     assert rep["nodes_merged"] == ["node000", "node001", "node002", "node003"]
 
 
+def test_progress_lines_name_each_step(base: Path, tmp_path: Path) -> None:
+    r = CliRunner().invoke(merge_cmd, [str(copy(base, tmp_path)), "--quiet", "--progress"],
+                           obj={"config_path": None})
+    assert r.exit_code == EXIT_COMPLETE, r.output
+    for step in ("reading node files: 4/4", "loading calls into the job-wide tables: 4/4 nodes", "clock fit:",
+                 "wait states, stragglers:"):
+        assert f"gpuprof merge: {step}" in r.stderr, r.stderr
+
+
 def test_missing_node_file(base: Path, tmp_path: Path) -> None:
     code, rep, _ = run(copy(base, tmp_path), "--expect-nodes", "node000,node001,node002,node003,node004")
     assert code == EXIT_PARTIAL
