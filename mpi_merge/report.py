@@ -103,7 +103,7 @@ def render_text(r: dict[str, Any]) -> str:
                        f"cause {s['cause'].upper()} ({s.get('kind', '')}), cost {s.get('cost_ns', 0) / 1e6:.1f} ms "
                        f"({s.get('cost_share', 0):.0%} of the job's waits), last in {s['share_last']:.0%} of "
                        f"instances (expected {s['expected_share']:.0%}), {s['lateness_when_last_ns'] / 1e6:.3f} ms "
-                       f"late, score {_fmt(s['score_min'], '.2f')}, q={_fmt(s.get('q_value'), '.2g')}, "
+                       f"late, score {_fmt(s['score_min'], '.2f')}, q={_fmt(s.get('q_value'), '.2g') if s.get('q_value') else '<1e-300'}, "
                        f"t={s['first_s']:.0f}-{s['last_s']:.0f} s")
             for p in s.get("propagated", []):
                 out.append(f"      propagated: {p['wait_ns'] / 1e6:.1f} ms of waiting on communicator {p['comm_id']} "

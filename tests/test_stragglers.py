@@ -1,15 +1,21 @@
-"""Stragglers of each cause found with their evidence; a balanced job yields none."""
+"""Stragglers of each cause found with their evidence; a balanced job yields none at any size; root
+causes with their cost and the lateness they propagated; the exact test and the FDR control."""
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from gpuprof.mpi_merge import rootcause as rc
+from gpuprof.mpi_merge import simjob
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.analysis import JobAnalysis, analyze
 from gpuprof.mpi_merge.loading import discover, summarize_node
-from gpuprof.mpi_merge.stragglers import StragglerParams
+from gpuprof.mpi_merge.stragglers import Finding, StragglerParams, find_stragglers
 
 
 def run(d: Path, cfg: syn.SynthConfig) -> JobAnalysis:
@@ -62,3 +68,165 @@ def test_wait_states_named_and_summed(tmp_path: Path) -> None:
     k = int(w.complete.nonzero()[0][5])
     assert w.waits[k, w.last_rank[k]] == 0.0 and (w.waits[k][w.pattern[k] == 0] >= 0).all()
     assert 0 < w.own_time[k] < 200_000
+
+
+# --- statistics ----------------------------------------------------------------------------------
+def _exact_tail(k: int, n: int, p: Fraction) -> Fraction:
+    return sum((Fraction(math.comb(n, i)) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)), Fraction(0))
+
+
+@pytest.mark.parametrize("k,n,p", [(8, 10, Fraction(1, 2)), (5, 20, Fraction(1, 10)), (50, 50, Fraction(1, 2)),
+                                   (3, 240, Fraction(1, 2048)), (0, 7, Fraction(1, 3)), (1, 1, Fraction(1, 16384)),
+                                   (30, 100, Fraction(1, 8)), (200, 1000, Fraction(1, 8))])
+def test_binomial_tail_is_exact(k: int, n: int, p: Fraction) -> None:
+    want = float(_exact_tail(k, n, p))
+    got = rc.binom_sf(k, n, float(p))
+    assert got == pytest.approx(want, rel=1e-9, abs=0.0)
+    many = rc.binom_sf_many(np.array([k, k]), np.array([n, n]), np.array([float(p)] * 2))
+    assert many == pytest.approx([want, want], rel=1e-9, abs=0.0)
+    # textbook values
+    assert rc.binom_sf(8, 10, 0.5) == pytest.approx(56 / 1024, rel=1e-12)
+    assert rc.binom_sf(50, 50, 0.5) == pytest.approx(2.0**-50, rel=1e-9)
+
+
+def test_benjamini_hochberg_on_known_p_values() -> None:
+    # Benjamini & Hochberg (1995), section 4: 15 p-values, q = 0.05 rejects the 4 smallest
+    p = np.array([0.0201, 0.0001, 0.0004, 0.0019, 0.0095, 0.0278, 0.0298, 0.0344, 0.0459, 0.3240, 0.4262,
+                  0.5719, 0.6528, 0.7590, 1.0])
+    rej, q = rc.benjamini_hochberg(p, 0.05)
+    assert sorted(p[rej].tolist()) == [0.0001, 0.0004, 0.0019, 0.0095]
+    assert q[1] == pytest.approx(0.0001 * 15) and (q <= 1).all()
+    # step-up: a p-value above its own threshold is rejected when a larger one passes
+    rej, _ = rc.benjamini_hochberg(np.array([0.012, 0.011]), 0.02)
+    assert rej.all()
+    # tests known to be above q only count in m
+    rej_m, _ = rc.benjamini_hochberg(np.array([0.001, 0.004]), 0.01, m=10)
+    assert rej_m.tolist() == [True, False]
+    with pytest.raises(ValueError):
+        rc.benjamini_hochberg(np.array([0.1, 0.2]), 0.05, m=1)
+
+
+def test_benjamini_hochberg_controls_false_discoveries() -> None:
+    rng = np.random.default_rng(3)
+    null = rng.random(9000)
+    alt = rng.random(1000) * 1e-5
+    rej, _ = rc.benjamini_hochberg(np.concatenate([null, alt]), 0.01)
+    false = int(rej[:9000].sum())
+    assert rej[9000:].mean() > 0.9 and false <= 0.02 * max(1, int(rej.sum()))
+
+
+def _judge(sim: simjob.SimResult, **kw: object) -> tuple[list[Finding], dict[str, object]]:
+    params = StragglerParams(**{"window_s": 0.5, **kw})  # type: ignore[arg-type]
+    return find_stragglers(sim.comms, sim.times, sim.node_names, sim.node_series, 0, 0.0, params, sim.clock_error_ns)
+
+
+def test_fdr_over_1000_pure_noise_windows() -> None:
+    """1000 windows of a balanced 8-rank job: the exact test at 0.01 alone flags some windows (what the
+    old detector did at scale), Benjamini-Hochberg over all of them flags at most q x 1000."""
+    job = simjob.SimJob(8, [np.arange(8)], [simjob.Step(1.0, [0])], iterations=30_000, sigma=0.05, seed=11)
+    sim = simjob.simulate(job)
+    span_s = float(sim.comms[0].last_enter[-1] - sim.comms[0].last_enter[0]) / 1e9
+    findings, m = _judge(sim, window_s=span_s / 1000, min_instances=10)
+    s = m["_summary"]
+    assert isinstance(s, dict)
+    assert 990 <= s["windows_judged"] <= 1001
+    assert s["candidates"] >= 3  # raw p <= 0.01 happens in pure noise
+    assert s["rejected"] <= 0.01 * 1000 and findings == []
+
+
+# --- simulated jobs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [2, 64, 2048])
+def test_balanced_simulated_job_has_no_finding(ranks: int) -> None:
+    findings, m = _judge(simjob.simulate(simjob.balanced_job(ranks)))
+    assert findings == []
+    s = m["_summary"]
+    assert isinstance(s, dict) and s["windows_judged"] > 0 and s["tests"] > 0
+
+
+def test_slow_rank_found_with_cause_and_cost() -> None:
+    job = simjob.balanced_job(8)
+    job.slow = {5: 1.3}
+    findings, _ = _judge(simjob.simulate(job))
+    assert [(f.node, f.ranks, f.kind) for f in findings] == [("sim00001", [5], "own compute")]
+    f = findings[0]
+    assert f.cause == "host"  # no GPU metrics anywhere: the longer compute ran on the host
+    assert f.cost_ns > 0 and f.cost_share > 0.8 and f.direct_cost_ns <= f.cost_ns
+    assert f.q_value <= 0.01 and f.score_min is not None and 0 <= f.score_min < 0.9
+    assert any("cost:" in e for e in f.evidence) and any("binomial" in e for e in f.evidence)
+
+
+def _propagation_job(slow: dict[int, float]) -> simjob.SimJob:
+    """World (0..3), then T={2,3} and U={0,1}, then S={1,2} and V={0,3}: a slow rank 3 makes rank 2 wait
+    at T, so rank 2 arrives late at S and rank 1 waits there for lateness that is not rank 2's."""
+    comms = [np.arange(4), np.array([2, 3]), np.array([0, 1]), np.array([1, 2]), np.array([0, 3])]
+    return simjob.SimJob(4, comms, [simjob.Step(5.0, [0]), simjob.Step(5.0, [1, 2]), simjob.Step(0.5, [3, 4])],
+                         iterations=200, slow=slow, sigma=0.03)
+
+
+def test_propagated_lateness_is_listed_under_the_root_cause() -> None:
+    sim = simjob.simulate(_propagation_job({3: 1.3}))
+    findings, _ = _judge(sim)
+    assert [(f.node, f.ranks) for f in findings] == [("sim00003", [3])]
+    f = findings[0]
+    s_comm = f"{sim.comms[3].comm_id:#x}"
+    prop = {p["comm_id"]: p for p in f.propagated}
+    # rank 2 of the world is rank 1 of S = {1, 2}
+    assert s_comm in prop and prop[s_comm]["ranks"] == [1] and prop[s_comm]["nodes"] == ["sim00002"]
+    assert prop[s_comm]["wait_ns"] > 0.1 * f.cost_ns
+    assert f.cost_ns > f.direct_cost_ns
+    # The old detector (who arrived last, per communicator) also reported rank 2 on S as a straggler of
+    # its own: that lateness was propagated from rank 3, which is why it is no finding any more.
+    naive, _ = _judge(sim, algorithm="last_share")
+    assert ("sim00002", s_comm) in {(x.node, f"{x.comm_id:#x}") for x in naive}
+
+
+def test_exit_asymmetry_of_a_small_communicator_is_no_finding() -> None:
+    """Two ranks, a world Allreduce and a 2-rank sub-communicator whose second rank always leaves 2 ms
+    later (the algorithm): rank 1 is last at every world Allreduce, yet nobody is slow."""
+    comms = [np.arange(2), np.array([0, 1])]
+    job = simjob.SimJob(2, comms, [simjob.Step(5.0, [0]), simjob.Step(1.0, [1])], iterations=200,
+                        exit_asym_us={1: np.array([0.0, 2000.0])}, sigma=0.01)
+    sim = simjob.simulate(job)
+    findings, m = _judge(sim)
+    assert findings == []
+    s = m["_summary"]
+    assert isinstance(s, dict)
+    split = s["wait_ns_by_split"]
+    assert split["exit asymmetry"] > 10 * (split["own compute"] + split["exit delay"])
+    # the old reading (arrived last more often than chance) flags it
+    naive, _ = _judge(sim, algorithm="last_share")
+    assert [x.ranks for x in naive] == [[1]]
+
+
+def test_network_straggler_needs_exit_delay_beyond_the_clock_error() -> None:
+    """Rank 3's collectives return 2 ms late in half the instances, its compute is normal: found as
+    network; told of a clock error larger than the delay, it is not."""
+    job = simjob.SimJob(8, [np.arange(8)], [simjob.Step(5.0, [0])], iterations=400, sigma=0.01, seed=5,
+                        slow_exit={3: (0.5, 2000.0)})
+    sim = simjob.simulate(job)
+    findings, _ = _judge(sim)
+    assert [(f.ranks, f.cause, f.kind) for f in findings] == [([3], "network", "exit delay")]
+    assert any("returned" in e and "later" in e for e in findings[0].evidence)
+    sim.clock_error_ns[:] = 5e6
+    assert _judge(sim)[0] == []
+
+
+def test_blocks_and_spans_do_not_change_the_result() -> None:
+    """The sweep reads spans of instances; their size changes nothing in the numbers."""
+    sim = simjob.simulate(_propagation_job({3: 1.3}))
+    a = rc.delay_analysis(sim.comms, sim.times)
+    b = rc.delay_analysis(sim.comms, sim.times, span_cells=8)
+    for name in ("wait_ns", "f_own", "f_exit", "f_asym", "f_prop", "ptr", "waitee"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_scores_are_in_the_unit_interval_or_none() -> None:
+    job = simjob.balanced_job(8)
+    job.slow = {2: 1.3}
+    findings, m = _judge(simjob.simulate(job))
+    for key, v in m.items():
+        if key.startswith("_"):
+            continue
+        assert isinstance(v, dict)
+        assert all(x is None or 0.0 <= x <= 1.0 for x in v["score_min"])
+    assert findings and all(f.score_min is None or 0 <= f.score_min <= 1 for f in findings)
