@@ -467,7 +467,7 @@ def _complete_requests(a: np.ndarray, nb: np.ndarray, c: np.ndarray, epoch_rt: i
     used = np.zeros(len(done), bool)
     idx = np.flatnonzero(nb)
     peer = np.where(a["op"][idx] == _I["MPI_Isend"], a["dst"][idx], a["src"][idx])
-    keys_done = {}
+    keys_done: dict[tuple[int, int, int, int, int], list[int]] = {}
     order = np.argsort(d_enter, kind="stable")
     for j in order:
         k = (int(done["pid"][j]), int(done["comm_id"][j]), int(done["seq"][j]), int(done["root_or_peer"][j]),
