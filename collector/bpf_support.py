@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
+from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
 from gpuprof.collector.schema import INTERNAL_COMM_OPS
 from gpuprof.collector.sources.base import SourceUnavailable
 from gpuprof.collector.sources.probe_table import collectives_defines
@@ -222,8 +223,11 @@ def elf_symbols(path: str) -> ElfSymbols:
 
 
 def _parse_elf(path: str) -> ElfSymbols:
-    with open(path, "rb") as f:
-        data = f.read()
+    # A file a job process maps, maybe in the user's space: no symlink, no FIFO, bounded (safeio).
+    try:
+        data = read_user_file(path, owners=None, max_bytes=ELF_MAX_BYTES)
+    except UnsafeFile as e:
+        raise ValueError(str(e)) from None
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path}: not a little-endian ELF64 file")
     e_phoff = int.from_bytes(data[32:40], "little")
@@ -311,7 +315,12 @@ def dynamic_functions(path: str) -> frozenset[str]:
 
 
 def _read_dynamic_functions(path: str) -> frozenset[str]:
-    with open(path, "rb") as f:
+    try:
+        # only the headers and .dynsym are read, so any size is fine; no symlink, no FIFO (safeio)
+        fd, _ = open_user_file(path, owners=None, max_bytes=1 << 40)
+    except UnsafeFile:
+        return frozenset()
+    with os.fdopen(fd, "rb") as f:
         eh = f.read(64)
         if eh[:4] != b"\x7fELF" or eh[4] != 2 or eh[5] != 1:
             return frozenset()

@@ -134,6 +134,16 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"  {path:<28} {n:>10}")
     drops = {k: v for k, v in s["drops"].items() if v}
     lines.append("drops:     " + (", ".join(f"{k} {v}" for k, v in sorted(drops.items())) if drops else "none"))
+    if s.get("late_sources"):
+        lines.append("late:      " + ", ".join(s["late_sources"])
+                     + " attached after the job's first process (attach_json says what they may have missed)")
+    fast = s.get("fastpath")
+    if fast:
+        lines.append(f"fastpath:  {fast.get('rings', 0)} rings read, {fast.get('refused', 0)} refused, "
+                     f"{fast.get('create_failed', 0)} processes without a ring"
+                     + (f"; {fast['dir_problem']}" if fast.get("dir_problem") else ""))
+        for why in [*fast.get("refused_detail", []), *fast.get("create_failed_detail", [])][:20]:
+            lines.append(f"  {why}")
     lines.append(f"errors:    {len(s['errors'])}")
     for e in s["errors"][:20]:
         lines.append(f"  [{e['source']}] {e['message']}")

@@ -43,6 +43,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
             "where the epilog places <node>.h5; fields: stdout_dir, stdout_stem, work_dir, job_id, user",
         ),
         "collector_ready_timeout_s": Key((int, float), 2.0, "prolog waits this long for the collector"),
+        "attach_timeout_s": Key(
+            (int, float), 10.0,
+            "prolog waits at most this long for every source to attach; late ones are marked (docs/slurm.md)",
+        ),
         "seal_timeout_s": Key((int, float), 10.0, "epilog waits this long for the collector to seal"),
         "collector_nice": Key(int, 10, "nice value of the collector (low priority)"),
         "collector_python": Key(str, "", "python that runs the collector ('' = the one running the hook)"),
@@ -58,6 +62,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "clock_interval_s": Key((int, float), 1.0, "(monotonic, realtime) pair every N s"),
         "process_scan_interval_s": Key((int, float), 1.0, "how often new job processes are picked up"),
         "compression": Key(str, "gzip", "HDF5 filter: gzip, lzf or none (docs/trace-format.md)"),
+        "test_slow_attach_s": Key(
+            (int, float), 0.0, "test hook: every source but the clock starts this much later (0 = off)"
+        ),
     },
     "sources.nvml": {
         "rate_hz": Key((int, float), 10.0, "GPU metric sampling rate"),

@@ -61,6 +61,7 @@ class ControlServer:
         self._sock = self._bind(mode)
 
     def _bind(self, mode: int) -> socket.socket:
+        _check_socket_dir(self.path.parent)
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
@@ -80,6 +81,7 @@ class ControlServer:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # bind under a restrictive umask so the socket is never reachable with wider permissions
+        # (no chmod after: by path it would follow a symlink swapped in meanwhile)
         old = os.umask(0o777 & ~mode)
         try:
             sock.bind(str(self.path))
@@ -88,7 +90,11 @@ class ControlServer:
             raise CollectorError(f"{self.path}: cannot create control socket: {e.strerror}") from None
         finally:
             os.umask(old)
-        os.chmod(self.path, mode)
+        st = os.lstat(self.path)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & ~mode:
+            sock.close()
+            raise CollectorError(f"{self.path}: control socket replaced or widened after bind "
+                                 f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing")
         sock.listen(8)
         sock.settimeout(0.2)  # so close() is noticed promptly
         return sock
@@ -159,6 +165,21 @@ class ControlServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _check_socket_dir(d: Path) -> None:
+    """The socket's directory must not let anyone else replace the socket: owned by us or root, and
+    not writable by group or others unless sticky (the prolog's is <state_dir>/jobs/<job>@<node>,
+    0700 root)."""
+    try:
+        st = os.stat(d)
+    except OSError as e:
+        raise CollectorError(f"{d}: control socket directory unusable: {e.strerror}") from None
+    if st.st_uid not in (0, os.geteuid()):
+        raise CollectorError(f"{d}: control socket directory owned by uid {st.st_uid}; refusing")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise CollectorError(f"{d}: control socket directory writable by others "
+                             f"({stat.filemode(st.st_mode)}); refusing")
 
 
 def request(socket_path: str | os.PathLike[str], cmd: str, timeout_s: float = 5.0) -> dict[str, Any]:

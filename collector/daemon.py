@@ -16,6 +16,7 @@ to "error"; what was flushed before stays readable.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import os
@@ -94,6 +95,8 @@ class _SourceState:
     # source drained once a second (a native sampling thread's rows) hands over what it holds
     wake: threading.Event = field(default_factory=threading.Event)
     passes: int = 0  # samples completed (under Collector._pass_cond)
+    attached_ns: int | None = None  # CLOCK_MONOTONIC when start() returned (the probe is in place)
+    late: dict[str, Any] | None = None  # set when a probe source attached after the job's first process
 
 
 # Sources each mode brings beyond the clock: (module, class). Constructed without arguments; their
@@ -214,6 +217,9 @@ class Collector:
         self._control: Any = None
         self._fatal = ""
         self._abandoned_writer: NodeTraceWriter | None = None
+        self._first_process_ns: int | None = None  # start of the job's first process seen (monotonic)
+        # Test hook (collector.test_slow_attach_s): every source but the clock starts this much later.
+        self._slow_attach_s = float(self.cfg.get("test_slow_attach_s", 0.0))
 
     # --- reporting (any thread) -------------------------------------------------------------------
     def report_error(self, source: str, message: str) -> None:
@@ -271,11 +277,66 @@ class Collector:
                 "drops": self.drops(),
                 "errors": list(self._errors),
                 "sources": {n: st.status for n, st in self._states.items()},
+                "attach": self.attach_state(),
+                "attached": all(st.status != "starting" for st in self._states.values()),
+                "late_sources": sorted(n for n, st in self._states.items() if st.late),
+                "source_info": self._source_info(),
                 "pids": len(self.tracker.pids()),
                 "process_tracking": self.tracker.method,
                 "pid": os.getpid(),
                 **({"error": self._fatal} if self.state == "error" else {}),
             }
+
+    def attach_state(self) -> dict[str, dict[str, Any]]:
+        """Per source: whether it is in place yet ("pending" while it starts), since when, and
+        whether it came too late to see the job's first processes (docs/trace-format.md attach_json)."""
+        out: dict[str, dict[str, Any]] = {}
+        for n, st in self._states.items():
+            state = ("pending" if st.status == "starting" else "attached" if st.attached_ns is not None
+                     else st.status.split(":", 1)[0])
+            out[n] = {"state": state, "attached_ns": st.attached_ns, "probe": bool(st.source.attaches),
+                      "late": st.late is not None, **(st.late or {})}
+            late_libs = st.source.late_attachments()
+            if late_libs:
+                out[n]["late_libraries"] = late_libs[:64]
+        return out
+
+    def _source_info(self) -> dict[str, Any]:
+        out = {}
+        for n, st in self._states.items():
+            try:
+                info = st.source.summary()
+            except (OSError, ValueError, AttributeError, RuntimeError) as e:  # a source's state mid-change
+                info = {"error": f"{type(e).__name__}: {e}"}
+            if info is not None:
+                out[n] = info
+        return out
+
+    def _mark_attached(self, st: _SourceState) -> None:
+        """The source's probes are in place now; a probe source that missed job processes is late."""
+        st.attached_ns = monotonic_ns()
+        if not st.source.attaches:
+            return
+        pids = sorted(self.tracker.pids())
+        first = self._first_process_ns
+        if first is None and pids:
+            first = self._note_first_process(pids)
+        if first is None:
+            return  # no job process yet: in place before the job runs
+        st.late = {
+            "first_process_ns": first,
+            "late_by_s": round((st.attached_ns - first) / 1e9, 6),
+            "pids_before": pids[:64],
+            "may_have_missed": MISSED.get(st.source.name, "what the job did before attached_ns"),
+        }
+        self.report_error(st.source.name, f"attached late at t_ns={st.attached_ns}, "
+                          f"{st.late['late_by_s']:.3f} s after the job's first process: "
+                          f"{st.late['may_have_missed']}"[:240])
+
+    def _note_first_process(self, pids: list[int]) -> int | None:
+        starts = [t for t in (process_start_ns(p) for p in pids) if t is not None]
+        self._first_process_ns = min(starts) if starts else monotonic_ns()
+        return self._first_process_ns
 
     def request_flush(self, timeout_s: float = 10.0) -> bool:
         """Ask the sources for what they hold, then the writer for a drain+flush; True once the
@@ -333,6 +394,7 @@ class Collector:
             cgroup_dirs=self.tracker.cgroup_dirs,
             report_error=self.report_error,
             report_missing=self.report_missing,
+            uid=self.opts.uid,
         )
 
     def _push(self, st: _SourceState, batches: Any) -> None:
@@ -343,6 +405,12 @@ class Collector:
 
     def _source_loop(self, st: _SourceState) -> None:
         src = st.source
+        # test hook: a deliberately slow attach (tests/test_security.py, test_hooks_e2e.py)
+        if (self._slow_attach_s > 0 and not isinstance(src, ClockSource)
+                and self._sources_stop.wait(self._slow_attach_s)):
+            st.status = "stopped"
+            st.stopped.set()
+            return
         try:
             src.start(self._ctx())
         except SourceUnavailable as e:
@@ -355,6 +423,7 @@ class Collector:
             self.report_error(src.name, f"start failed: {type(e).__name__}: {e}")
             st.stopped.set()
             return
+        self._mark_attached(st)
         st.status = "running"
         interval = max(0.001, float(src.interval_s))
         backoff = 0.0
@@ -395,6 +464,10 @@ class Collector:
             rows = self.tracker.scan(monotonic_ns())
             if len(rows):
                 self._tracker_ring.push(schema.PROCESS_EVENTS, rows)
+            if self._first_process_ns is None:
+                pids = sorted(self.tracker.pids())
+                if pids:
+                    self._note_first_process(pids)
         except Exception as e:  # noqa: BLE001 - a failed scan must not end the tracker; it is recorded
             self.report_error("processes", f"scan failed: {type(e).__name__}: {e}")
 
@@ -476,6 +549,11 @@ class Collector:
             self.finished_event.set()
 
     def _at_seal(self, f: Any) -> None:
+        with self._lock:
+            attach = self.attach_state()
+        f.attrs["attach_json"] = json.dumps(attach, sort_keys=True)
+        f.attrs["late_sources"] = json.dumps(sorted(n for n, a in attach.items()
+                                                    if a["late"] or a.get("late_libraries")))
         for st in self._states.values():
             try:
                 st.source.at_seal(f)
@@ -593,6 +671,32 @@ class Collector:
         for sig in (signal.SIGINT, signal.SIGTERM):
             old[sig] = signal.signal(sig, handler)
         return old
+
+
+# What a probe source that attached late cannot have seen (attach_json "may_have_missed").
+MISSED = {
+    "collectives_uprobe": "calls before attached_ns are missing; the sequence numbers of communicators that "
+                          "existed before it count from the first call seen (exclude their early instances)",
+    "stacks": "CPU samples before attached_ns",
+    "offcpu": "off-CPU episodes before attached_ns",
+    "kernels": "CUDA launches and kernel names (module loads) before attached_ns",
+}
+
+
+def process_start_ns(pid: int) -> int | None:
+    """When a process started, on CLOCK_MONOTONIC (from /proc/PID/stat starttime, which counts from
+    boot: CLOCK_BOOTTIME, equal to MONOTONIC but for time suspended since the process started)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    try:
+        ticks = int(fields[19])
+    except (IndexError, ValueError):
+        return None
+    boot_offset = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - monotonic_ns()
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK") - boot_offset
 
 
 def _reason(e: BaseException) -> str:

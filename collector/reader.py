@@ -186,4 +186,18 @@ def summarize(trace: NodeTrace) -> dict[str, Any]:
         "drops": trace.drops(),
         "errors": errors,
         "missing_metrics": missing,
+        "late_sources": _json_attr(a, "late_sources", []),
+        "attach": _json_attr(a, "attach_json", {}),
+        "fastpath": _json_attr(a, "fastpath_json", None),
     }
+
+
+def _json_attr(attrs: Any, name: str, default: Any) -> Any:
+    """A JSON root attribute written at seal (absent in unsealed and older files: default)."""
+    raw = attrs.get(name)
+    if raw is None:
+        return default
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError):
+        return default

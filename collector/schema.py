@@ -38,6 +38,13 @@ ROOT_ATTRS: dict[str, str] = {
     "end_monotonic_ns": "(at seal) collector end, CLOCK_MONOTONIC ns",
     "end_realtime_ns": "(at seal) collector end, CLOCK_REALTIME ns",
     "drops_json": "(at seal) JSON object: source -> records dropped because the writer fell behind",
+    "attach_json": "(at seal) JSON object: source -> {state, attached_ns, probe, late, first_process_ns, "
+                   "late_by_s, pids_before, may_have_missed, late_libraries}: when each source was in place "
+                   "and what a late probe cannot have seen (see 'Late probes' below)",
+    "late_sources": "(at seal) JSON list of the sources that attached after the job's first process, or "
+                    "probed a library only after job processes had mapped it",
+    "fastpath_json": "(at seal, mode collectives with the fast path) JSON object: ring directory, rings "
+                     "read, rings refused and processes that could not create one, with the first reasons",
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import os
 import threading
 from collections import Counter
@@ -32,6 +33,9 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
+from gpuprof.collector.safeio import PERF_MAP_MAX_BYTES, UnsafeFile, read_user_file
+
+log = logging.getLogger("gpuprof.collector")
 
 STACK_NONE = 0
 STACK_LOST = 0xFFFFFFFF  # the kernel could not store the stack (map full, hash collision)
@@ -47,6 +51,7 @@ class Module:
     path: str = ""  # ELF: a path the collector can open; perfmap: the perf map file
     pid: int = 0
     name: str = ""  # shown in /stacks/symbols.module
+    uid: int = -1  # perfmap: the process's uid when its maps were read (the map must be its own file)
 
 
 @dataclass
@@ -111,7 +116,8 @@ class StackStore:
             elif m.path in ("[vdso]", "[vsyscall]"):
                 idx, off = self._module(Module("none", name=m.path)), m.start
             else:  # anonymous executable memory: JIT code, perf trampolines
-                idx = self._module(Module("perfmap", f"/tmp/perf-{pid}.map", pid, f"perf-{pid}.map"))
+                idx = self._module(Module("perfmap", f"/tmp/perf-{pid}.map", pid, f"perf-{pid}.map",
+                                          _uid(pid)))
                 off = m.start
             pm.starts.append(m.start)
             pm.spans.append((m.start, m.end, idx))
@@ -197,6 +203,13 @@ def _fit(s: str, n: int) -> bytes:
     return b if len(b) <= n else b[: n - 3] + b"..."
 
 
+def _uid(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
 def _exe(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/exe")
@@ -242,7 +255,7 @@ class Resolver:
     def _perfmap(self, mod: int, m: Module, addr: int) -> str | None:
         pm = self._perfmaps.get(mod)
         if pm is None:
-            pm = self._perfmaps[mod] = read_perf_map(m.pid)
+            pm = self._perfmaps[mod] = read_perf_map(m.pid, m.uid)
         starts, entries = pm
         i = bisect.bisect_right(starts, addr) - 1
         if i >= 0 and addr < entries[i][0] + max(entries[i][1], 1):
@@ -250,23 +263,35 @@ class Resolver:
         return None
 
 
-def read_perf_map(pid: int) -> tuple[list[int], list[tuple[int, int, str]]]:
-    """/tmp/perf-PID.map ("START SIZE name" in hex, as perf and Python's -X perf write it), looked
-    for in the process's own /tmp while it lives, else in ours."""
+def read_perf_map(pid: int, uid: int | None = None) -> tuple[list[int], list[tuple[int, int, str]]]:
+    """/tmp/perf-PID.map ("START SIZE name" in hex, as perf and Python's -X perf write it), from
+    the process's own mount namespace (/proc/PID/root/tmp) while it lives, else from ours.
+
+    The file is the job user's, read by root: opened without following a symlink or blocking on a
+    FIFO, and read only when it is a regular file owned by the process's uid (uid, as seen when its
+    maps were read; else its current one) of at most 16 MB (collector/safeio.py). Anything else is
+    not read at all: its frames stay [unknown]."""
+    if uid is None or uid < 0:
+        uid = _uid(pid)
+    if uid < 0:
+        return [], []  # whose file it should be is not known: not read
     entries: list[tuple[int, int, str]] = []
     for path in (f"/proc/{pid}/root/tmp/perf-{pid}.map", f"/tmp/perf-{pid}.map"):
         try:
-            with open(path, errors="replace") as fh:
-                for line in fh:
-                    parts = line.rstrip("\n").split(" ", 2)
-                    if len(parts) == 3:
-                        try:
-                            entries.append((int(parts[0], 16), int(parts[1], 16), parts[2]))
-                        except ValueError:
-                            continue
-            break
-        except OSError:
+            data = read_user_file(path, owners=(uid,), max_bytes=PERF_MAP_MAX_BYTES)
+        except FileNotFoundError:
             continue
+        except (OSError, UnsafeFile) as e:
+            log.warning("perf map not read: %s", e)
+            break  # the process's file exists but is refused: not looked for elsewhere
+        for line in data.decode(errors="replace").splitlines():
+            parts = line.split(" ", 2)
+            if len(parts) == 3:
+                try:
+                    entries.append((int(parts[0], 16), int(parts[1], 16), parts[2]))
+                except ValueError:
+                    continue
+        break
     entries.sort()
     return [e[0] for e in entries], entries
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes.util
+import importlib
 import os
 import shutil
+import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,69 @@ def _slurm_conf_value(key: str) -> str | None:
         if sep and k.strip().lower() == key.lower():
             value = v.strip()
     return value
+
+
+def writable_by_others(roots: list[Path], limit: int = 5) -> list[str]:
+    """Paths of the install that someone other than root could change: in the trees under roots
+    (every file and directory) and every directory above them, what is not owned by root or is
+    writable by group or others (a sticky directory above a root, like /tmp, is fine: nobody can
+    replace what root put there). Symlinks are judged by what they point to. At most `limit`."""
+    bad: list[str] = []
+    seen: set[str] = set()
+
+    def judge(path: str, ancestor: bool) -> None:
+        if path in seen or len(bad) >= limit:
+            return
+        seen.add(path)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            return  # its target is judged on its own (realpath of the roots; links inside: skipped)
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if ancestor and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
+            writable = 0
+        if st.st_uid != 0:
+            bad.append(f"{path} (owner uid {st.st_uid})")
+        elif writable:
+            bad.append(f"{path} (mode {stat.filemode(st.st_mode)})")
+
+    for root in roots:
+        real = os.path.realpath(root)
+        for parent in Path(real).parents:
+            judge(str(parent), True)
+        if os.path.isdir(real):
+            for dirpath, dirnames, filenames in os.walk(real):
+                judge(dirpath, False)
+                for name in filenames:
+                    judge(os.path.join(dirpath, name), False)
+                dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        else:
+            judge(real, False)
+    return bad
+
+
+def install_roots(cfg: dict[str, Any] | None) -> list[Path]:
+    """What the hooks run as root: the gpuprof packages, the BPF sources and interposers, the
+    Python that runs them (its executable and its environment: a writable site-packages is code
+    run as root) and hooks.collector_python when set."""
+    roots: list[Path] = []
+    for name in ("gpuprof.collector", "gpuprof.slurm_hooks", "gpuprof.mpi_merge"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if mod.__file__:
+            roots.append(Path(mod.__file__).parent)
+    from gpuprof.collector.bpf_support import BPF_DIR
+
+    roots.append(Path(BPF_DIR))
+    roots.append(Path(sys.executable))
+    roots.append(Path(sys.prefix))
+    if cfg and cfg["hooks"]["collector_python"]:
+        roots.append(Path(cfg["hooks"]["collector_python"]))
+    return roots
 
 
 def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | None]:
@@ -114,6 +180,12 @@ def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | N
         checks.append(Check("hdf5", True, f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}", ""))
     except ImportError as e:
         checks.append(Check("hdf5", False, str(e), "pip install h5py"))
+    roots = install_roots(cfg)
+    bad = writable_by_others(roots)
+    checks.append(Check("install-permissions", not bad,
+                        "the install and its Python are writable by root only" if not bad
+                        else "writable by others than root: " + "; ".join(bad),
+                        "chown -R root:root and chmod -R go-w the paths named (the hooks run this code as root)"))
     if cfg:
         sd = Path(cfg["paths"]["state_dir"])
         writable = os.access(sd if sd.exists() else sd.parent, os.W_OK)

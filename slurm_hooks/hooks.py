@@ -27,7 +27,14 @@ from gpuprof.collector.schema import parse_modes
 from gpuprof.slurm_hooks import log as log_mod
 from gpuprof.slurm_hooks.dcgm_lock import DcgmLock, holder_name
 from gpuprof.slurm_hooks.job import JobInfo, from_hook_environment, job_source
-from gpuprof.slurm_hooks.paths import make_private_dir, node_dir_for_stdout, place_as_user
+from gpuprof.slurm_hooks.paths import (
+    PlacementError,
+    make_job_dir,
+    make_private_dir,
+    node_dir_for_stdout,
+    place_as_user,
+    remove_job_dir,
+)
 
 # Job states in which a job still holds its nodes (scontrol's JobState, flags stripped).
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING",
@@ -49,6 +56,9 @@ class NodeJobState:
     started_at: float
     collector_started: bool
     dcgm: str
+    ring_dir: str = ""  # the fast path's per-job directory ('' when none was made)
+    attached: bool = False  # every source was in place before the prolog returned
+    late_sources: list[str] | None = None  # sources still not attached when the prolog gave up
 
 
 def _job_node_dir(cfg: dict[str, Any], job_id: str, node: str) -> Path:
@@ -87,15 +97,25 @@ def _start_collector(cmd: list[str], nice: int, log_path: Path) -> subprocess.Po
         )
 
 
-def _wait_recording(socket: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """Poll the control socket until the collector says it records; '' on success, else why not."""
+def _wait_recording(socket: Path, proc: subprocess.Popen[bytes], timeout_s: float,
+                    attach_deadline: float | None = None) -> tuple[str, list[str]]:
+    """Poll the control socket until the collector says it records ('' on success, else why not),
+    then, until attach_deadline (monotonic), until every source is attached ("attached" in
+    `status`). Returns (why not recording, sources still not attached when the wait ended)."""
     from gpuprof.collector.control import request
 
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    while time.monotonic() < deadline:
+    recording = False
+    st: dict[str, Any] = {}
+    while True:
+        now = time.monotonic()
+        if not recording and now >= deadline:
+            return f"collector not recording after {timeout_s} s ({last})", []
+        if recording and (attach_deadline is None or now >= attach_deadline):
+            break
         if proc.poll() is not None:
-            return f"collector exited with status {proc.returncode} before recording"
+            return f"collector exited with status {proc.returncode} before recording", []
         if socket.exists():
             try:
                 st = request(str(socket), "status", timeout_s=0.5)
@@ -103,10 +123,16 @@ def _wait_recording(socket: Path, proc: subprocess.Popen[bytes], timeout_s: floa
                 last = str(e)
             else:
                 if st.get("state") == "recording":
-                    return ""
-                last = f"state {st.get('state')}: {st.get('errors')}"
-        time.sleep(0.02)
-    return f"collector not recording after {timeout_s} s ({last})"
+                    recording = True
+                    if attach_deadline is None or st.get("attached", True):
+                        return "", []
+                elif recording:
+                    return "", []  # sealed or failed since: nothing more to wait for
+                else:
+                    last = f"state {st.get('state')}: {st.get('errors')}"
+        time.sleep(0.05 if recording else 0.02)
+    pending = sorted(n for n, a in st.get("attach", {}).items() if a.get("state") == "pending")
+    return "", pending
 
 
 def prolog(config_path: str | None = None) -> int:
@@ -139,25 +165,52 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
     dcgm = lock.acquire(holder_name(job_id, node), {"job": job_id, "node": node})
     log.info("DCGM lock held by %d holder(s), action %s (%s)", len(dcgm.holders), dcgm.action, dcgm.dcgmi)
 
+    ring_dir = _make_ring_dir(job_id, node, modes, job, log)
     trace = state_dir / f"{node}.h5"
     socket = state_dir / "control.sock"
     python = cfg["hooks"]["collector_python"] or sys.executable
     cmd = collector_command(config_path or env.get(env.GPUPROF_CONFIG), job, node, modes, trace, socket, python)
     state = NodeJobState(job_id, node, list(modes), job.uid, job.gid, None, str(trace), str(socket), time.time(),
-                         False, dcgm.dcgmi)
+                         False, dcgm.dcgmi, ring_dir=str(ring_dir or ""))
     try:
+        started = time.monotonic()
         proc = _start_collector(cmd, int(cfg["hooks"]["collector_nice"]), state_dir / "collector.log")
     except OSError as e:
         log.error("collector cannot start (%s): %s; the job runs unprofiled", cmd[0], e.strerror)
     else:
         state.collector_pid = proc.pid
-        why_not = _wait_recording(socket, proc, float(cfg["hooks"]["collector_ready_timeout_s"]))
+        attach_budget = float(cfg["hooks"]["attach_timeout_s"])
+        why_not, late = _wait_recording(socket, proc, float(cfg["hooks"]["collector_ready_timeout_s"]),
+                                        started + attach_budget)
         state.collector_started = not why_not
+        state.attached = not why_not and not late
+        state.late_sources = late
         if why_not:
             log.error("%s; see %s", why_not, state_dir / "collector.log")
         else:
             log.info("collector pid %d recording to %s (modes %s)", proc.pid, trace, ",".join(modes))
+        if late:
+            # The job starts anyway; the collector marks these in the node file (attach_json).
+            log.warning("sources %s not attached within hooks.attach_timeout_s = %s s: the job starts and "
+                        "they are marked late in the node file", ",".join(late), attach_budget)
     (state_dir / "state.json").write_text(json.dumps(asdict(state), indent=1))
+
+
+def _make_ring_dir(job_id: str, node: str, modes: tuple[str, ...], job: JobInfo,
+                   log: logging.Logger) -> Path | None:
+    """The fast path's per-job directory, made by root for the job's uid (mode 0700) before any of
+    the job's processes run (docs/probes.md, "Who may write a ring"); None without mode collectives."""
+    if "collectives" not in modes:
+        return None
+    from gpuprof.collector.sources.fastpath import job_ring_dir
+
+    try:
+        path = job_ring_dir(job_id, node)
+        make_job_dir(path, job.uid, job.gid)
+    except (ValueError, PlacementError) as e:
+        log.error("fast-path ring directory: %s; the fast path records nothing for this job", e)
+        return None
+    return path
 
 
 def job_still_running(holder: str, info: dict[str, Any]) -> bool:
@@ -207,23 +260,21 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         _watchdog(lock, log)
         if state_dir.is_dir() and not state_dir.is_symlink():
             shutil.rmtree(state_dir, ignore_errors=True)
-        _remove_fastpath_rings(job_id, log)
+        _remove_ring_dir(job_id, node, log)
 
 
-def _remove_fastpath_rings(job_id: str, log: logging.Logger) -> None:
-    """The collector removes the job's shared-memory rings when it stops; one that died cannot."""
-    from gpuprof.collector.sources.fastpath import RING_DIR
+def _remove_ring_dir(job_id: str, node: str, log: logging.Logger) -> None:
+    """The fast path's per-job directory, with whatever the job left in it (the collector removes
+    the rings it read; one that died cannot). Removed as root without following any symlink, and
+    only /dev/shm/gpuprof-<job>@<node> itself (paths.remove_job_dir)."""
+    from gpuprof.collector.sources.fastpath import job_ring_dir
 
-    for ring in Path(RING_DIR).glob(f"gpuprof-{job_id}-*"):
-        pid = ring.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and _process_alive(int(pid)):
-            continue  # a writer still runs (another virtual node of this host may drain it)
-        try:
-            ring.unlink()
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            log.warning("cannot remove fast-path ring %s: %s", ring, e.strerror)
+    try:
+        path = job_ring_dir(job_id, node)
+        if remove_job_dir(path):
+            log.info("removed fast-path ring directory %s", path)
+    except (ValueError, PlacementError) as e:
+        log.warning("fast-path ring directory: %s", e)
 
 
 def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,8 +194,12 @@ def place_as_user(src: Path, dest_dir: Path, file_name: str, *, uid: int, gid: i
 
 
 def make_private_dir(path: Path) -> Path:
-    """A root-only directory (0700); refuses an existing one that is a symlink or not ours."""
+    """A root-only directory (0700); refuses an existing one that is a symlink or not ours, and one
+    whose parent others could rename it in or out of (group/other-writable and not sticky)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pst = os.stat(path.parent)
+    if pst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not pst.st_mode & stat.S_ISVTX:
+        raise PlacementError(f"{path}: its parent {path.parent} is writable by others; use a root-only state_dir")
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PlacementError(f"{path}: state directory is not a plain directory")
@@ -202,3 +207,81 @@ def make_private_dir(path: Path) -> Path:
         raise PlacementError(f"{path}: state directory owned by uid {st.st_uid}, not by us")
     os.chmod(path, 0o700)
     return path
+
+
+# --- the fast path's per-job ring directory (root makes it for the job's user) ------------------
+
+def _remove_entry(parent_fd: int, name: str) -> None:
+    """Remove parent/name, whatever it is, never following a symlink (a link is removed itself,
+    a directory with shutil.rmtree's descriptor-based walk, which does not follow links inside)."""
+    st = os.lstat(name, dir_fd=parent_fd)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=parent_fd)
+    else:
+        os.unlink(name, dir_fd=parent_fd)
+
+
+def _check_job_dir_name(path: Path) -> None:
+    if not path.name.startswith("gpuprof-") or path.name in (".", "..") or "/" in path.name:
+        raise PlacementError(f"{path}: not a gpuprof job directory name")
+
+
+def make_job_dir(path: Path, uid: int, gid: int) -> Path:
+    """As root: path as a fresh directory owned by uid:gid, mode 0700 (the fast path's rings).
+
+    The parent (/dev/shm: sticky, world-writable) is opened once and every step is relative to it,
+    so no symlink is followed. An entry already at the name that is not exactly that (a symlink, a
+    file, a directory of another owner or with another mode, i.e. planted before the job) is
+    removed first; the directory is made by root with mode 0700 and only then handed to the user
+    (fchown on the opened directory, checked to be the one just made). Raises PlacementError."""
+    _check_job_dir_name(path)
+    try:
+        parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise PlacementError(f"{path.parent}: cannot open: {e.strerror}") from None
+    try:
+        for _ in range(3):
+            try:
+                os.mkdir(path.name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                st = os.lstat(path.name, dir_fd=parent_fd)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700:
+                    return path  # ours already (a prolog run again for the same job)
+                _remove_entry(parent_fd, path.name)
+                continue
+            except OSError as e:
+                raise PlacementError(f"{path}: cannot create: {e.strerror}") from None
+            fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid():
+                    raise PlacementError(f"{path}: replaced while being created (owner uid {st.st_uid})")
+                os.fchmod(fd, 0o700)
+                os.fchown(fd, uid, gid)
+            finally:
+                os.close(fd)
+            return path
+        raise PlacementError(f"{path}: keeps being re-created by someone else")
+    except OSError as e:
+        raise PlacementError(f"{path}: {e.strerror or e}") from None
+    finally:
+        os.close(parent_fd)
+
+
+def remove_job_dir(path: Path) -> bool:
+    """As root: remove the job directory made by make_job_dir and everything in it, never following
+    a symlink (a link planted at the name is removed, not its target). False when it was not there."""
+    _check_job_dir_name(path)
+    try:
+        parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        _remove_entry(parent_fd, path.name)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise PlacementError(f"{path}: cannot remove: {e.strerror or e}") from None
+    finally:
+        os.close(parent_fd)

@@ -20,7 +20,8 @@ def doctor(cluster: Cluster, *args: str, env: dict[str, str] | None = None) -> t
 def test_doctor_on_a_configured_node(cluster: Cluster) -> None:
     rc, checks = doctor(cluster)
     by = {c["name"]: c for c in checks}
-    for name in ("config", "slurm", "plugstack", "spank-plugin", "sbatch-option", "munge", "mpi", "hdf5"):
+    for name in ("config", "slurm", "plugstack", "spank-plugin", "sbatch-option", "munge", "mpi", "hdf5",
+                 "install-permissions"):
         assert by[name]["ok"], by[name]
     assert not by["nvml"]["ok"] and "driver" in by["nvml"]["fix"]  # no GPU here: said, not fatal
     assert rc == 0

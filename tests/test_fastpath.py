@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from harness import (
 )
 
 from gpuprof.collector import schema
+from gpuprof.collector.proctrack import process_tree
 from gpuprof.collector.sources import fastpath as fp
 
 FASTPATH = {"sources.collectives": {"mpi_path": "fastpath", "nccl_path": "fastpath"}}
@@ -80,9 +82,24 @@ def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: in
     gated = GatedProcess(mpirun_cmd(4, [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat)],
                                     env=env))
     errors: list[str] = []
-    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
+    # The collector reads only rings of job processes, which its tracker finds (collector/proctrack.py):
+    # here a thread keeps the process tree under mpirun, as the tracker would, while nothing is drained.
+    seen = {gated.pid}
+    done = threading.Event()
+
+    def track() -> None:
+        while not done.wait(0.05):
+            seen.update(process_tree(gated.pid))
+
+    tracker = threading.Thread(target=track, daemon=True)
+    tracker.start()
+    ctx = make_ctx(lambda: frozenset(seen), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
     src = fp.FastpathSource(ring_dir=str(tmp_path))
-    batches, (rc, _out, err) = run_source_over(src, ctx, gated, sample=sample)
+    try:
+        batches, (rc, _out, err) = run_source_over(src, ctx, gated, sample=sample)
+    finally:
+        done.set()
+        tracker.join()
     assert rc == 0, err[-2000:]
     return collect(batches, schema.COLLECTIVE_CALLS), collect(batches, schema.COMMUNICATORS), src, errors
 

@@ -219,3 +219,53 @@ def test_stdout_dir_symlinked_to_root_place(cluster: Cluster, user_tmpdir: Path,
         assert_nodes_idle(cluster)
     finally:
         root_place.rmdir()
+
+
+def test_fastpath_ring_dir_made_for_the_user_and_removed(cluster: Cluster, user_tmpdir: Path, test_user: str,
+                                                         hook_config, fake_dcgmi_log: Path) -> None:
+    """The prolog makes /dev/shm/gpuprof-<job>@<node> as root for the job's user (0700), the
+    TaskProlog points the interposers at it, the epilog removes it (docs/probes.md)."""
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N1", "--profile-gpu=collectives", "--wrap",
+                          'srun sh -c \'echo "DIR=$GPUPROF_FASTPATH_DIR"; stat -c "%U %a %F" "$GPUPROF_FASTPATH_DIR"\''],
+                         user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    out = (user_tmpdir / f"slurm-{job}.out").read_text()
+    assert f"DIR=/dev/shm/gpuprof-{job}@node1" in out
+    assert f"{test_user} 700 directory" in out
+    f = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    wait_files(f.parent, [f.name])
+    with h5py.File(f, "r") as h:
+        fastpath = json.loads(h.attrs["fastpath_json"])
+    assert fastpath["dir"] == f"/dev/shm/gpuprof-{job}@node1" and fastpath["dir_problem"] == ""
+    assert fastpath["refused"] == 0 and fastpath["create_failed"] == 0
+    assert not Path(f"/dev/shm/gpuprof-{job}@node1").exists()
+    assert_nodes_idle(cluster)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("slow_s, budget_s, late", [(1.5, 10, False), (4, 1, True)])
+def test_prolog_waits_for_probes_or_marks_them_late(cluster: Cluster, user_tmpdir: Path, test_user: str,
+                                                    hook_config, fake_dcgmi_log: Path, slow_s: float,
+                                                    budget_s: float, late: bool) -> None:
+    """collector.test_slow_attach_s (a test hook) delays every source's start: within
+    hooks.attach_timeout_s the prolog waits and the job starts with its probes in place; past it
+    the job starts anyway and the node file names the late sources."""
+    hook_config(base_config(cluster, fake_dcgmi_log,
+                            f"[hooks]\nattach_timeout_s = {budget_s}\n[collector]\ntest_slow_attach_s = {slow_s}\n"))
+    job = cluster.sbatch(["-N1", "--profile-gpu=stacks", "--wrap", "sleep 6"], user=test_user, cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    f = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    wait_files(f.parent, [f.name])
+    with h5py.File(f, "r") as h:
+        late_sources = json.loads(h.attrs["late_sources"])
+        attach = json.loads(h.attrs["attach_json"])
+    if attach["stacks"]["state"] != "attached":
+        pytest.skip(f"BPF unavailable on the nodes: {attach['stacks']}")
+    if late:
+        assert {"stacks", "offcpu"} <= set(late_sources), attach
+        assert attach["stacks"]["late_by_s"] > 0
+        log = (cluster.dir / "log" / "gpuprof-hooks.log").read_text()
+        assert f"job={job} node=node1: sources" in log and "not attached within" in log
+    else:
+        assert late_sources == [], attach

@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include "fp_common.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -66,6 +67,41 @@ __attribute__((constructor)) static void gp_init(void)
     pthread_atfork(NULL, NULL, gp_atfork_child);
 }
 
+/* Leave a note that this process has no ring, so the collector counts it instead of never
+ * knowing: <dir>/gpuprof-<job>-<pid>.failed, holding the failed step and its errno. Created
+ * like the ring (no symlink followed, never an existing file), in the same checked directory. */
+static void gp_mark_failed(int dfd, const char *job, const char *step, int err)
+{
+    if (dfd < 0)
+        return;
+    char name[160], text[128];
+    snprintf(name, sizeof(name), "gpuprof-%s-%u.failed", job, gp_pid());
+    int fd = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return;
+    int n = snprintf(text, sizeof(text), "%s: errno %d\n", step, err);
+    if (n > 0 && write(fd, text, (size_t)n) < 0)
+        n = 0; /* nothing more to do: the file's existence is the count */
+    close(fd);
+}
+
+/* The ring directory: the per-job directory the prolog made (GPUPROF_FASTPATH_DIR), opened
+ * without following a symlink and accepted only when it is ours and nobody else can write into
+ * it (docs/probes.md, "Who may write a ring"). -1 (errno set) otherwise. */
+static int gp_open_dir(const char *dir)
+{
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0)
+        return -1;
+    struct stat st;
+    if (fstat(dfd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH))) {
+        close(dfd);
+        errno = EPERM;
+        return -1;
+    }
+    return dfd;
+}
+
 static int gp_open(void)
 {
     const char *dir = getenv("GPUPROF_FASTPATH_DIR");
@@ -73,33 +109,54 @@ static int gp_open(void)
     const char *recs = getenv("GPUPROF_FASTPATH_RECORDS");
     if (!job || !*job)
         job = getenv("SLURM_JOB_ID");
-    if (!dir || !*dir)
-        dir = "/dev/shm";
-    if (!job || !*job)
-        return -1;
+    if (!dir || !*dir || !job || !*job || strchr(job, '/'))
+        return -1; /* no per-job directory named: not a profiled job step */
     u64 cap = recs ? strtoull(recs, NULL, 10) : GP_RING_DEFAULT_RECORDS;
     if (cap < 64 || cap > (1ULL << 24) || (cap & (cap - 1)))
         cap = GP_RING_DEFAULT_RECORDS;
-    char path[512];
-    snprintf(path, sizeof(path), "%s/gpuprof-%s-%u", dir, job, gp_pid());
+    int dfd = gp_open_dir(dir);
+    if (dfd < 0)
+        return -1; /* the collector sees the bad directory itself and reports it */
+    char path[160];
     size_t size = sizeof(struct gp_ring_header) + cap * sizeof(struct gp_record);
-    int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd < 0)
+    int fd = -1;
+    /* gpuprof-<job>-<pid>, or .1 ... .7 when a process of the same pid had one before (pids are
+     * reused in long jobs); never an existing file, never through a symlink. */
+    for (int i = 0; i < 8 && fd < 0; i++) {
+        if (i == 0)
+            snprintf(path, sizeof(path), "gpuprof-%s-%u", job, gp_pid());
+        else
+            snprintf(path, sizeof(path), "gpuprof-%s-%u.%d", job, gp_pid(), i);
+        fd = openat(dfd, path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0 && errno != EEXIST)
+            break;
+    }
+    if (fd < 0) {
+        gp_mark_failed(dfd, job, "create", errno);
+        close(dfd);
         return -1;
+    }
     if (ftruncate(fd, (off_t)size) != 0) {
+        int err = errno;
         close(fd);
-        unlink(path);
+        unlinkat(dfd, path, 0);
+        gp_mark_failed(dfd, job, "ftruncate", err);
+        close(dfd);
         return -1;
     }
     /* MAP_POPULATE: the ring's pages are allocated here, once, at the process's first record
      * (MPI_Init, a communicator's creation) instead of one page fault every 19 records inside
      * the application's calls; on a VM a first touch costs several microseconds. */
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    int map_err = errno;
     close(fd);
     if (p == MAP_FAILED) {
-        unlink(path);
+        unlinkat(dfd, path, 0);
+        gp_mark_failed(dfd, job, "mmap", map_err);
+        close(dfd);
         return -1;
     }
+    close(dfd);
     struct gp_ring_header *h = p;
     h->version = GP_RING_VERSION;
     h->record_size = sizeof(struct gp_record);

@@ -1,4 +1,5 @@
-/* The per-process shared-memory ring of the fast path: /dev/shm/gpuprof-<job>-<pid>.
+/* The per-process shared-memory ring of the fast path: <job dir>/gpuprof-<job>-<pid>, in the
+ * per-job directory /dev/shm/gpuprof-<job>@<node> the prolog makes for the job's uid (docs/probes.md).
  *
  * Producers are the application's threads (any number: a slot is claimed with one CAS on head);
  * the consumer is the collector, which reads slots in order while their seq says "written" and

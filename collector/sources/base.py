@@ -39,6 +39,8 @@ class SourceContext:
     # Record a metric that is not available: (source, device, metric, reason).
     report_missing: Callable[[str, int, str, str], None]
     extra: dict[str, Any] = field(default_factory=dict)
+    # The job owner's uid (--uid), None when not known (a process tree observed by hand).
+    uid: int | None = None
 
 
 Batch = tuple[Table, np.ndarray]
@@ -48,6 +50,11 @@ class Source(ABC):
     name: str = "source"
     tables: tuple[Table, ...] = ()
     interval_s: float = 1.0
+    # True for a probe that sees only what happens after its start (uprobes, perf events): when it
+    # starts after the job's first process, the collector records it as attached late (what it
+    # may have missed: docs/trace-format.md, attach_json). The fast path is not one: the
+    # interposers write their rings from a process's first call, whenever the collector reads them.
+    attaches: bool = False
 
     @abstractmethod
     def start(self, ctx: SourceContext) -> None:
@@ -63,6 +70,15 @@ class Source(ABC):
     def final(self, now_ns: int) -> Iterable[Batch]:
         """Last rows at seal (drain kernel maps, rings). Default: one more sample."""
         return self.sample(now_ns)
+
+    def late_attachments(self) -> list[dict[str, Any]]:
+        """Libraries probed only after job processes had mapped them (the uprobe path): each
+        {"library", "attached_ns", "pids"}; calls made there before attached_ns are missing."""
+        return []
+
+    def summary(self) -> dict[str, Any] | None:
+        """Source-specific state for `status` (e.g. the fast path's ring counts); None = nothing."""
+        return None
 
     def at_seal(self, f: h5py.File) -> None:
         """Write what is only known at the end (string tables, symbols) into the closed-SWMR file."""

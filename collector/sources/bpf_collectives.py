@@ -40,6 +40,7 @@ class BpfCollectivesSource(Source):
     """Uprobes on the MPI and NCCL libraries mapped into the job's processes."""
 
     name = "collectives_uprobe"
+    attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS)
     interval_s = 0.2
 
@@ -54,6 +55,7 @@ class BpfCollectivesSource(Source):
         # Decoded records as they came, kept only when asked (tests check fields not stored in
         # the file, like the NCCL stream, and the raw communicator records).
         self.keep_raw = False
+        self._late: list[dict[str, Any]] = []  # libraries first probed while job processes mapped them
         self.raw_calls: list[np.ndarray] = []
         self.events_comm: list[dict[str, Any]] = []
 
@@ -101,6 +103,9 @@ class BpfCollectivesSource(Source):
                 self.attach_library(lib, path)
         self._refresh(set(ctx.pids()))
 
+    def late_attachments(self) -> list[dict[str, Any]]:
+        return [dict(late, pids=list(late["pids"])) for late in self._late]
+
     def _on_call(self, _cpu: int, data: Any, _size: int) -> None:
         ev = self.hub.bpf[b"gp_calls"].event(data)  # type: ignore[union-attr]
         self._calls.append(tuple(getattr(ev, f) for f in CALL_FIELDS))
@@ -139,6 +144,7 @@ class BpfCollectivesSource(Source):
         self.hub.set_pids(pids)
         pids = pids | {k.value for k in self.hub.job_pids if os.path.isdir(f"/proc/{k.value}/task")}
         mpich = self.hub.bpf[b"gp_mpich"]
+        fresh: dict[str, dict[str, Any]] = {}
         for pid in pids:
             self._environ(pid)
             maps = read_maps(pid)
@@ -147,7 +153,15 @@ class BpfCollectivesSource(Source):
                     self.maps[pid] = maps
                     if lib == "mpi" and self._mpi_handles(pid).get("world") == MPICH_COMM_WORLD:
                         mpich[mpich.Key(pid)] = mpich.Leaf(1)
-                    self.attach_library(lib, path)
+                    if self.attach_library(lib, path):
+                        # probed only now although this job process maps it: its calls so far are
+                        # missing and its counters start here (docs/trace-format.md, Late probes)
+                        late = fresh[path] = {"library": path, "attached_ns": now_ns(), "pids": [pid]}
+                        self._late.append(late)
+                        self.ctx.report_error(self.name, f"{path} probed late (t_ns={late['attached_ns']}): pid "
+                                              f"{pid} mapped it before; its earlier calls are missing"[:240])
+                    elif path in fresh and len(fresh[path]["pids"]) < 64:
+                        fresh[path]["pids"].append(pid)  # mapped it before this pass attached it too
 
     def attach_library(self, lib: str, path: str) -> list[str]:
         """Attach entry and return probes to every probed symbol the file defines (all processes

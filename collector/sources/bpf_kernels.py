@@ -58,6 +58,7 @@ class BpfKernelsSource(Source):
     """CUDA launch uprobes of the job's processes."""
 
     name = "kernels"
+    attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.KERNEL_LAUNCHES, schema.KERNEL_FUNCTIONS, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 0.2  # the 2 MiB launch ring holds about 0.2 s at 100,000 launches/s
     scan_interval_s = 1.0  # new libraries of job processes are looked for this often

@@ -37,6 +37,7 @@ class BpfOffcpuSource(Source):
     """Blocked and run-queue time of the job's threads, with the blocking stack."""
 
     name = "offcpu"
+    attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.OFFCPU_INTERVALS, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0
 

@@ -106,6 +106,7 @@ class BpfStacksSource(Source):
     """99 Hz (configurable) CPU stack sampling of the job's threads."""
 
     name = "stacks"
+    attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0  # one window per drain
 

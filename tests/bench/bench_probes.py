@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -52,10 +54,13 @@ def run(args: list[str], ranks: int, path: str | None) -> tuple[dict[str, Any], 
     env: dict[str, str] = {}
     src: Source | None = None
     config = {"sources.collectives": {"mpi_path": path or "uprobe", "nccl_path": "uprobe"}}
+    ring_dir: str | None = None
     if path == "fastpath":
+        # a private directory, as the prolog makes one per job (the interposers refuse /dev/shm itself)
+        ring_dir = tempfile.mkdtemp(prefix="gpuprof-bench-", dir="/dev/shm")
         env = {"LD_PRELOAD": str(built_libraries()["mpi"]), "GPUPROF_FASTPATH_JOB": job,
-               "GPUPROF_FASTPATH_DIR": "/dev/shm"}
-        src = FastpathSource()
+               "GPUPROF_FASTPATH_DIR": ring_dir}
+        src = FastpathSource(ring_dir=ring_dir)
     elif path == "uprobe":
         src = BpfCollectivesSource(("mpi",))
     gated = GatedProcess(mpirun_cmd(ranks, [str(BENCH), *args], env=env))
@@ -66,7 +71,11 @@ def run(args: list[str], ranks: int, path: str | None) -> tuple[dict[str, Any], 
     else:
         ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",), config=config, job_id=job)
         # drained at the source's own interval, as the collector does
-        batches, (rc, out, err) = run_source_over(src, ctx, gated, timeout=600, poll_s=src.interval_s)
+        try:
+            batches, (rc, out, err) = run_source_over(src, ctx, gated, timeout=600, poll_s=src.interval_s)
+        finally:
+            if ring_dir is not None:
+                shutil.rmtree(ring_dir, ignore_errors=True)
         calls = collect(batches, schema.COLLECTIVE_CALLS)
         captured = int((calls["op"] == ALLREDUCE).sum())
         dropped = src.dropped_total if isinstance(src, FastpathSource) else 0
