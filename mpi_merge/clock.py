@@ -333,7 +333,8 @@ def fit_clocks(
     empty = np.zeros(0)
     by_node: dict[int, NodeClockModel] = {}
     if ref_comp is None:
-        fit.notes.append(f"reference node {reference} shares no collective with any other node")
+        if n_nodes > 1:  # one node (or one clock, collapsed) has nothing to align with
+            fit.notes.append(f"reference node {reference} shares no collective with any other node")
     else:
         # the useful instances of the reference's component (a useful instance lies in one component)
         rows = []

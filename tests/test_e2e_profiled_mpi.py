@@ -114,11 +114,13 @@ def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user
         off = node["clock"]["offset_us"]
         assert off is not None and abs(off) < 500, f"{node['node']}: offset {off} us on one host"
     world_ids = {c["comm_id"] for c in report["communicators"] if c["size"] == len(NODES)}
-    on_world = [f for f in report["stragglers"] if f["comm_id"] in world_ids]
-    # On COMM_WORLD exactly the injected rank. (On the 2-rank sub-communicators a rank that returns late
-    # from the world allreduce can show as a follow-on "network" finding on this oversubscribed host.)
-    assert [(f["node"], f["ranks"]) for f in on_world] == [("node3", [2])], report["stragglers"]
-    assert on_world[0]["cause"] == "host", on_world[0]
+    # Exactly the injected rank, as the root cause, on COMM_WORLD; the lateness on the 2-rank
+    # sub-communicators (ranks leaving the world allreduce apart on this oversubscribed host) is not
+    # a finding of its own.
+    assert [(f["node"], f["ranks"]) for f in report["stragglers"]] == [("node3", [2])], report["stragglers"]
+    finding = report["stragglers"][0]
+    assert finding["comm_id"] in world_ids and finding["cause"] == "host", finding
+    assert finding["cost_share"] > 0.3 and finding["q_value"] < 0.01, finding
     text = results[1].read_text()
     assert "node3" in text
     # The CPU stacks (mode `stacks`, on by default) reach the job file: a flame graph per node.
