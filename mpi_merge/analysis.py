@@ -305,6 +305,9 @@ class JobAnalyzer:
             for r in s.partial_reasons:
                 self.partial.append(f"node {s.node}: {r}")
         for s in sel.nodes:
+            for note in s.late_probe_notes:
+                self.partial.append(f"node {s.node}: {note}")
+        for s in sel.nodes:
             if not s.n_calls:
                 self.partial.append(f"node {s.node}: no collective calls recorded (metrics kept, clock not aligned)")
         # a node cut short (collector killed, node crashed) or without a file loses its own ranks from

@@ -37,7 +37,7 @@ CALL_DTYPE = np.dtype(
 SUMMARY_TABLES = (
     schema.CLOCK_PAIRS.path, schema.COLLECTIVE_CALLS.path, schema.GPU_DEVICES.path, schema.GPU_SAMPLES.path,
     schema.GPU_GPM.path, schema.HOST_PROCS.path, schema.HOST_NODE.path, schema.DIAG_ERRORS.path,
-    schema.DIAG_MISSING.path, schema.DIAG_DROPS.path,
+    schema.DIAG_MISSING.path, schema.DIAG_DROPS.path, schema.COMMUNICATORS.path,
 )
 MAX_BINS = 2000  # per series: enough for the HTML timelines and the straggler evidence
 # The series the job-wide analysis reads (name suffixes): GPU activity for the straggler cause and
@@ -98,6 +98,8 @@ class NodeSummary:
     # comm_id -> (largest comm_size, largest seq) of the node's collective calls: rank 0 sizes the
     # job-wide [seq x rank] tables from these before any call arrives
     comm_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # calls left out because a probe attached after the process started (_numbered_correctly)
+    late_probe_notes: list[str] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: index, name, uuid, stats
     series: dict[str, Series] = field(default_factory=dict)  # "gpu0:util_gpu", "host:cpu_cores", ...
     drops: dict[str, int] = field(default_factory=dict)
@@ -165,6 +167,9 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
 
     calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
     if calls is not None and len(calls):
+        keep, s.late_probe_notes = _numbered_correctly(calls, trace.tables.get(schema.COMMUNICATORS.path), a)
+        calls = calls[keep]
+    if calls is not None and len(calls):
         s.calls = call_rows(calls, cm)
         s.n_calls = len(s.calls)
         s.comm_shapes = comm_shapes(s.calls)
@@ -185,6 +190,48 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     _summarize_series(trace, s, cm)
     _summarize_diagnostics(trace, s)
     return s
+
+
+def _numbered_correctly(calls: np.ndarray, comms: np.ndarray | None, attrs: Any) -> tuple[np.ndarray, list[str]]:
+    """Which calls keep their (comm_id, seq), by the file's `attach_json` (docs/trace-format.md, "Late
+    probes"): a uprobe that attached after process P had started numbers P's calls on every
+    communicator that existed before it from the first call it saw, so those calls cannot be matched
+    across ranks and are left out (the rank is then left out of those communicators' instances);
+    communicators P was seen creating after the attach stay exact. Returns (mask, what was left out)."""
+    keep = np.ones(len(calls), bool)
+    raw = attrs.get("attach_json")
+    if raw is None:
+        return keep, []
+    try:
+        attach = json.loads(raw)
+    except (TypeError, ValueError):
+        return keep, [f"attach_json is not JSON ({str(raw)[:60]!r}): late probes cannot be checked"]
+    info = attach.get("collectives_uprobe") if isinstance(attach, dict) else None
+    if not isinstance(info, dict):
+        return keep, []
+    late: dict[int, int] = {}  # pid -> CLOCK_MONOTONIC from which its calls are complete
+    if info.get("late") and info.get("attached_ns") is not None:
+        for pid in info.get("pids_before", []):
+            late[int(pid)] = int(info["attached_ns"])
+    for lib in info.get("late_libraries", []) or []:
+        for pid in lib.get("pids", []):
+            late[int(pid)] = max(late.get(int(pid), 0), int(lib.get("attached_ns", 0)))
+    if not late:
+        return keep, []
+    uprobe = calls["path"] == schema.COLLECTIVE_CALLS.enums["path"].index("uprobe")
+    notes = []
+    for pid, t_att in sorted(late.items()):
+        created_after = set()
+        if comms is not None and len(comms):
+            mine = (comms["pid"] == pid) & (comms["t_ns"] >= t_att)
+            created_after = {int(c) for c in comms["comm_id"][mine]}
+        bad = uprobe & (calls["pid"] == pid) & ~np.isin(calls["comm_id"], list(created_after))
+        if bad.any():
+            keep &= ~bad
+            notes.append(f"process {pid}: {int(bad.sum())} calls on communicators that existed before the "
+                         f"uprobes attached (t_ns={t_att}) are left out: their sequence numbers count from the "
+                         "first call seen, so they cannot be matched with the other ranks'")
+    return keep, notes
 
 
 def call_rows(calls: np.ndarray, cm: ClockMap) -> np.ndarray:

@@ -149,6 +149,28 @@ def test_missing_node_file_leaves_its_ranks_out(base: Path, tmp_path: Path) -> N
     assert any("ranks 3 left out from seq 0" in r and "no node file" in r for r in rep["partial_reasons"])
 
 
+def test_late_attached_probe_leaves_out_the_misnumbered_calls(base: Path, tmp_path: Path) -> None:
+    """node001's uprobes attached after its rank had started (attach_json, docs/trace-format.md):
+    its sequence numbers count from the first call seen, so its calls are not matched with the
+    others' by (comm, seq); its rank is left out of those instances, the rest is judged."""
+    d = copy(base, tmp_path)
+    with h5py.File(d / "node001.h5", "r+") as f:
+        calls = f["collectives/calls"]
+        rows = calls[...]
+        rows["path"] = 0  # recorded by the uprobe path
+        calls[...] = rows
+        pid = int(rows["pid"][0])
+        f.attrs["attach_json"] = json.dumps({"collectives_uprobe": {
+            "state": "attached", "attached_ns": int(rows["t_enter_ns"][len(rows) // 2]), "probe": True,
+            "late": True, "pids_before": [pid], "may_have_missed": "calls before attached_ns"}})
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    assert any("node node001: process" in r and "left out" in r for r in rep["partial_reasons"]), rep["partial_reasons"]
+    world = rep["communicators"][0]
+    assert world["complete"] >= 0.9 * world["instances"], world  # judged on the other ranks
+    assert any("ranks 1 left out from seq 0" in r for r in rep["partial_reasons"]), rep["partial_reasons"]
+
+
 def test_hung_job_culprit(tmp_path: Path) -> None:
     d = tmp_path / "job.gpuprof.d"
     syn.generate(syn.SynthConfig(nodes=4, duration_s=8, hang_at_seq=500, hang_culprit=2), d)
