@@ -42,7 +42,8 @@ from typing import Protocol
 
 import numpy as np
 
-from gpuprof.mpi_merge.common import BLOCK_CELLS, block_rows, nanquantile_cols, quiet_nan
+from gpuprof.mpi_merge import common
+from gpuprof.mpi_merge.common import block_rows, nanquantile_cols, quiet_nan
 from gpuprof.mpi_merge.waitstates import CommSummary
 
 SYNC_PATTERNS = (0, 1)  # Wait at NxN, Wait at Barrier: every other rank waits for the last arrival
@@ -277,8 +278,11 @@ N_FIELDS = 8
 
 
 def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
-                   span_cells: int = BLOCK_CELLS) -> Blame:
-    """The sweep over every communicator's complete instances in time order (module docstring)."""
+                   span_cells: int | None = None) -> Blame:
+    """The sweep over every communicator's complete instances in time order (module docstring).
+    span_cells: cells per span (default common.BLOCK_CELLS, read when called)."""
+    if span_cells is None:
+        span_cells = common.BLOCK_CELLS
     procs, n_proc = process_ids(comms)
     gcomm, gseq, gids, seqs = _instance_order(comms)
     n = len(gcomm)
