@@ -496,15 +496,20 @@ def _exit_polish(read_D: Callable[[int, int], np.ndarray], n_cols: int, win: np.
 
 
 def _others_extreme(V: np.ndarray, how: str) -> np.ndarray:
-    """For each [k, a]: max (or min) over j != a of V[k, j], NaN-aware, by the top-two trick."""
+    """For each [k, a]: max (or min) over j != a of V[k, j], NaN-aware, by the top-two trick: the
+    extreme of the row and, at its own column, the second one (two linear passes, no sort)."""
     s = -V if how == "max" else V
     s = np.where(np.isfinite(s), s, np.inf)
-    order = np.argsort(s, axis=1)[:, :2] if s.shape[1] >= 2 else np.zeros((len(s), 1), np.int64)
-    first = np.take_along_axis(s, order[:, :1], axis=1)[:, 0]
-    second = (np.take_along_axis(s, order[:, 1:2], axis=1)[:, 0] if s.shape[1] >= 2
-              else np.full(len(s), np.inf))
-    res = np.where(np.arange(s.shape[1])[None, :] == order[:, :1], second[:, None], first[:, None])
-    res = np.where(np.isinf(res), np.nan, res)
+    if s.shape[1] < 2:
+        return np.full(s.shape, np.nan)
+    rows = np.arange(len(s))
+    i1 = np.argmin(s, axis=1)
+    first = s[rows, i1]
+    s[rows, i1] = np.inf  # s is our own copy (np.where made it)
+    second = s.min(axis=1)
+    res = np.repeat(first[:, None], s.shape[1], axis=1)
+    res[rows, i1] = second
+    res[np.isinf(res)] = np.nan
     return -res if how == "max" else res
 
 
@@ -761,14 +766,32 @@ def _residual(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], r
 def _align_columns(models: list[NodeClockModel], T: np.ndarray) -> np.ndarray:
     """T[:, a] aligned with models[a], all columns at once when the models share their segment starts
     (the minimal fit gives every node the same points in time): NodeClockModel.align per column."""
-    s = models[0].seg_start
-    if not all(m.seg_start is s or np.array_equal(m.seg_start, s) for m in models) or not len(s):
+    mat = _model_matrix(models)
+    if mat is None:
         return np.column_stack([m.align(T[:, a]) for a, m in enumerate(models)])
-    off = np.column_stack([m.seg_offset for m in models])  # [segments, n]
-    drift = np.column_stack([m.seg_drift_ppm for m in models])
+    s, off, drift = mat
     i = np.clip(np.searchsorted(s, T, side="right") - 1, 0, len(s) - 1)
     cols = np.arange(T.shape[1])[None, :]
     return T - (off[i, cols] + drift[i, cols] * 1e-6 * (T - s[i]))
+
+
+_MATRIX_CACHE: dict[int, tuple[list[NodeClockModel], tuple[np.ndarray, np.ndarray, np.ndarray] | None]] = {}
+
+
+def _model_matrix(models: list[NodeClockModel]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(segment starts, [segments, n] offsets, [segments, n] drifts) of models that share their segment
+    starts, else None; kept for the list last asked about (a fit round aligns with one list many times)."""
+    hit = _MATRIX_CACHE.get(id(models))
+    if hit is not None and hit[0] is models:
+        return hit[1]
+    s = models[0].seg_start if models else np.zeros(0)
+    if not len(s) or not all(m.seg_start is s or np.array_equal(m.seg_start, s) for m in models):
+        mat = None
+    else:
+        mat = (s, np.column_stack([m.seg_offset for m in models]), np.column_stack([m.seg_drift_ppm for m in models]))
+    _MATRIX_CACHE.clear()
+    _MATRIX_CACHE[id(models)] = (models, mat)
+    return mat
 
 
 def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, win: np.ndarray,
