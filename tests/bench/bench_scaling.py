@@ -1,0 +1,117 @@
+"""Figures of the merge at scale (SYNTHETIC jobs from gpuprof.mpi_merge.synthetic): seconds on 1 and
+on 2 merge ranks, interleaved, median with min and max; the largest peak RSS of any merge rank; and
+seconds per (job rank x instance) of each step (GPUPROF_MERGE_TIMING), for the cost model in
+docs/merge.md.
+
+    .venv/bin/python tests/bench/bench_scaling.py [--quick] [--jobs 256x4,1024x4] [--repeats 3]
+
+A job `NxR` is N nodes of R ranks each, 120 s with a collective every 10 ms on each communicator
+(--quick: 64x4 for 30 s, one run each). One JSON line per job size:
+{"bench": "merge_scaling", "ranks_in_job": ..., "seconds_1rank": ..., "seconds_2ranks": ...,
+ "speedup_2ranks": ..., "max_rss_mb_any_rank": ..., "seconds_per_rank_instance": {...}, "synthetic": true}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = re.compile(r"gpuprof merge timing rank (\d+): (.*) total=([\d.]+)")
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def run_merge(n: int, src: Path, stem: Path) -> dict[str, Any]:
+    """One merge under mpirun with n ranks: wall seconds, the largest peak RSS of its processes (the
+    ranks are this process's only children: RUSAGE_CHILDREN's maxrss is the largest of them), and
+    rank 0's seconds per step."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun not found (the merge at scale is an MPI program)")
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, "-m", "mpi4py", "-m",
+           "gpuprof.slurm_hooks.cli", "merge", str(src), "--output-stem", str(stem), "--quiet", "--no-progress"]
+    # a fresh parent per run: its RUSAGE_CHILDREN maxrss is the largest of this run's processes only
+    wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]).returncode; "
+            "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+            "sys.exit(r)")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", wrap, *cmd], capture_output=True, text=True, check=False,
+                       timeout=3600, cwd=ROOT, env={**os.environ, "GPUPROF_MERGE_TIMING": "1"})
+    seconds = time.monotonic() - t0
+    if p.returncode not in (0, 3):
+        raise RuntimeError(f"merge on {n} rank(s) failed ({p.returncode}): {p.stderr[-2000:]}")
+    rss = int(re.search(r"MAXRSS_KB (\d+)", p.stderr).group(1))  # type: ignore[union-attr]
+    steps: dict[str, float] = {}
+    for m in TIMING.finditer(p.stderr):
+        if m.group(1) == "0":
+            steps = {k: float(v) for k, v in (kv.split("=") for kv in m.group(2).split())}
+    for f in stem.parent.glob(f"{stem.name}.gpuprof.*"):
+        f.unlink()
+    return {"seconds": seconds, "rss_mb": rss / 1024, "steps": steps}
+
+
+def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, repeats: int) -> None:
+    from gpuprof.mpi_merge import synthetic as syn
+
+    d = tmp / f"job{nodes}x{ranks_per_node}.gpuprof.d"
+    t0 = time.monotonic()
+    cfg = syn.SynthConfig(nodes=nodes, ranks_per_node=ranks_per_node, duration_s=duration_s, period_ms=10.0,
+                          write_bulk=False, seed=3)
+    syn.generate(cfg, d)
+    gen_s = time.monotonic() - t0
+    mb = sum(f.stat().st_size for f in d.glob("*.h5")) / 1e6
+    runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    for i in range(repeats):  # interleaved: the machine's other load hits both alike
+        for n in (1, 2):
+            runs[n].append(run_merge(n, d, tmp / f"out{n}-{i}"))
+    instances = int(duration_s * 1000 / cfg.period_ms)
+    job_ranks = nodes * ranks_per_node
+    s1 = [r["seconds"] for r in runs[1]]
+    s2 = [r["seconds"] for r in runs[2]]
+    step_names = sorted({k for r in runs[1] for k in r["steps"]})
+    per_cell = {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[1]) / (job_ranks * instances)
+                for k in step_names}
+    emit({"bench": "merge_scaling", "ranks_in_job": job_ranks, "nodes": nodes, "duration_s": duration_s,
+          "instances_per_communicator": instances, "node_files_mb": round(mb, 1), "generate_s": round(gen_s, 1),
+          "seconds_1rank": statistics.median(s1), "seconds_1rank_min_max": [min(s1), max(s1)],
+          "seconds_2ranks": statistics.median(s2), "seconds_2ranks_min_max": [min(s2), max(s2)],
+          "speedup_2ranks": statistics.median(s1) / statistics.median(s2),
+          "max_rss_mb_any_rank": max(r["rss_mb"] for r in runs[1] + runs[2]),
+          "steps_rank0_1rank_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[1]) for k in step_names},
+          "steps_rank0_2ranks_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[2])
+                                   for k in sorted({k for r in runs[2] for k in r["steps"]})},
+          "seconds_per_rank_instance": per_cell, "runs": repeats, "synthetic": True})
+    shutil.rmtree(d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--jobs", default=None, help="comma list of NODESxRANKS (default 256x4)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--duration-s", type=float, default=None)
+    a = ap.parse_args()
+    jobs = a.jobs or ("64x4" if a.quick else "256x4")
+    repeats = a.repeats or (1 if a.quick else 3)
+    duration = a.duration_s or (30.0 if a.quick else 120.0)
+    with tempfile.TemporaryDirectory(prefix="bench_scaling-", dir="/var/tmp") as t:
+        for spec in jobs.split(","):
+            nodes, rpn = (int(x) for x in spec.lower().split("x"))
+            bench_job(Path(t), nodes, rpn, duration, repeats)
+
+
+if __name__ == "__main__":
+    main()
