@@ -28,6 +28,7 @@ class Key:
     type: type | tuple[type, ...]
     default: Any
     doc: str
+    choices: tuple[str, ...] = ()  # the only values a string key accepts (empty: any)
 
 
 # section -> key -> Key. Sections named "a.b" are TOML sub-tables.
@@ -89,8 +90,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "merge": {
         "reference_node": Key(str, "", "node whose clock is the reference ('' = first in sort order)"),
-        "mpirun": Key(str, "mpirun", "launcher used by the automatic merge at job end"),
-        "auto": Key(bool, True, "merge automatically at job end (EpilogSlurmctld submits a merge job)"),
+        "mpirun": Key(str, "mpirun", "launcher of the automatic merge at job end: an mpirun (Open MPI, MPICH "
+                                     "hydra), or srun with its PMI, e.g. 'srun --mpi=pmix'"),
+        "auto": Key(bool, True, "merge automatically at job end (a merge job submitted as the job's user)"),
+        "submit_from": Key(str, "node_epilog",
+                           "who submits the merge job: the Epilog of the job's first node (root, any SlurmUser) "
+                           "or EpilogSlurmctld (only with SlurmUser=root); docs/slurm.md",
+                           choices=("node_epilog", "epilog_slurmctld")),
         "max_ranks": Key(int, 4, "MPI ranks of the automatic merge (at most one per node file)"),
         "time_limit_min": Key(int, 30, "time limit of the automatic merge job, minutes"),
         "clock_window_s": Key((int, float), 2.0, "clock fit window: one offset estimate per window (docs/merge.md)"),
@@ -146,6 +152,8 @@ def validate(doc: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
                 raise ConfigError(
                     f"{origin}: '{section}.{key}' must be {_type_name(spec.type)}, got {type(value).__name__}"
                 )
+            if spec.choices and value not in spec.choices:
+                raise ConfigError(f"{origin}: '{section}.{key}' must be one of {', '.join(spec.choices)}, got {value!r}")
             merged[section][key] = value
     return merged
 
@@ -187,7 +195,7 @@ def render_defaults() -> str:
     for section, keys in SCHEMA.items():
         lines.append(f"[{section}]")
         for key, spec in keys.items():
-            lines.append(f"# {spec.doc}")
+            lines.append(f"# {spec.doc}" + (f" (one of: {', '.join(spec.choices)})" if spec.choices else ""))
             lines.append(f"{key} = {_toml_value(spec.default)}")
         lines.append("")
     return "\n".join(lines)

@@ -1,13 +1,16 @@
 """The merge at job end, without touching the user's job script.
 
-Mechanism (docs/slurm.md, "Why a dependent merge job"): slurmctld's EpilogSlurmctld runs once per
-job when it ends, on the controller, with the job's user and the --profile-gpu option in its
-environment. It submits, as the job's user, a small job `gpuprof-merge-<id>` that depends on the
-profiled job (afterany). That job waits until every node's epilog has placed its trace (the node
-epilogs may still run when the dependency is released), then runs the MPI merge with up to
-`merge.max_ranks` ranks and writes `<stdout stem>.gpuprof.{h5,txt,json,html}` beside the job's
-output. Why not a final step of the batch script: the script is the user's and stays unmodified;
-why not the node epilog: it runs on one node and must stay fast.
+Mechanism (docs/slurm.md, "The merge at job end"): the Epilog of the job's first node runs as root
+once the job has ended there, with the job's user and the --profile-gpu option in its environment.
+It submits, as the job's user (runuser) and with a clean environment (sbatch --export with only
+PATH and HOME, never slurmd's), a small job `gpuprof-merge-<id>` that depends on the profiled job
+(afterany). That job waits until every node's epilog has placed its trace, then runs the MPI merge
+with up to `merge.max_ranks` ranks, with the launcher of `merge.mpirun` (mpirun, or srun with the
+site's PMI), and writes `<stdout stem>.gpuprof.{h5,txt,json,html}` beside the job's output.
+Why the node Epilog and not EpilogSlurmctld: with the usual SlurmUser=slurm, EpilogSlurmctld runs as
+`slurm`, which cannot become the job's user; slurmd's Epilog runs as root on every site
+(`merge.submit_from = "epilog_slurmctld"` keeps the old way for sites with SlurmUser=root). Why not
+a final step of the batch script: the script is the user's and stays unmodified.
 """
 
 from __future__ import annotations
@@ -36,22 +39,52 @@ def merge_job_command(job: JobInfo, cfg: dict[str, Any], python: str) -> list[st
                        "--mpirun", cfg["merge"]["mpirun"]])
     return [
         "sbatch", "--parsable", f"--job-name=gpuprof-merge-{job.job_id}",
+        # the merge job's environment: these and Slurm's own variables, nothing of the submitter's
+        f"--export=PATH={CLEAN_PATH},HOME={_home_of(job.user)}",
         f"--dependency=afterany:{job.job_id}", "--nodes=1", f"--ntasks={ranks}", "--overcommit",
         f"--chdir={job.work_dir}", f"--output={node_dir.parent}/{stdout_stem(job.stdout)[1]}.gpuprof-merge.log",
         f"--time={int(cfg['merge']['time_limit_min'])}", f"--wrap={body}",
     ]
 
 
-def submit(job_id: str, cfg: dict[str, Any]) -> str:
-    """Called by EpilogSlurmctld: submit the merge job as the job's user; returns its id."""
-    job = job_source().lookup(job_id)
+CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def submit(job_id: str, cfg: dict[str, Any], job: JobInfo | None = None) -> str:
+    """Submit the merge job as the job's user; returns its id. The submission and the merge job get a
+    clean environment (PATH, HOME, SLURM_CONF), not the hook's."""
+    job = job or job_source().lookup(job_id)
     cmd = merge_job_command(job, cfg, sys.executable)
     if os.geteuid() == 0 and job.uid != 0:
         cmd = ["runuser", "-u", job.user, "--", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    home = _home_of(job.user)
+    # runuser lives in sbin; the merge job itself gets CLEAN_PATH (merge_job_command's --export)
+    environ = {"PATH": f"/usr/local/sbin:/usr/sbin:/sbin:{CLEAN_PATH}", "HOME": home, "LANG": "C.UTF-8"}
+    if env.get(env.SLURM_CONF):
+        environ["SLURM_CONF"] = env.get(env.SLURM_CONF) or ""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False, env=environ)
     if p.returncode != 0:
         raise GpuprofError(f"job {job_id}: merge job not submitted: {p.stderr.strip()}")
     return p.stdout.strip()
+
+
+def _home_of(user: str) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_dir
+    except KeyError:
+        return "/"
+
+
+def launch_command(mpirun: str, ranks: int, python: str) -> list[str]:
+    """The merge's MPI launch: `merge.mpirun` is an mpirun (Open MPI, MPICH's hydra) or srun with the
+    site's PMI (e.g. 'srun --mpi=pmix'), inside the merge job's allocation."""
+    words = shlex.split(mpirun) or ["mpirun"]
+    tail = [python, "-m", "mpi4py", "-m", "gpuprof.slurm_hooks.cli"]
+    if Path(words[0]).name == "srun":
+        return [*words, "-n", str(ranks), "--overcommit", *tail]
+    return [*words, "-n", str(ranks), "--oversubscribe", *tail]
 
 
 def wait_for_node_files(job_id: str, node_dir: Path, nodes: list[str], timeout_s: float) -> list[str]:
@@ -85,8 +118,8 @@ def run(job_id: str, node_dir: Path, stdout: str, nodes: list[str], ranks: int, 
     if missing:
         print(f"gpuprof merge: job {job_id}: no trace from {', '.join(missing)} after waiting", flush=True)
     d, stem = stdout_stem(stdout)
-    cmd = [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "mpi4py", "-m", "gpuprof.slurm_hooks.cli",
-           "merge", str(node_dir), "--output-stem", str(d / stem), "--expect-nodes", ",".join(nodes)]
+    cmd = [*launch_command(mpirun, ranks, sys.executable),
+           "merge", str(node_dir), "--output-stem", str(d / stem), "--expect-nodes", ",".join(nodes), "--progress"]
     environ = dict(os.environ)
     if os.geteuid() == 0:
         environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -110,8 +143,24 @@ def main(argv: list[str]) -> int:
     return run(a.job, Path(a.dir), a.stdout, [n for n in a.nodes.split(",") if n], a.ranks, a.mpirun)
 
 
+def from_node_epilog(cfg: dict[str, Any], job_id: str, node: str, log: Any) -> None:
+    """The node Epilog's part (merge.submit_from = "node_epilog"): on the job's first node only,
+    submit the merge job. Never raises: a merge not submitted is logged, the job is already done."""
+    if not cfg["merge"]["auto"] or cfg["merge"]["submit_from"] != "node_epilog":
+        return
+    try:
+        job = job_source().lookup(job_id)
+        if not job.nodes or job.nodes[0] != node:
+            return
+        merge_id = submit(job_id, cfg, job)
+        log.info("merge job %s submitted (first node of the job)", merge_id)
+    except (GpuprofError, OSError, subprocess.SubprocessError) as e:
+        log.error("automatic merge not started: %s (run `mpirun gpuprof merge DIR` by hand)", e)
+
+
 def epilog_slurmctld(config_path: str | None = None) -> int:
-    """EpilogSlurmctld: submit the merge job for a profiled job. Always returns 0."""
+    """EpilogSlurmctld (only with merge.submit_from = "epilog_slurmctld" and SlurmUser=root): submit
+    the merge job for a profiled job. Always returns 0."""
     from gpuprof.collector import config as config_mod
     from gpuprof.slurm_hooks import log as log_mod
 
@@ -122,7 +171,11 @@ def epilog_slurmctld(config_path: str | None = None) -> int:
     try:
         cfg = config_mod.load(config_path)
         log = log_mod.setup("epilog-slurmctld", job_id, "slurmctld", cfg["paths"]["log_file"])
-        if not cfg["merge"]["auto"]:
+        if not cfg["merge"]["auto"] or cfg["merge"]["submit_from"] != "epilog_slurmctld":
+            return 0  # the node Epilog submits it (merge.submit_from)
+        if os.geteuid() != 0:
+            log.error("EpilogSlurmctld runs as uid %d (SlurmUser is not root): it cannot submit the merge as "
+                      "the job's user; set merge.submit_from = \"node_epilog\"", os.geteuid())
             return 0
         merge_id = submit(job_id, cfg)
         log.info("merge job %s submitted", merge_id)

@@ -261,6 +261,10 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         if state_dir.is_dir() and not state_dir.is_symlink():
             shutil.rmtree(state_dir, ignore_errors=True)
         _remove_ring_dir(job_id, node, log)
+    # after the DCGM lock is handed back: on the job's first node, the merge job (slurm_hooks/automerge.py)
+    from gpuprof.slurm_hooks.automerge import from_node_epilog
+
+    from_node_epilog(cfg, job_id, node, log)
 
 
 def _remove_ring_dir(job_id: str, node: str, log: logging.Logger) -> None:
