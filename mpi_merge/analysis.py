@@ -33,6 +33,7 @@ from gpuprof.mpi_merge.clock import (
     ClockParams,
     InstanceRows,
     NodeClockModel,
+    RankClocks,
     fit_clocks,
 )
 from gpuprof.mpi_merge.common import Spread, row_blocks
@@ -260,12 +261,7 @@ def _models_of_rank(c: StoredComm, names: list[str], models: dict[str, NodeClock
 
 def align_columns(t: np.ndarray, models_of_rank: list[NodeClockModel | None], r0: int = 0) -> np.ndarray:
     """Raw [rows, ranks r0..] times -> the reference node's clock, each column with its node's model."""
-    out = t.copy()
-    for j in range(t.shape[1]):
-        m = models_of_rank[r0 + j]
-        if m is not None:
-            out[:, j] = m.align(t[:, j])
-    return out
+    return RankClocks(models_of_rank).align(t, r0)
 
 
 @dataclass
@@ -274,11 +270,11 @@ class StoreAligned:
 
     store: CommStore
     ci: int
-    models_of_rank: list[NodeClockModel | None]
+    clocks: RankClocks
 
     def _read(self, name: str, seqs: np.ndarray, ranks: slice) -> np.ndarray:
         r0 = ranks.indices(self.store.comms[self.ci].size)[0]
-        return align_columns(self.store.read(self.ci, name, seqs, ranks), self.models_of_rank, r0)
+        return self.clocks.align(self.store.read(self.ci, name, seqs, ranks), r0)
 
     def enter(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
         return self._read("enter", seqs, ranks)
@@ -382,13 +378,13 @@ class JobAnalyzer:
         comms: list[CommSummary] = []
         heat = None
         for ci, c in enumerate(store.comms):
-            mr = _models_of_rank(c, names, models)
+            rc = RankClocks(_models_of_rank(c, names, models))
             cs = CommSummary.empty(c.comm_id, c.size, c.n_seq, c.node_of_rank, c.pid_of_rank)
             heat_acc = _HeatMap(self.complete[ci], c.size) if ci == 0 else None
             sink.begin(c)
             for s0, s1 in store.blocks(ci):
                 blk = store.block(ci, s0, s1)
-                E, X = align_columns(blk.enter, mr), align_columns(blk.exit, mr)
+                E, X = rc.align(blk.enter), rc.align(blk.exit)
                 w = compute_waits(blk, E, X)
                 cs.add(s0, w, E)
                 if heat_acc is not None:
@@ -415,7 +411,8 @@ class JobAnalyzer:
                                {e.node: e.reason for e in sel.excluded if e.node})
         for mm in mism:
             self.partial.append(f"communicator {mm.comm_id:#x}: {mm.kind} at seq {mm.first_seq}: {mm.detail}")
-        times = [StoreAligned(store, ci, _models_of_rank(c, names, models)) for ci, c in enumerate(store.comms)]
+        times = [StoreAligned(store, ci, RankClocks(_models_of_rank(c, names, models)))
+                 for ci, c in enumerate(store.comms)]
         # each node's clock error (the model's uncertainty; 0 where unknown) sets the stragglers' effect floor
         clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,

@@ -775,6 +775,41 @@ def _align_columns(models: list[NodeClockModel], T: np.ndarray) -> np.ndarray:
     return T - (off[i, cols] + drift[i, cols] * 1e-6 * (T - s[i]))
 
 
+class RankClocks:
+    """The clock models of a communicator's ranks (None, or a model without segments: the rank's times
+    are kept), applied to [rows, ranks] blocks of raw times all at once when the models share their
+    segment starts (as the minimal fit's do); the same numbers as NodeClockModel.align per column."""
+
+    def __init__(self, models_of_rank: list[NodeClockModel | None]):
+        self.models = models_of_rank
+        live = [m for m in models_of_rank if m is not None and len(m.seg_start)]
+        s = live[0].seg_start if live else np.zeros(0)
+        self.shared = bool(live) and all(m.seg_start is s or np.array_equal(m.seg_start, s) for m in live)
+        self.has = np.array([m is not None and len(m.seg_start) > 0 for m in models_of_rank], bool)
+        self.s = s
+        if self.shared:
+            zero = np.zeros(len(s))
+            self.off = np.column_stack([m.seg_offset if h and m is not None else zero
+                                        for m, h in zip(models_of_rank, self.has)])
+            self.drift = np.column_stack([m.seg_drift_ppm if h and m is not None else zero
+                                          for m, h in zip(models_of_rank, self.has)])
+
+    def align(self, T: np.ndarray, r0: int = 0) -> np.ndarray:
+        """Raw [rows, ranks r0..r0+k] times -> the reference clock."""
+        if not self.shared:
+            out = T.copy()
+            for j in range(T.shape[1]):
+                m = self.models[r0 + j]
+                if m is not None:
+                    out[:, j] = m.align(T[:, j])
+            return out
+        cols = np.arange(r0, r0 + T.shape[1])[None, :]
+        s = self.s
+        i = np.clip(np.searchsorted(s, T, side="right") - 1, 0, len(s) - 1)
+        aligned = T - (self.off[i, cols] + self.drift[i, cols] * 1e-6 * (T - s[i]))
+        return np.where(self.has[r0:r0 + T.shape[1]][None, :], aligned, T)
+
+
 _MATRIX_CACHE: dict[int, tuple[list[NodeClockModel], tuple[np.ndarray, np.ndarray, np.ndarray] | None]] = {}
 
 

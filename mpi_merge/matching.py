@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from gpuprof.collector.schema import COLLECTIVE_OPS
-from gpuprof.mpi_merge.common import ArrayLike2D, quiet_nan, read_rows, row_blocks
+from gpuprof.mpi_merge.common import ArrayLike2D, nanmedian_rows, quiet_nan, read_rows, row_blocks
 
 OPS = COLLECTIVE_OPS
 _I = {name: i for i, name in enumerate(OPS)}
@@ -670,7 +670,7 @@ def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = C
             with quiet_nan():  # all-NaN rows stay NaN, as they should
                 E[:, ni] = np.nanmax(enter[:, cols], axis=1)
                 Xmin[:, ni] = np.nanmin(exit_[:, cols], axis=1)
-                Xmed[:, ni] = np.nanmedian(exit_[:, cols], axis=1)
+                Xmed[:, ni] = nanmedian_rows(exit_[:, cols])
         Es.append(E)
         Xn.append(Xmin)
         Xm.append(Xmed)
