@@ -34,9 +34,11 @@ REQUIRED_PKGS=(
     python3-venv python3-dev libhdf5-dev build-essential
     stress-ng procps util-linux ca-certificates
 )
-# Real MPI applications for demos, only when cheap: hpcc is ~1.3 MB installed. lammps is left
-# out (with its data and examples it is ~270 MB).
-OPTIONAL_PKGS=(hpcc)
+# Real MPI applications for demos and the fault-injection suite (tests/realapps), only when cheap:
+# hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
+# (guile-3.0-libs alone is 53 MB; no smaller Debian halo-exchange code runs offline). Left out:
+# lammps (~270 MB with data), quantum-espresso (~280 MB, and needs pseudopotentials), cp2k (~1 GB).
+OPTIONAL_PKGS=(hpcc netpipe-openmpi meep-openmpi)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
 
