@@ -407,8 +407,9 @@ class JobAnalyzer:
                                           al(p2p.recv_node, p2p.recv_enter), al(p2p.recv_node, p2p.recv_wait),
                                           al(p2p.recv_node, p2p.recv_exit))
         partial_nodes = {s.node for s in sel.nodes if s.partial_reasons}
+        lossy = {s.node: int(sum(v for k, v in s.drops.items() if k.startswith("collectives"))) for s in sel.nodes}
         mism = find_mismatches(store, self.mismatch_flags, names, partial_nodes,
-                               {e.node: e.reason for e in sel.excluded if e.node})
+                               {e.node: e.reason for e in sel.excluded if e.node}, lossy)
         for mm in mism:
             self.partial.append(f"communicator {mm.comm_id:#x}: {mm.kind} at seq {mm.first_seq}: {mm.detail}")
         times = [StoreAligned(store, ci, RankClocks(_models_of_rank(c, names, models)))
@@ -423,6 +424,12 @@ class JobAnalyzer:
             mismatches=mism, findings=findings, straggler_metrics=smetrics,
             lanes=_lanes(comms[0], times[0]) if comms else None, heat=heat, partial_reasons=self.partial,
         )
+        lost = {n: d for n, d in lossy.items() if d}
+        if lost:
+            a.partial_reasons.append(
+                "collective and point-to-point call records dropped by the collectors (ring full): "
+                + ", ".join(f"{n} {d}" for n, d in sorted(lost.items()))
+                + "; calls without a partner and ranks missing from instances below can be these lost records")
         for why, n in p2p.unmatched_reasons.items():
             a.partial_reasons.append(f"point to point: {n} {why}")
         a.report = build_report_dict(a, p2p.unmatched, {**p2p.unmatched_reasons, **p2p.unpaired_reasons})

@@ -333,7 +333,9 @@ def mismatch_rows(t: CommTable) -> MismatchRows:
     cols, P, ops, maj, sizes, smaj = _seen_view(t)
     size_rows = np.isin(maj, list(SAME_SIZE_OPS))
     return MismatchRows(
-        any_present=np.asarray(P.any(axis=1)), missing=np.asarray(~P.all(axis=1)),
+        # a seq nobody has a row for is not a rank missing: a non-blocking collective's initiation (same
+        # counter, another table) or records lost on every rank
+        any_present=np.asarray(P.any(axis=1)), missing=np.asarray(P.any(axis=1) & ~P.all(axis=1)),
         op_diff=(P & (ops != maj[:, None])).any(axis=1),
         size_diff=size_rows & (P & (sizes != smaj[:, None])).any(axis=1),
         not_returned=(P & ~np.isfinite(t.exit[:, cols])).any(axis=1),
@@ -342,7 +344,7 @@ def mismatch_rows(t: CommTable) -> MismatchRows:
 
 def find_mismatches(
     store: CommStore, flags: list[MismatchRows], node_names: list[str], partial_nodes: set[str],
-    excluded_nodes: dict[str, str],
+    excluded_nodes: dict[str, str], lossy_nodes: dict[str, int] | None = None,
 ) -> list[Mismatch]:
     """First mismatched instance per communicator, with the missing ranks and the likely culprit.
 
@@ -372,11 +374,13 @@ def find_mismatches(
         if not bad.any():
             continue
         s = int(np.flatnonzero(bad)[0])
-        out.append(_describe_first(store.block(ci, s, s + 1), node_names, partial_nodes, int(bad.sum())))
+        out.append(_describe_first(store.block(ci, s, s + 1), node_names, partial_nodes, int(bad.sum()),
+                                   c.last_seq, lossy_nodes or {}))
     return out
 
 
-def _describe_first(t: CommTable, node_names: list[str], partial_nodes: set[str], affected: int) -> Mismatch:
+def _describe_first(t: CommTable, node_names: list[str], partial_nodes: set[str], affected: int,
+                    last_seq: np.ndarray | None = None, lossy_nodes: dict[str, int] | None = None) -> Mismatch:
     """The Mismatch of the one-row block `t` (the first mismatched seq of its communicator)."""
     s = t.seq0
     cols, P, ops, maj, sizes, smaj = _seen_view(t)
@@ -388,6 +392,16 @@ def _describe_first(t: CommTable, node_names: list[str], partial_nodes: set[str]
         detail = (f"seq {s}: ranks {_ranks(culprits)} called "
                   f"{', '.join(sorted({OPS[int(t.op[0, r])] for r in culprits}))} while the others called "
                   f"{OPS[int(maj)]}")
+    elif missing and last_seq is not None and all(int(last_seq[r]) > s for r in missing):
+        # the ranks called later collectives of this communicator: no hang, a record is missing
+        kind = "records_lost"
+        culprits = missing
+        nodes = sorted({node_names[int(t.node_of_rank[r])] for r in missing if t.node_of_rank[r] >= 0})
+        dropped = {n: (lossy_nodes or {}).get(n, 0) for n in nodes}
+        why = ", ".join(f"{n} dropped {d} call records" for n, d in dropped.items() if d)
+        detail = (f"seq {s}: no record of ranks {_ranks(missing)}, which called later collectives of this "
+                  "communicator: their records were lost, the job did not hang here"
+                  + (f" ({why}: the collector's ring was full)" if why else ""))
     elif missing:
         kind = "missing_rank"
         culprits = missing
@@ -522,7 +536,9 @@ def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
     recvs = [_p2p_side(c, ni, epoch_rt, False) for ni, c in enumerate(calls_by_node) if len(c)]
     S = np.concatenate(sends) if sends else np.zeros(0, _P2P_DT)
     R = np.concatenate(recvs) if recvs else np.zeros(0, _P2P_DT)
-    any_source = R["src"] < 0  # MPI_ANY_SOURCE: the probes do not read the status, the source is unknown
+    # MPI_ANY_SOURCE / MPI_ANY_TAG (negative in every MPI): the probes do not read the status, so the
+    # real source or tag is unknown and the message cannot be paired by its channel
+    any_source = (R["src"] < 0) | (R["tag"] < 0)
     Rk = R[~any_source]
     sk, rk = _channel_keys(S), _channel_keys(Rk)
     si_sorted = np.argsort(sk, order=("comm", "src", "dst", "tag", "n"), kind="stable")
@@ -537,12 +553,21 @@ def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
     reasons: dict[str, int] = {}
     unpaired: dict[str, int] = {}
     if any_source.any():
-        unpaired["receives from MPI_ANY_SOURCE (the source is not recorded, so they cannot be paired)"] = \
-            int(any_source.sum())
+        unpaired["receives from MPI_ANY_SOURCE or with MPI_ANY_TAG (the status is not recorded, so they "
+                 "cannot be paired)"] = int(any_source.sum())
+    wildcard_dst = set(zip(R["comm"][any_source].tolist(), R["dst"][any_source].tolist()))
     # (comm, rank) of every rank that recorded point to point: a partner outside it has no node file
     ranks_seen = set(zip(S["comm"].tolist(), S["src"].tolist())) | set(zip(R["comm"].tolist(), R["dst"].tolist()))
     lone_s = np.setdiff1d(np.arange(len(S)), si)
     lone_r = np.setdiff1d(np.arange(len(Rk)), ri)
+    if wildcard_dst and len(lone_s):
+        # a send to a rank that posts wildcard receives may well be one of those: unpaired, not lost
+        to_wild = np.array([k in wildcard_dst for k in zip(S["comm"][lone_s].tolist(), S["dst"][lone_s].tolist())],
+                           bool)
+        if to_wild.any():
+            unpaired["sends to ranks that post MPI_ANY_SOURCE/MPI_ANY_TAG receives (possibly received by one "
+                     "of those)"] = int(to_wild.sum())
+            lone_s = lone_s[~to_wild]
     for side, rows, peer_f in (("send", S[lone_s], "dst"), ("receive", Rk[lone_r], "src")):
         absent = np.array([k not in ranks_seen for k in zip(rows["comm"].tolist(), rows[peer_f].tolist())], bool)
         if absent.any():

@@ -171,6 +171,25 @@ def test_late_attached_probe_leaves_out_the_misnumbered_calls(base: Path, tmp_pa
     assert any("ranks 1 left out from seq 0" in r for r in rep["partial_reasons"]), rep["partial_reasons"]
 
 
+def test_lost_record_is_not_called_a_hang(base: Path, tmp_path: Path) -> None:
+    """One call record of node002 missing in the middle (a full ring drops records): its rank called
+    the later collectives, so the report says the record was lost, not that the job hung."""
+    from gpuprof.collector.schema import COLLECTIVE_OPS
+
+    d = copy(base, tmp_path)
+    with h5py.File(d / "node002.h5", "r+") as f:
+        calls = f["collectives/calls"]
+        rows = calls[...]
+        k = int((rows["seq"] == 300).nonzero()[0][0])
+        rows["op"][k] = COLLECTIVE_OPS.index("ncclGroupStart")  # no longer a collective of the table
+        calls[...] = rows
+    code, rep, _ = run(d)
+    assert code == EXIT_PARTIAL
+    (m,) = rep["mismatches"]
+    assert (m["kind"], m["first_seq"], m["culprit_nodes"]) == ("records_lost", 300, ["node002"]), m
+    assert "did not hang" in m["detail"]
+
+
 def test_hung_job_culprit(tmp_path: Path) -> None:
     d = tmp_path / "job.gpuprof.d"
     syn.generate(syn.SynthConfig(nodes=4, duration_s=8, hang_at_seq=500, hang_culprit=2), d)

@@ -82,8 +82,17 @@ def test_unmatched_only_when_there_is_no_partner_with_the_reason() -> None:
     }
     # it has a partner, the probes only cannot tell which: not "unmatched", which makes a merge partial
     assert p.unpaired_reasons == {
-        "receives from MPI_ANY_SOURCE (the source is not recorded, so they cannot be paired)": 1}
+        "receives from MPI_ANY_SOURCE or with MPI_ANY_TAG (the status is not recorded, so they cannot be "
+        "paired)": 1}
     assert p.unmatched == 2
+
+
+def test_sends_to_a_wildcard_receiver_are_unpaired_not_lost() -> None:
+    n0 = node(row("MPI_Send", 0, 1, 0.0, 0.1, 0), row("MPI_Send", 0, 1, 1.0, 1.1, 0, tag=9))
+    n1 = node(row("MPI_Recv", 1, -1, 0.0, 0.2, 0, tag=-1), row("MPI_Recv", 1, 0, 1.0, 1.2, 0, tag=9))
+    p, _ = waits([n0, n1])
+    assert len(p.src) == 1 and p.unmatched == 0 and not p.unmatched_reasons
+    assert sum(p.unpaired_reasons.values()) == 2  # the wildcard receive and the tag-7 send
 
 
 def test_lost_record_does_not_shift_the_pairing() -> None:
