@@ -144,8 +144,10 @@ def test_scores_count_the_reports_findings_and_rescore_repeats_them(real_cache: 
 
 @pytest.mark.slurm
 @pytest.mark.mpi
-@pytest.mark.xfail(reason="the analysis is being rewritten (issue 10); tests/bench/bench_real.py measures these goals",
-                   strict=False)
+# Strict: the day the analysis meets these goals on the CI runs, this turns into a failure that says
+# to drop the mark (issue 10: SIGSTOP-like faults stay below the detection threshold today).
+@pytest.mark.xfail(reason="issue 10's goals are not met on real runs yet (tests/bench/bench_real.py measures them)",
+                   strict=True)
 def test_accuracy_goals(real_cache: Path) -> None:
     specs = runner.plan(["train"], [f for _, f in CI_RUNS], 1)
     scores = runner.run_all(specs, real_cache, rescore=True)
