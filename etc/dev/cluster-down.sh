@@ -32,8 +32,12 @@ stop() {
 
 [ -d "$R" ] || { log "nothing to stop"; exit 0; }
 
+# slurmctld runs as SlurmUser=slurm and keeps its pid file in a directory of its own (run/ctld);
+# a cluster started before that kept it in run/.
+CTLD_PID="$R/ctld/slurmctld.pid"
+[ -s "$CTLD_PID" ] || CTLD_PID="$R/slurmctld.pid"
 # Cancel the cluster's jobs first, so that no slurmstepd outlives its slurmd.
-if [ -s "$R/slurmctld.pid" ] && [ "$(cat "/proc/$(cat "$R/slurmctld.pid")/comm" 2>/dev/null)" = slurmctld ]; then
+if [ -s "$CTLD_PID" ] && [ "$(cat "/proc/$(cat "$CTLD_PID")/comm" 2>/dev/null)" = slurmctld ]; then
     export SLURM_CONF="$REPO/.cluster/slurm.conf"
     jobs="$(squeue -h -o %i 2>/dev/null | paste -sd' ' - || true)"
     if [ -n "$jobs" ]; then
@@ -47,5 +51,5 @@ if [ -s "$R/slurmctld.pid" ] && [ "$(cat "/proc/$(cat "$R/slurmctld.pid")/comm" 
     fi
 fi
 for n in node1 node2 node3 node4; do stop "$R/slurmd-$n.pid" slurmd; done
-stop "$R/slurmctld.pid" slurmctld
+stop "$CTLD_PID" slurmctld
 stop "$R/munged.started" munged

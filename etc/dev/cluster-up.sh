@@ -37,8 +37,13 @@ pid_alive() {
     [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
 }
 
-mkdir -p "$C"/{bin,run,log,state/ctld,state/gpuprof} "${NODES[@]/#/$C/spool/}"
+mkdir -p "$C"/{bin,run,log,state/ctld,state/gpuprof,run/ctld,log/ctld} "${NODES[@]/#/$C/spool/}"
 chmod 755 "$C" "$C/bin" "$C/spool" "$C"/spool/*
+# slurmctld runs as SlurmUser=slurm, as sites run it: its state, log and pid file are its own
+# (the `slurm` user comes with Debian's slurm packages; slurmd stays root, as Slurm requires).
+id slurm >/dev/null 2>&1 || die "user slurm missing (Debian's slurmctld package creates it): run 'make setup'"
+chown -R slurm:slurm "$C/state/ctld" "$C/run/ctld" "$C/log/ctld"
+chmod 755 "$C/run" "$C/log" "$C/state"
 
 # --- the SPANK plugin ------------------------------------------------------------------------
 make -s -C "$REPO/slurm_hooks/spank" >/dev/null
@@ -97,7 +102,7 @@ sed -e "s|@CLUSTER@|$C|g" -e "s|@HOST@|$HOST|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" 
     -e "s|@PROCTRACK_WHY@|$PROCTRACK_WHY|g" -e "s|@HOOKS_DIR@|$HOOKS_DIR|g" \
     "$REPO/etc/dev/slurm.conf.in" > "$C/slurm.conf.new"
 if [ -f "$C/slurm.conf" ] && ! cmp -s "$C/slurm.conf.new" "$C/slurm.conf" \
-    && pid_alive "$C/run/slurmctld.pid" slurmctld; then
+    && pid_alive "$C/run/ctld/slurmctld.pid" slurmctld; then
     log "slurm.conf changed while the cluster runs: restarting it"
     rm -f "$C/slurm.conf.new"
     "$REPO/etc/dev/cluster-down.sh"
@@ -128,7 +133,7 @@ exec "$HOOKS_DIR/$1" "\$@"
 EOF
     chmod 755 "$C/bin/$1"
 }
-for h in prolog epilog task-prolog epilog-slurmctld; do write_wrapper "$h"; done
+for h in prolog epilog task-prolog; do write_wrapper "$h"; done
 
 # The cluster's gpuprof config: the shipped defaults, with state and hook log under .cluster/.
 # Rewritten at every start, so a test that changed it cannot leave it changed.
@@ -165,10 +170,10 @@ if id gpuprof-test >/dev/null 2>&1 && ! runuser -u gpuprof-test -- test -x "$C/b
 fi
 
 # --- daemons ------------------------------------------------------------------------------------
-if pid_alive "$C/run/slurmctld.pid" slurmctld; then
-    log "slurmctld already running (pid $(cat "$C/run/slurmctld.pid"))"
+if pid_alive "$C/run/ctld/slurmctld.pid" slurmctld; then
+    log "slurmctld already running (pid $(cat "$C/run/ctld/slurmctld.pid"))"
 else
-    slurmctld -f "$C/slurm.conf" || die "slurmctld failed: $(tail -n 20 "$C/log/slurmctld.log" 2>/dev/null)"
+    slurmctld -f "$C/slurm.conf" || die "slurmctld failed: $(tail -n 20 "$C/log/ctld/slurmctld.log" 2>/dev/null)"
     log "started slurmctld"
 fi
 for n in "${NODES[@]}"; do
@@ -195,7 +200,7 @@ while :; do
         echo "cluster-up: ERROR: nodes not idle after ${WAIT_S}s:" >&2
         printf '%s\n' "$states" >&2
         sinfo -R >&2 2>/dev/null || true
-        echo "--- $C/log/slurmctld.log (tail)" >&2; tail -n 20 "$C/log/slurmctld.log" >&2 2>/dev/null || true
+        echo "--- $C/log/ctld/slurmctld.log (tail)" >&2; tail -n 20 "$C/log/ctld/slurmctld.log" >&2 2>/dev/null || true
         for n in "${NODES[@]}"; do
             echo "--- $C/log/slurmd-$n.log (tail)" >&2; tail -n 8 "$C/log/slurmd-$n.log" >&2 2>/dev/null || true
         done
