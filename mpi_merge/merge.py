@@ -9,9 +9,9 @@
   3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies every
      selected node file's tables into /nodes, straight from the node file (HDF5 object copy).
      Meanwhile rank 0 loads the calls one node at a time in the job's node order into the job-wide
-     [seq x rank] tables of a scratch HDF5 file (matching.CommStore), reads them back by blocks to
-     fit the clocks (analysis.JobAnalyzer.fit_clocks) and sends the models to every rank without
-     waiting for them;
+     [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and reads them back by blocks
+     (analysis.JobAnalyzer.scan) into the clock fit's input, a file of its own; then every rank
+     fits the clocks, the windows dealt over the ranks (common.CommSpread), and all hold the models;
   4. every rank writes the aligned call times of the nodes it read into files of their own, from
      the saved calls; the writer adds them to the job file once every rank is done, and tells rank 0;
   5. rank 0 reads the tables by blocks again for the wait states, writing /collectives into a part
