@@ -259,11 +259,6 @@ def _models_of_rank(c: StoredComm, names: list[str], models: dict[str, NodeClock
     return [models[names[int(ni)]] if ni >= 0 else None for ni in c.node_of_rank]
 
 
-def align_columns(t: np.ndarray, models_of_rank: list[NodeClockModel | None], r0: int = 0) -> np.ndarray:
-    """Raw [rows, ranks r0..] times -> the reference node's clock, each column with its node's model."""
-    return RankClocks(models_of_rank).align(t, r0)
-
-
 @dataclass
 class StoreAligned:
     """stragglers.AlignedRows of one communicator: raw times from the store, aligned on reading."""

@@ -656,10 +656,11 @@ def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float 
                 spread: Spread | None = None) -> int:
     """Instances where, after alignment, some node left before the last node entered (beyond tol)."""
     blocks = row_blocks(inst.n_rows, inst.n_cols)
+    clocks = RankClocks(list(models))
 
     def count(b: int) -> int:
         E, Xmin, _ = inst.take(_all(*blocks[b]))
-        Ea, Xa = _align_columns(models, E), _align_columns(models, Xmin)
+        Ea, Xa = clocks.align(E), clocks.align(Xmin)
         with quiet_nan():
             return int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
 
@@ -755,24 +756,11 @@ def _ref_box(n: int, ref: int) -> tuple[np.ndarray, np.ndarray]:
     return box_lo, box_hi
 
 
-def _residual(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], r0: int, r1: int,
-              ) -> tuple[np.ndarray, np.ndarray]:
+def _residual(rows: InstanceRows, clocks: RankClocks, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
     """Latest enter and earliest exit of rows r0..r1 on the current models' clocks."""
     E_raw, X_raw, _ = rows.take(_all(r0, r1))
     # each node's model at its own timestamps, exactly as align() will map them
-    return _align_columns(models, E_raw), _align_columns(models, X_raw)
-
-
-def _align_columns(models: list[NodeClockModel], T: np.ndarray) -> np.ndarray:
-    """T[:, a] aligned with models[a], all columns at once when the models share their segment starts
-    (the minimal fit gives every node the same points in time): NodeClockModel.align per column."""
-    mat = _model_matrix(models)
-    if mat is None:
-        return np.column_stack([m.align(T[:, a]) for a, m in enumerate(models)])
-    s, off, drift = mat
-    i = np.clip(np.searchsorted(s, T, side="right") - 1, 0, len(s) - 1)
-    cols = np.arange(T.shape[1])[None, :]
-    return T - (off[i, cols] + drift[i, cols] * 1e-6 * (T - s[i]))
+    return clocks.align(E_raw), clocks.align(X_raw)
 
 
 class RankClocks:
@@ -810,26 +798,7 @@ class RankClocks:
         return np.where(self.has[r0:r0 + T.shape[1]][None, :], aligned, T)
 
 
-_MATRIX_CACHE: dict[int, tuple[list[NodeClockModel], tuple[np.ndarray, np.ndarray, np.ndarray] | None]] = {}
-
-
-def _model_matrix(models: list[NodeClockModel]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(segment starts, [segments, n] offsets, [segments, n] drifts) of models that share their segment
-    starts, else None; kept for the list last asked about (a fit round aligns with one list many times)."""
-    hit = _MATRIX_CACHE.get(id(models))
-    if hit is not None and hit[0] is models:
-        return hit[1]
-    s = models[0].seg_start if models else np.zeros(0)
-    if not len(s) or not all(m.seg_start is s or np.array_equal(m.seg_start, s) for m in models):
-        mat = None
-    else:
-        mat = (s, np.column_stack([m.seg_offset for m in models]), np.column_stack([m.seg_drift_ppm for m in models]))
-    _MATRIX_CACHE.clear()
-    _MATRIX_CACHE[id(models)] = (models, mat)
-    return mat
-
-
-def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, win: np.ndarray,
+def _pieces(rows: InstanceRows, t: np.ndarray, clocks: RankClocks, ref: int, win: np.ndarray,
             nw: int, spread: Spread) -> list[_Piece]:
     """Each window's interval; a window whose constraints no constant satisfies (drift inside it) is
     split in halves until each half is satisfiable, or a single contradicting instance is left."""
@@ -844,7 +813,7 @@ def _pieces(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref
 
     def solve(i: int) -> list[_Piece]:
         r0, r1 = spans[i]
-        E, X = _residual(rows, t, models, r0, r1)
+        E, X = _residual(rows, clocks, r0, r1)
         got_pieces = []
         stack = [(r0, r1)]
         while stack:
@@ -892,14 +861,14 @@ def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarr
     return p
 
 
-def _piece_point(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], pieces: list[_Piece],
-                 base: np.ndarray, ref: int, i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _piece_point(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece], base: np.ndarray, ref: int,
+                 i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Piece i's joint correction back towards the prior (_joint), or the nodes of its contradicting
     constraints when there is none."""
     pc = pieces[i]
     if not pc.consistent:
         return None, None
-    E, X = _residual(rows, t, models, pc.r0, pc.r1)
+    E, X = _residual(rows, clocks, pc.r0, pc.r1)
     d = _joint(E, X, -base[i], *_ref_box(rows.n_cols, ref))
     return d, (np.isfinite(E).any(axis=0) if d is None else None)
 
@@ -924,7 +893,8 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         # few instances out of order between two points: go on until none is (or the data say why)
         if it >= p.iterations and _violations(rows, models, p.violation_tol_ns, spread) == 0:
             break
-        pieces = _pieces(rows, t, models, ref, win, nw, spread)
+        clocks = RankClocks(list(models))  # the round's models, applied to whole blocks
+        pieces = _pieces(rows, t, clocks, ref, win, nw, spread)
         tp = np.array([pc.t for pc in pieces])
         base = np.column_stack([m.offset_ns(tp) for m in models])  # [pieces, n]
         lo = base + np.array([pc.lo for pc in pieces])
@@ -944,7 +914,7 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         if it < p.iterations:
             # jointly per piece: the correction nearest the prior that the piece's constraints allow;
             # then per node the path nearest those points with bounded drift inside the node's tube
-            joint = functools.partial(_piece_point, rows, t, models, pieces, base, ref)
+            joint = functools.partial(_piece_point, rows, clocks, pieces, base, ref)
             want = base.copy()
             for i, (d, bad_nodes) in enumerate(spread.map(joint, len(pieces))):
                 if d is not None:
@@ -966,7 +936,7 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                 b_lo[ref] = b_hi[ref] = 0.0
                 d = None
                 if pc.consistent:
-                    E, X = _residual(rows, t, models, pc.r0, pc.r1)
+                    E, X = _residual(rows, clocks, pc.r0, pc.r1)
                     d = _joint(E, X, np.zeros(n), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
                     if d is None:  # the constraints win over the drift bound (said below, if it shows)
                         d = _joint(E, X, np.zeros(n), *_ref_box(n, ref))

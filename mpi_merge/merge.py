@@ -72,13 +72,8 @@ class Comm(Protocol):
     def Get_size(self) -> int: ...
     def bcast(self, obj: Any, root: int = 0) -> Any: ...
     def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
-    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request: ...
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
     def allgather(self, obj: Any) -> list[Any]: ...
-
-
-class Request(Protocol):
-    def wait(self) -> Any: ...
 
 
 class SerialComm:
@@ -94,9 +89,6 @@ class SerialComm:
         return obj
 
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
-        raise MergeError("SerialComm has no peers to send to")
-
-    def isend(self, obj: Any, dest: int, tag: int = 0) -> Request:
         raise MergeError("SerialComm has no peers to send to")
 
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
