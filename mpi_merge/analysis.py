@@ -56,7 +56,13 @@ from gpuprof.mpi_merge.matching import (
     node_instances,
     p2p_instances,
 )
-from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, Finding, StragglerParams, find_stragglers
+from gpuprof.mpi_merge.stragglers import (
+    DEFAULT_STRAGGLER_PARAMS,
+    Finding,
+    P2PLateness,
+    StragglerParams,
+    find_stragglers,
+)
 from gpuprof.mpi_merge.waitstates import (
     PATTERNS,
     CommSummary,
@@ -391,6 +397,7 @@ class JobAnalyzer:
                 heat = heat_acc.result()
         p2p = self._p2p if self._p2p is not None else match_p2p(self.p2p_calls, epoch)
         p2p_waits = None
+        late = None
         if len(p2p.src):
             def al(nodes_idx: np.ndarray, t: np.ndarray) -> np.ndarray:
                 out = t.copy()
@@ -401,6 +408,7 @@ class JobAnalyzer:
             p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
                                           al(p2p.recv_node, p2p.recv_enter), al(p2p.recv_node, p2p.recv_wait),
                                           al(p2p.recv_node, p2p.recv_exit))
+            late = P2PLateness(p2p.send_node, p2p.recv_node, al(p2p.send_node, p2p.send_enter), p2p_waits.late_sender_ns)
         partial_nodes = {s.node for s in sel.nodes if s.partial_reasons}
         lossy = {s.node: int(sum(v for k, v in s.drops.items() if k.startswith("collectives"))) for s in sel.nodes}
         mism = find_mismatches(store, self.mismatch_flags, names, partial_nodes,
@@ -412,7 +420,7 @@ class JobAnalyzer:
         # each node's clock error (the model's uncertainty; 0 where unknown) sets the stragglers' effect floor
         clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
-                                             clock_error_ns=clock_err)
+                                             clock_error_ns=clock_err, p2p=late)
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,

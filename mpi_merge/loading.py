@@ -330,6 +330,32 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
                 ok = (idx >= 0) & (idx < nb)
                 tot = np.bincount(idx[ok], weights=rows[col][ok].astype(np.float64), minlength=nb)
                 s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
+    _rank_thread_offcpu(trace, s, cm, tb, bin_ns, nb)
+
+
+def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
+    """Off-CPU time of the threads that called collectives, per process: blocked (sleeping, or
+    stopped by a signal) and runnable (waiting for a CPU), ns per second, as series
+    "pid<PID>:offcpu_blocked_ns" / "pid<PID>:offcpu_runnable_ns". The node's sums are dominated by
+    the job's idle helper threads (progress, data loaders), which say nothing of a rank's lateness."""
+    calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
+    rows = trace.tables.get(schema.OFFCPU_INTERVALS.path)
+    if calls is None or rows is None or not len(calls) or not len(rows):
+        return
+    callers = np.unique(calls["tid"])
+    mine = np.isin(rows["tid"], callers)
+    if not mine.any():
+        return
+    rows = rows[mine]
+    idx = ((cm.to_realtime(rows["t_ns"]) - tb[0]) // bin_ns).astype(np.int64)
+    ok = (idx >= 0) & (idx < nb)
+    per_s = bin_ns / 1e9
+    for pid in np.unique(rows["pid"][ok]):
+        sel = ok & (rows["pid"] == pid)
+        for col, key in (("blocked_ns", "offcpu_blocked_ns"), ("runnable_ns", "offcpu_runnable_ns")):
+            tot = np.bincount(idx[sel], weights=rows[col][sel].astype(np.float64), minlength=nb)
+            name = f"pid{int(pid)}:{key}"
+            s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
 
 
 def _columns(rows: np.ndarray | None, names: tuple[str, ...], cm: ClockMap) -> dict[str, np.ndarray] | None:

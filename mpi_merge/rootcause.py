@@ -170,6 +170,18 @@ def process_ids(comms: Sequence[CommSummary]) -> tuple[list[np.ndarray], int]:
     return out, next_id
 
 
+def comm_units(c: CommSummary) -> np.ndarray:
+    """[size] the unit each rank is judged in: its node where the communicator spans several nodes
+    (a node's ranks share its CPUs, network and clock: a slow node is one straggler however many of
+    its ranks arrive last), else the rank itself; a rank without a node is a unit of its own."""
+    node = np.asarray(c.node_of_rank, np.int64)
+    own = -2 - np.arange(c.size, dtype=np.int64)
+    known = node[node >= 0]
+    if len(known) and (known == known[0]).all() and (node >= 0).all():
+        return own
+    return np.where(node >= 0, node, own)
+
+
 def exit_baselines(c: CommSummary, times: AlignedRows, sample: int = BASELINE_SAMPLE) -> np.ndarray:
     """[size] each rank's usual exit offset: the BASELINE_QUANTILE of exit - median exit over up to
     `sample` complete instances spread over the run (read a block of rows, then a few ranks at a time)."""
@@ -210,6 +222,8 @@ class Blame:
     exit_delay_ns: np.ndarray  # [N] waitee's exit delay at its previous instance beyond its usual offset
     asym_ns: np.ndarray  # [N] that usual offset (b_L)
     compute_excess_ns: np.ndarray  # [N] waitee's compute interval - median over ranks
+    held_ns: np.ndarray  # [N] how much earlier the instance would have begun had the waitee's unit (its
+    # node, or the rank itself where the communicator lies on one node) arrived with the next unit
     prev_exit: np.ndarray  # [N] when the waitee left its previous collective (aligned ns)
     enter_ns: np.ndarray  # [N] its arrival
     attributed: np.ndarray  # [N] bool
@@ -287,7 +301,7 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
     gcomm, gseq, gids, seqs = _instance_order(comms)
     n = len(gcomm)
     base = [exit_baselines(c, tm) for c, tm in zip(comms, times)]
-    f = {name: np.zeros(n) for name in ("wait", "own", "exit", "asym", "prop", "late", "xd", "b", "cx", "px", "e")}
+    f = {name: np.zeros(n) for name in ("wait", "own", "exit", "asym", "prop", "late", "xd", "b", "cx", "px", "e", "held")}
     ptr = np.full(n, -1, np.int64)
     waitee = np.full(n, -1, np.int64)
     proc_l = np.full(n, -1, np.int64)
@@ -324,7 +338,7 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
                             before[:, cells].reshape(3, nr, sz), procs[ci], f, ptr, waitee, proc_l, attributed)
         s0 = s1
     return Blame(gcomm, gseq, f["wait"], f["own"], f["exit"], f["asym"], f["prop"], ptr, waitee, proc_l, f["late"],
-                 f["xd"], f["b"], f["cx"], f["px"], f["e"], attributed, gids, seqs, procs, base)
+                 f["xd"], f["b"], f["cx"], f["held"], f["px"], f["e"], attributed, gids, seqs, procs, base)
 
 
 def _ring_lookup(proc: np.ndarray, vals: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -443,6 +457,10 @@ def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.nda
         f["cx"][g] = parts[0].sum(axis=1) / nw
         f["xd"][g] = parts[1].sum(axis=1) / nw
         f["b"][g] = parts[2].sum(axis=1) / nw
+        units = comm_units(c)
+        uL = units[L]
+        others = np.where(units[None, :] == uL[:, None], -np.inf, E).max(axis=1)
+        f["held"][g] = np.where(sync & np.isfinite(others), eL - others, 0.0)
         f["px"][g] = comb[F_X][back[rows, L, 0]]  # the waitee left its previous collective
         f["e"][g] = eL
         attributed[g] = ok

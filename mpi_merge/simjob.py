@@ -61,6 +61,8 @@ class SimJob:
     slow_from_iter: int = 0  # the slow-down starts here
     # world rank -> (chance, mean in us): its collectives return that much later (exponential) by chance
     slow_exit: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # world rank -> (chance per step, ms): the rank is stopped that long (SIGSTOP from outside) by chance
+    stall: dict[int, tuple[float, float]] = field(default_factory=dict)
     clock_error_us: float = 0.0
     seed: int = 1
 
@@ -99,6 +101,9 @@ def simulate(job: SimJob) -> SimResult:
             if job.share_prob:
                 hit = rng.random(R) < job.share_prob
                 comp += np.where(hit, rng.uniform(0, job.share_slice_ms * 1e6, R), 0.0)
+            for r, (chance, ms) in job.stall.items():
+                if rng.random() < chance:
+                    comp[r] += ms * 1e6
             ready = free + comp
             free = ready.copy()
             for c in s.comms:

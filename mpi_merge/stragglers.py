@@ -2,18 +2,37 @@
 per rank and window, false-discovery-rate control across the whole job, a minimum effect size, and
 the cause from the evidence. Takes arrays; the detection algorithm is a parameter.
 
-Per communicator and window of window_s (stretched so a window holds min_instances on average), per
-rank r and kind (own excess compute; exit delay on the rank's path): k = the instances where r was the
-last arrival and that kind dominated the split of the others' waits, out of n attributed instances.
-Without a straggler the last arrival is any rank with chance 1/size, so the one-sided exact binomial
-tail P(X >= k | n, 1/size) is a valid (conservative) p-value. Benjamini-Hochberg at fdr_q runs once
-over every test of the job (ranks x windows x communicators x kinds). A rejected test is a finding
-only when its effect is large enough: the rank's median lateness when it was the origin (own) or its
-median exit delay (exit) exceeds both min_effect x the communicator's typical compute interval in that
-window and the clock error between its node and the others (the clock models' uncertainty). Findings
-are grouped per node; each names its root ranks, its cost (the waiting time of others it caused,
+Units. A communicator that spans several nodes is judged per node (its ranks share the node's CPUs,
+network and clock: a slow node is one straggler however many of its ranks arrive last), one on a
+single node per rank (rootcause.comm_units).
+
+Held-back time. At a synchronizing instance the last unit held the others back by h = its last
+arrival - the last arrival of any other unit: how much earlier the instance would have begun had it
+been as late as the next one. Only the part the delay analysis puts on the unit itself counts (own
+compute, exit delay); what was propagated to it, and the algorithm's usual exit offsets, do not.
+
+Tests, per communicator, window of window_s (stretched so a window holds min_instances on average)
+and unit, each exact and one-sided under the null of a balanced job, where the units are
+exchangeable (which one is last does not depend on how long it held the others back):
+- count: k of the window's n instances where the unit was last by more than its floor (min_effect x
+  the typical compute interval, or the clock error between its node and the others), against
+  Binomial(n, ranks of the unit / size): a unit late a little nearly every time;
+- magnitude: its held-back time beyond the floor against its share of the window's, by Bernstein's
+  inequality: a unit late rarely but long (a process stopped for 60 ms now and then) that the count
+  misses.
+The two are Bonferroni-combined; Benjamini-Hochberg at fdr_q runs once over every test of the job
+(units x windows x communicators, point to point included).
+
+Effect and dominance. A rejected test is a straggler when, in its window, the unit held the others
+back for >= min_held_share of the communicator's time in use, the rejected units are a minority (at
+most max(1, units // 4): two slow nodes of four are an imbalance, not a node that held the others
+back), and each held them back >= dominance x as long as any other unit. What fails these is listed
+in the summary as an imbalance without a straggler, not as a finding. Findings are grouped per node;
+each names its root ranks, the held-back time, its cost (the waiting time of others it caused,
 directly and propagated, and the share of the job's waits), the lateness it propagated into other
-communicators (under "propagated"), and its evidence.
+communicators (under "propagated"), and its evidence; the cause comes from that evidence (the rank's
+GPU, the host's CPU, the off-CPU time of the rank's MPI threads; "network" only for a collective that
+returned late on a rank that was running).
 
 Score (NVIDIA's straggler detector, median ratio): min over ranks of the median compute interval
 (enter[k] - exit[k-1] on the same rank: one node's clock, never negative) over this rank's median, in
@@ -37,12 +56,11 @@ import numpy as np
 from gpuprof.mpi_merge.common import block_rows, quiet_nan
 from gpuprof.mpi_merge.loading import Series
 from gpuprof.mpi_merge.rootcause import (
-    KIND_EXIT,
-    KIND_OWN,
     AlignedRows,
     Blame,
     benjamini_hochberg,
     binom_sf_many,
+    comm_units,
     delay_analysis,
 )
 from gpuprof.mpi_merge.waitstates import CommSummary
@@ -51,6 +69,7 @@ __all__ = [
     "DEFAULT_STRAGGLER_PARAMS",
     "AlignedRows",
     "Finding",
+    "P2PLateness",
     "StragglerParams",
     "find_stragglers",
     "stretched_window_s",
@@ -71,10 +90,15 @@ class StragglerParams:
     # hold this many
     min_instances: int = 20
     fdr_q: float = 0.01  # Benjamini-Hochberg false discovery rate over every test of the job
-    min_effect: float = 0.05  # lateness when origin >= this share of the typical compute interval
+    min_effect: float = 0.05  # an event: held the others back >= this share of the typical compute interval
+    min_held_share: float = 0.02  # a straggler held the others back >= this share of the time in a window
+    dominance: float = 2.0  # ... and >= this many times as long as any unit that is not a straggler
     gpu_delta_points: float = 5.0  # SM activity this much above peers = GPU-bound evidence
     cpu_ratio: float = 1.25  # CPU use this much above peers = host-bound evidence
-    offcpu_ratio: float = 1.5  # run-queue time this much above peers = host-bound evidence
+    offcpu_ratio: float = 1.5  # run-queue time (node) or blocked time (MPI threads) this much above peers
+    runnable_ratio: float = 1.1  # the MPI threads' run-queue time this much above peers = host-bound evidence
+    p2p_min_wait_ns: float = 20_000.0  # a Late Sender wait shorter than this is no event
+    offcpu_min_ns_per_s: float = 50e6  # ... and at least this much more per second (5 % of the time)
     # "rootcause": the rank was the origin (own compute or exit delay) of the waits it ended;
     # "last_share": the rank arrived last (no root-cause split; for comparison);
     # "score": arrived last and median-ratio score below score_threshold
@@ -106,13 +130,16 @@ class Finding:
     cost_ns: float  # waiting time of others it caused, direct + propagated
     direct_cost_ns: float
     cost_share: float  # of all waiting time in synchronizing collectives of the job
+    held_ns: float  # the time it alone held its communicator back in the flagged windows (origin part)
+    held_share: float  # the largest share of a flagged window's time in use it held the others back
+    next_held_share: float  # the same share of the next unit that is no straggler, in that window
     propagated: list[dict[str, Any]] = field(default_factory=list)  # {comm_id, ranks, wait_ns}
     evidence: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["comm_id"] = f"{self.comm_id:#x}"
+        d["comm_id"] = "point to point" if self.kind == "late sender" else f"{self.comm_id:#x}"
         d["propagated"] = [dict(p) for p in self.propagated]
         return d
 
@@ -174,48 +201,94 @@ class _CommStats:
     score: np.ndarray  # [nw, size]
     typical: np.ndarray  # [nw]
     clock_floor: np.ndarray  # [size] ns
-    events: dict[str, np.ndarray]  # kind -> bool per complete seq
+    unit: np.ndarray  # [size] the unit (0 .. n_units - 1) of each rank
+    held: np.ndarray  # per complete seq: the origin part of the time the last unit held the others back
+    event: np.ndarray  # per complete seq: held above the floor (an event of the test)
+    active_ns: np.ndarray  # [nw] how long the communicator was in use in each window
+    span_lo: np.ndarray  # [nw] its first and last instance in each window (aligned ns)
+    span_hi: np.ndarray
+    culprit: np.ndarray  # per instance: the rank that held the others back (the last arrival), -1 none
+    culprit_unit: np.ndarray  # ... and its unit, -1 none
+    name: str  # the communicator's id (hex), or "point to point"
 
 
 @dataclass
 class _Test:
     ci: int
     w: int
-    r: int
-    kind: str
+    u: int  # unit (comm_units), 0 .. n_units - 1
+    ranks: list[int]  # its ranks that arrived last in the events
     k: int
     n: int
     p: float
+    p0: float  # the chance that the unit arrives last in a balanced job: its ranks / size
     q: float = 1.0
-    effect_ns: float = 0.0
-    floor_ns: float = 0.0
+    held_ns: float = 0.0  # H: the time it held the others back in the window (origin part)
+    held_share: float = 0.0  # H over the communicator's active time in the window
+    next_held_ns: float = 0.0  # the largest H of a unit that is not a candidate
+    effect_ns: float = 0.0  # median held time per event
+    floor_ns: float = 0.0  # the event threshold
+
+    @property
+    def r(self) -> int:
+        return self.ranks[0]
 
 
-def _events(blame: Blame, gids: np.ndarray, algorithm: str) -> dict[str, np.ndarray]:
+def _origin_weight(blame: Blame, gids: np.ndarray, algorithm: str) -> np.ndarray:
+    """The part of each instance's hold-back that counts against its last unit: "rootcause" counts the
+    shares the delay analysis put on the waitee itself (own compute, exit delay), not what was
+    propagated to it or the algorithm's usual exit offsets; the algorithms without the split count all."""
     att = blame.attributed[gids]
     if algorithm == "rootcause":
-        kind = blame.kind[gids]
-        return {"own compute": att & (kind == KIND_OWN), "exit delay": att & (kind == KIND_EXIT)}
-    return {"last": att}
+        return np.where(att, blame.f_own[gids] + blame.f_exit[gids], 0.0)
+    return att.astype(np.float64)
 
 
-def _effect(blame: Blame, g: np.ndarray, kind: str) -> float:
-    """The effect of a test's events: own compute -> the compute excess (measured on the rank's own
-    clock, so a clock error cancels); exit delay -> the exit delay beyond the usual offset; last (the
-    algorithms without the split) -> the lateness against the median rank."""
-    if not len(g):
-        return 0.0
-    v = {"own compute": blame.compute_excess_ns, "exit delay": blame.exit_delay_ns}.get(kind, blame.late_ns)[g]
-    return float(np.median(v))
+def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, floor: np.ndarray, ok: np.ndarray,
+                event: np.ndarray, share: np.ndarray, judged: np.ndarray, params: StragglerParams) -> list[_Test]:
+    """The tests of one communicator that pass fdr_q on their own (BH then runs over all of them),
+    per judged window w and unit u with share[w, u], its chance to be the culprit of an instance
+    in a balanced job. Two exact one-sided tests, each valid under that null, Bonferroni-combined:
+    - count: of the window's n instances, k were u's events, where it held the others back by more
+      than the floor (Binomial(n, share));
+    - magnitude: u's held-back time H against share x the window's total, by Bernstein's
+      inequality for the sum of the bounded independent terms h_i (B_i - share):
+      P(H - share S >= t) <= exp(-t^2 / (2 share (1 - share) sum h^2 + 2/3 max(h) t)). It sees a
+      unit that is late rarely but long (a process stopped for 60 ms among 10^5 short waits) that
+      the count misses, and the count sees a unit that is late a little every time."""
+    nw, n_units = share.shape
+    sel = ok & (unit >= 0)
+    held = np.clip(held - floor, 0, None)  # only what lies beyond the floor: less may be clock error
+    cell = win[sel] * n_units + unit[sel]
+    cnt = np.bincount(win[event & sel] * n_units + unit[event & sel], minlength=nw * n_units).reshape(nw, n_units)
+    H = np.bincount(cell, weights=held[sel], minlength=nw * n_units).reshape(nw, n_units)
+    S = np.bincount(win[sel], weights=held[sel], minlength=nw)
+    S2 = np.bincount(win[sel], weights=held[sel] ** 2, minlength=nw)
+    M = np.zeros(nw)
+    np.maximum.at(M, win[sel], held[sel])
+    wi, ui = np.nonzero(judged[:, None] & ((cnt > 0) | (H > 0)))
+    if not len(wi):
+        return []
+    n = np.bincount(win[sel], minlength=nw)
+    pc = binom_sf_many(cnt[wi, ui], n[wi], share[wi, ui])
+    sh = share[wi, ui]
+    t = H[wi, ui] - sh * S[wi]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * t
+        pm = np.where((t > 0) & (den > 0), np.exp(-np.square(t) / den), 1.0)
+    pv = np.minimum(1.0, 2.0 * np.minimum(pc, pm))
+    return [_Test(ci, int(wi[j]), int(ui[j]), [], int(cnt[wi[j], ui[j]]), int(n[wi[j]]), float(pv[j]),
+                  float(sh[j])) for j in np.flatnonzero(pv <= params.fdr_q)]
 
 
 def find_stragglers(
     comms: list[CommSummary], times: Sequence[AlignedRows], node_names: list[str], node_series: list[dict[str, Series]],
     epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
-    clock_error_ns: np.ndarray | Sequence[float] | None = None,
+    clock_error_ns: np.ndarray | Sequence[float] | None = None, p2p: P2PLateness | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (root causes) and the per-communicator metrics. `clock_error_ns`: per node (index of
-    node_names), the clock model's error; NaN or missing counts as 0."""
+    node_names), the clock model's error; NaN or missing counts as 0. `p2p`: the matched messages'
+    Late Sender waits, judged per sending node like one more communicator."""
     if params.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown straggler algorithm {params.algorithm!r}")
     err = np.zeros(len(node_names))
@@ -245,61 +318,73 @@ def find_stragglers(
         node = np.asarray(c.node_of_rank, np.int64)
         e_rank = np.where(node >= 0, err[np.clip(node, 0, max(len(err) - 1, 0))] if len(err) else 0.0, 0.0)
         clock_floor = e_rank + float(np.median(e_rank))
-        ev = _events(blame, gids, params.algorithm)
-        st = _CommStats(ci, window_s, win, n_w, judged, score, typical, clock_floor, ev)
-        stats[ci] = st
+        _, unit = np.unique(comm_units(c), return_inverse=True)
+        unit = unit.ravel()
+        n_units = int(unit.max()) + 1
+        per_unit = np.bincount(unit, minlength=n_units)
         L = blame.waitee[gids]
-        for kind, sel in ev.items():
-            cnt = np.bincount(win[sel] * c.size + L[sel], minlength=nw * c.size).reshape(nw, c.size)
-            m_total += int(judged.sum()) * c.size
-            wi, ri = np.nonzero(judged[:, None] & (cnt > 0))
-            if not len(wi):
-                continue
-            p = binom_sf_many(cnt[wi, ri], n_w[wi], np.full(len(wi), 1.0 / c.size))
-            for j in np.flatnonzero(p <= params.fdr_q):
-                cands.append(_Test(ci, int(wi[j]), int(ri[j]), kind, int(cnt[wi[j], ri[j]]), int(n_w[wi[j]]), float(p[j])))
+        uL = np.where(L >= 0, unit[np.maximum(L, 0)], -1)
+        held = np.clip(blame.held_ns[gids], 0, None) * _origin_weight(blame, gids, params.algorithm)
+        typ_w = np.where(np.isfinite(typical), typical, 0.0)
+        # an event: the last unit held the others back by more than min_effect of the typical compute
+        # interval and more than the clock error between it and the others (arrivals across nodes)
+        floor_unit = np.zeros(n_units)
+        np.maximum.at(floor_unit, unit, clock_floor)
+        floor = np.maximum(params.min_effect * typ_w[win], np.where(uL >= 0, floor_unit[np.maximum(uL, 0)], 0.0))
+        event = att & (uL >= 0) & (held > floor)
+        # the communicator's time in use per window: from its first to its last instance there, plus
+        # one typical interval
+        lo = np.full(nw, np.inf)
+        hi = np.full(nw, -np.inf)
+        np.minimum.at(lo, win, tk)
+        np.maximum.at(hi, win, tk)
+        active = np.where(np.isfinite(lo), hi - lo + typ_w, 0.0)
+        st = _CommStats(ci, window_s, win, n_w, judged, score, typical, clock_floor, unit, held, event, active,
+                        lo, hi + typ_w, L, uL, f"{c.comm_id:#x}")
+        stats[ci] = st
+        share = np.broadcast_to(per_unit / c.size, (nw, n_units))
+        cands += _unit_tests(ci, win, uL, held, floor, att & (uL >= 0), event, share, judged, params)
+        m_total += int(judged.sum()) * n_units
         with quiet_nan():
             judged_scores = score[judged]
             smin = np.nanmin(judged_scores, axis=0) if judged.any() else np.full(c.size, np.nan)
-        origin = np.zeros(c.size, np.int64)
-        for sel in ev.values():
-            origin += np.bincount(L[sel], minlength=c.size)
+        origin = np.bincount(L[event], minlength=c.size) if event.any() else np.zeros(c.size, np.int64)
+        held_rank = np.bincount(L[att & (L >= 0)], weights=held[att & (L >= 0)], minlength=c.size)
         per_comm[f"{c.comm_id:#x}"] = {
             "score_min": [None if not np.isfinite(x) else float(x) for x in smin],
             "times_last": np.bincount(c.last_rank[c.last_rank >= 0], minlength=c.size).tolist(),
             "times_origin": origin.tolist(),
+            "held_others_ns": held_rank.round().tolist(),
             "windows_judged": int(judged.sum()), "window_s": window_s,
         }
+    if p2p is not None and len(p2p.t_ns) and len(node_names) >= 2:
+        pst, ptests, pm = _p2p_tests(p2p, len(comms), len(node_names), err, t0, params)
+        stats[pst.ci] = pst
+        cands += ptests
+        m_total += pm
     rejected, qv = benjamini_hochberg(np.array([t.p for t in cands]), params.fdr_q, max(m_total, len(cands)))
-    kept: list[_Test] = []
-    for t, rej, q in zip(cands, rejected, qv):
-        if not rej:
-            continue
-        t.q = float(q)
-        st = stats[t.ci]
-        c = comms[t.ci]
-        sel = (st.win == t.w) & st.events[t.kind] & (blame.waitee[blame.gids[t.ci]] == t.r)
-        t.effect_ns = _effect(blame, blame.gids[t.ci][sel], t.kind)
-        typ = float(st.typical[t.w]) if np.isfinite(st.typical[t.w]) else 0.0
-        # a compute excess is one node's clock against itself: only drift (<= 500 ppm of the interval)
-        # enters, far below min_effect; times compared across nodes carry both nodes' clock errors
-        clock = MAX_DRIFT * typ if t.kind == "own compute" else float(st.clock_floor[t.r])
-        t.floor_ns = max(params.min_effect * typ, clock)
-        if t.effect_ns <= t.floor_ns:
-            continue
-        if params.algorithm == "score":
-            s = st.score[t.w, t.r]
-            if not (np.isfinite(s) and s < params.score_threshold):
-                continue
-        kept.append(t)
+    kept, imbalance = _effect_and_dominance(
+        [t for t, rej in zip(cands, rejected) if rej], [float(q) for q, rej in zip(qv, rejected) if rej], stats, params)
     total_wait = float(blame.wait_ns.sum())
     by_node: dict[tuple[int, int], list[_Test]] = {}
+    p2p_kept: dict[int, list[_Test]] = {}
     for t in kept:
+        if t.ci == len(comms):  # point to point: the unit is the sending node
+            p2p_kept.setdefault(t.u, []).append(t)
+            continue
         ni = int(comms[t.ci].node_of_rank[t.r])
         key = (ni, -1) if ni >= 0 else (len(node_names), int(blame.procs[t.ci][t.r]))
         by_node.setdefault(key, []).append(t)
     findings = [_finding(tests, comms, blame, stats, node_names, node_series, epoch_rt, t0, total_wait, params)
                 for _, tests in sorted(by_node.items())]
+    named = {f.node for f in findings}
+    for ni, tests in sorted(p2p_kept.items()):
+        if node_names[ni] in named:  # also late at collectives: that finding says more
+            next(f for f in findings if f.node == node_names[ni]).evidence.append(
+                f"also the late sender of point-to-point messages ({sum(t.held_ns for t in tests) / 1e6:.1f} ms "
+                "of its receivers' Late Sender waits in the flagged windows)")
+            continue
+        findings.append(_p2p_finding(tests, stats[len(comms)], node_names, node_series, epoch_rt, params))
     metrics: dict[str, Any] = dict(per_comm)
     shares = {name: float((blame.wait_ns * getattr(blame, f)).sum()) for name, f in
               (("own compute", "f_own"), ("exit delay", "f_exit"), ("exit asymmetry", "f_asym"), ("propagated", "f_prop"))}
@@ -308,8 +393,178 @@ def find_stragglers(
         "rejected": int(rejected.sum()), "kept_after_effect_size": len(kept), "findings": len(findings),
         "wait_ns_total": total_wait, "wait_ns_by_split": shares,
         "windows_judged": int(sum(int(s.judged.sum()) for s in stats.values())),
+        "imbalance_without_straggler": imbalance[:20],
     }
     return findings, metrics
+
+
+def _effect_and_dominance(tests: list[_Test], q_values: list[float], stats: dict[int, _CommStats],
+                          params: StragglerParams) -> tuple[list[_Test], list[dict[str, Any]]]:
+    """The tests that survived the FDR control and are stragglers, per (communicator, window): a
+    candidate held the others back for >= min_held_share of the communicator's time in use there, the
+    candidates are a minority (at most max(1, units // 4): two slow nodes of four are an imbalance,
+    not a straggler that held the others back), and each held the others back >= dominance x as long
+    as the largest of the units that are not candidates. What fails the last two is listed as an
+    imbalance without a straggler (the summary says so; it is not a finding)."""
+    groups: dict[tuple[int, int], list[_Test]] = {}
+    for t, q in zip(tests, q_values):
+        t.q = q
+        groups.setdefault((t.ci, t.w), []).append(t)
+    kept: list[_Test] = []
+    imbalance: list[dict[str, Any]] = []
+    for (ci, w), ts in sorted(groups.items()):
+        st = stats[ci]
+        in_w = st.win == w
+        L, uL = st.culprit, st.culprit_unit
+        n_units = int(st.unit.max()) + 1
+        sel = in_w & (uL >= 0)
+        H = np.bincount(uL[sel], weights=st.held[sel], minlength=n_units)
+        active = max(float(st.active_ns[w]), 1.0)
+        big = [t for t in ts if H[t.u] >= params.min_held_share * active]
+        if not big:
+            continue
+        others = np.ones(n_units, bool)
+        others[[t.u for t in big]] = False
+        next_h = float(H[others].max()) if others.any() else 0.0
+        minority = len(big) <= max(1, n_units // 4)
+        dominant = all(H[t.u] >= params.dominance * next_h for t in big)
+        if not (minority and dominant):
+            imbalance.append({"comm_id": st.name, "window": w, "units": len(big),
+                              "ranks": sorted({int(r) for t in big for r in np.flatnonzero(st.unit == t.u)})[:16],
+                              "held_share": [round(float(H[t.u]) / active, 4) for t in big],
+                              "next_held_share": round(next_h / active, 4),
+                              "why": "not a minority" if not minority else "not dominant"})
+            continue
+        for t in big:
+            ev = in_w & st.event & (uL == t.u)
+            t.ranks = sorted({int(r) for r in L[ev]}) or [int(np.flatnonzero(st.unit == t.u)[0])]
+            t.held_ns = float(H[t.u])
+            t.held_share = float(H[t.u]) / active
+            t.next_held_ns = next_h
+            t.effect_ns = float(np.median(st.held[ev])) if ev.any() else 0.0
+            typ = float(st.typical[w]) if np.isfinite(st.typical[w]) else 0.0
+            t.floor_ns = max(params.min_effect * typ, float(st.clock_floor[t.ranks].max()))
+            if params.algorithm == "score":
+                sc = st.score[w, t.ranks]
+                if not (np.isfinite(sc).any() and np.nanmin(sc) < params.score_threshold):
+                    continue
+            kept.append(t)
+    return kept, imbalance
+
+
+@dataclass
+class P2PLateness:
+    """Matched point-to-point messages (matching.P2PPairs) with their Late Sender wait, aligned."""
+
+    send_node: np.ndarray  # node index of the sender
+    recv_node: np.ndarray
+    t_ns: np.ndarray  # the send started (aligned ns)
+    late_sender_ns: np.ndarray  # the receiver waited this long for the send to start
+
+
+def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float,
+               params: StragglerParams) -> tuple[_CommStats, list[_Test], int]:
+    """Point to point as one more communicator whose units are the nodes and whose instances are
+    the messages: a message held its receiver back by its Late Sender wait, the sending node is the
+    culprit. The same test as for collectives: among each window's messages with the longest waits,
+    how many came from the node, against its share of the messages sent there."""
+    order = np.argsort(p.t_ns, kind="stable")
+    t = p.t_ns[order]
+    sn = p.send_node[order].astype(np.int64)
+    rn = p.recv_node[order].astype(np.int64)
+    ls = np.clip(np.nan_to_num(p.late_sender_ns[order]), 0, None)
+    window_s = stretched_window_s(t, params.window_s, params.min_instances)
+    win = np.maximum(np.floor((t - t0) / (window_s * 1e9)).astype(np.int64), 0)
+    nw = int(win.max()) + 1
+    ok = (sn >= 0) & (rn >= 0) & (sn != rn)  # messages inside one node say nothing of nodes
+    n_w = np.bincount(win[ok], minlength=nw)
+    judged = n_w >= params.min_instances
+    floor = np.maximum(np.where(ok, err[np.clip(sn, 0, n_nodes - 1)] + err[np.clip(rn, 0, n_nodes - 1)], 0.0),
+                       params.p2p_min_wait_ns)
+    event = ok & (ls > floor)
+    lo = np.full(nw, np.inf)
+    hi = np.full(nw, -np.inf)
+    np.minimum.at(lo, win, t)
+    np.maximum.at(hi, win, t)
+    active = np.where(np.isfinite(lo), hi - lo, 0.0)
+    unit = np.arange(n_nodes)
+    culprit = np.where(ok & (ls > 0), sn, -1)
+    st = _CommStats(ci, window_s, win, n_w, judged, np.full((nw, n_nodes), np.nan), np.full(nw, np.nan),
+                    err.copy(), unit, ls, event, active, lo, hi, culprit, culprit, "point to point")
+    # the chance that a message with a long wait came from a node: its share of the messages sent
+    sent = np.bincount(win[ok] * n_nodes + sn[ok], minlength=nw * n_nodes).reshape(nw, n_nodes)
+    share = sent / np.maximum(n_w, 1)[:, None]
+    tests = _unit_tests(ci, win, culprit, ls, floor, ok, event, share, judged, params)
+    return st, tests, int(judged.sum()) * n_nodes
+
+
+def _p2p_finding(tests: list[_Test], st: _CommStats, node_names: list[str], node_series: list[dict[str, Series]],
+                 epoch_rt: int, p: StragglerParams) -> Finding:
+    """A node whose messages held their receivers back (Late Sender) and that is no straggler at
+    collectives. Its cause from the off-CPU time of its MPI threads against the other nodes'."""
+    ni = tests[0].u
+    ms = 1e6
+    flagged = sorted({t.w for t in tests})
+    wins = [(t.w * st.window_s, (t.w + 1) * st.window_s) for t in tests]
+    most = max(tests, key=lambda t: (t.held_share, -t.w))
+    ev = st.event & np.isin(st.win, flagged) & (st.culprit_unit == ni)
+    f = Finding(
+        node=node_names[ni], comm_id=0, ranks=[], cause="", kind="late sender", windows_flagged=len(flagged),
+        windows_judged=int(st.judged.sum()), first_s=min(a for a, _ in wins), last_s=max(b for _, b in wins),
+        times_last=int(ev.sum()), share_last=float(sum(t.k for t in tests) / max(1, sum(t.n for t in tests))),
+        expected_share=float(np.mean([t.p0 for t in tests])),
+        lateness_when_last_ns=float(np.median(st.held[ev])) if ev.any() else 0.0, score_min=None,
+        score_reason="point to point: no compute interval between collectives", p_value=min(t.p for t in tests),
+        q_value=min(t.q for t in tests), cost_ns=float(sum(t.held_ns for t in tests)),
+        direct_cost_ns=float(sum(t.held_ns for t in tests)), cost_share=0.0,
+        held_ns=float(sum(t.held_ns for t in tests)), held_share=most.held_share,
+        next_held_share=most.held_share * (most.next_held_ns / most.held_ns) if most.held_ns > 0 else 0.0,
+    )
+    f.evidence.append(
+        f"its messages held their receivers back (Late Sender) for {f.held_ns / ms:.1f} ms in {len(flagged)} of "
+        f"{f.windows_judged} windows (up to {f.held_share:.1%} of a window's time in point to point, against "
+        f"{f.next_held_share:.1%} for any other node), between t={f.first_s:.1f} s and t={f.last_s:.1f} s")
+    f.evidence.append(
+        f"sender of {sum(t.k for t in tests)} of the {sum(t.n for t in tests)} messages with the longest waits "
+        f"(its share of the messages sent: {f.expected_share:.1%}); exact binomial p={_p(f.p_value)}, "
+        f"Benjamini-Hochberg q={_p(f.q_value)} (threshold {p.fdr_q:g} over all units, windows and communicators); "
+        f"median wait {f.lateness_when_last_ns / ms:.3f} ms")
+    a = np.array([st.span_lo[w] for w in flagged])
+    b = np.array([st.span_hi[w] for w in flagged])
+    rates: dict[str, list[float]] = {}
+    for key in ("offcpu_blocked_ns", "offcpu_runnable_ns"):
+        per_node = []
+        for series in node_series:
+            v = [_bins_mean(x, a, b, epoch_rt) for k, x in series.items() if k.startswith("pid") and k.endswith(key)]
+            v = [x for x in v if np.isfinite(x)]
+            per_node.append(float(np.mean(v)) if v else float("nan"))
+        rates[key] = per_node
+    blk = rates["offcpu_blocked_ns"][ni]
+    rq = rates["offcpu_runnable_ns"][ni]
+    peers_blk = [x for j, x in enumerate(rates["offcpu_blocked_ns"]) if j != ni and np.isfinite(x)]
+    peers_rq = [x for j, x in enumerate(rates["offcpu_runnable_ns"]) if j != ni and np.isfinite(x)]
+    blk_p = float(np.median(peers_blk)) if peers_blk else float("nan")
+    rq_p = float(np.median(peers_rq)) if peers_rq else float("nan")
+    f.metrics.update({k: v for k, v in (("blocked_ns_per_s", blk), ("blocked_ns_per_s_peers", blk_p),
+                                        ("runnable_ns_per_s", rq), ("runnable_ns_per_s_peers", rq_p)) if np.isfinite(v)})
+    stopped = np.isfinite(blk) and np.isfinite(blk_p) and blk - blk_p >= p.offcpu_min_ns_per_s and blk >= p.offcpu_ratio * blk_p
+    starved = np.isfinite(rq) and np.isfinite(rq_p) and rq - rq_p >= p.offcpu_min_ns_per_s and rq >= p.runnable_ratio * rq_p
+    gpus = any(k.startswith("gpu") for series in node_series for k in series)
+    if stopped or starved:
+        f.cause = "host"
+        if stopped:
+            f.evidence.append(f"its MPI threads were off CPU and not runnable (sleeping, or stopped by a signal) "
+                              f"{blk / ms:.0f} ms/s vs other nodes {blk_p / ms:.0f} ms/s in the flagged windows")
+        if starved:
+            f.evidence.append(f"its MPI threads waited for a CPU (runnable, not running) {rq / ms:.0f} ms/s vs other "
+                              f"nodes {rq_p / ms:.0f} ms/s in the flagged windows")
+    elif not gpus:
+        f.cause = "host"
+        f.evidence.append("no GPU metrics on any node: the time before its sends was spent on the host")
+    else:
+        f.cause = "compute (unattributed)"
+        f.evidence.append("no off-CPU or host metric differs from the other nodes enough to name a cause")
+    return f
 
 
 def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: dict[int, _CommStats],
@@ -320,23 +575,21 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
     ci, c, st = main.ci, comms[main.ci], stats[main.ci]
     ni = int(c.node_of_rank[main.r])
     on_main = [t for t in tests if t.ci == ci]
-    ranks = sorted({t.r for t in on_main})
-    by_kind: dict[str, int] = {}
-    for t in on_main:
-        by_kind[t.kind] = by_kind.get(t.kind, 0) + t.k
-    kind = max(sorted(by_kind), key=lambda k: by_kind[k])
+    ranks = sorted({r for t in on_main for r in t.ranks})
+    most = max(on_main, key=lambda t: (t.held_share, -t.w))
     gids = blame.gids[ci]
     L = blame.waitee[gids]
     flagged = sorted({t.w for t in on_main})
     in_win = np.isin(st.win, flagged)
     mine = np.isin(L, ranks)
-    ev = st.events[kind] & in_win & mine
+    ev = st.event & in_win & mine
     g_ev = gids[ev]
-    if kind == "last":  # algorithms without the split: the dominant part of the events decides
-        kind = "exit delay" if float(blame.f_exit[g_ev].sum()) > float(blame.f_own[g_ev].sum()) else "own compute"
+    # what made it late: the larger of the two parts the delay analysis put on it in its events
+    own = float((st.held[ev] * blame.f_own[g_ev]).sum())
+    kind = "exit delay" if float((st.held[ev] * blame.f_exit[g_ev]).sum()) > own else "own compute"
     roots = np.zeros(int(max(int(x.max()) for x in blame.procs if len(x))) + 1, bool)
     for t in tests:
-        roots[blame.procs[t.ci][t.r]] = True
+        roots[blame.procs[t.ci][t.ranks]] = True
     direct, d = blame.propagate(roots)
     w = blame.wait_ns
     cost, direct_cost = float((w * d).sum()), float((w * direct).sum())
@@ -372,10 +625,42 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
         lateness_when_last_ns=float(np.median(blame.late_ns[g_ev])) if len(g_ev) else 0.0,
         score_min=score_min, score_reason=score_reason, p_value=min(t.p for t in tests),
         q_value=min(t.q for t in tests), cost_ns=cost, direct_cost_ns=direct_cost,
-        cost_share=cost / total_wait if total_wait > 0 else 0.0, propagated=propagated,
+        cost_share=cost / total_wait if total_wait > 0 else 0.0,
+        held_ns=float(sum(t.held_ns for t in on_main)), held_share=most.held_share,
+        next_held_share=most.held_share * (most.next_held_ns / most.held_ns) if most.held_ns > 0 else 0.0,
+        propagated=propagated,
     )
-    _evidence(f, tests, main, comms, blame, g_ev, ni, node_series, float(st.clock_floor[main.r]), epoch_rt, p)
+    _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_series, float(st.clock_floor[main.r]), epoch_rt, p)
     return f
+
+
+def flagged_windows(tests: list[_Test], main: _Test) -> list[int]:
+    return sorted({t.w for t in tests if t.ci == main.ci})
+
+
+def _process_offcpu(c: CommSummary, ranks: list[int], st: _CommStats, windows: list[int],
+                    node_series: list[dict[str, Series]], epoch_rt: int) -> dict[str, float]:
+    """Blocked and runnable off-CPU time (ns/s) of the straggler's MPI threads and the median of the
+    other ranks' over the flagged windows (the per-process series of loading._rank_thread_offcpu;
+    NaN where a process has none)."""
+    a = np.array([st.span_lo[w] for w in windows])
+    b = np.array([st.span_hi[w] for w in windows])
+
+    def rate(r: int, key: str) -> float:
+        ni, pid = int(c.node_of_rank[r]), int(c.pid_of_rank[r])
+        s = node_series[ni].get(f"pid{pid}:{key}") if 0 <= ni < len(node_series) else None
+        return _bins_mean(s, a, b, epoch_rt) if s is not None else float("nan")
+
+    out: dict[str, float] = {}
+    mine = set(ranks)
+    for key, name in (("offcpu_blocked_ns", "blocked_ns_per_s"), ("offcpu_runnable_ns", "runnable_ns_per_s")):
+        me = [rate(r, key) for r in ranks]
+        peers = [rate(r, key) for r in range(c.size) if r not in mine]
+        me = [x for x in me if np.isfinite(x)]
+        peers = [x for x in peers if np.isfinite(x)]
+        out[name] = float(np.mean(me)) if me else float("nan")
+        out[f"{name}_peers"] = float(np.median(peers)) if peers else float("nan")
+    return out
 
 
 def _p(x: float) -> str:
@@ -429,22 +714,28 @@ def _rank_gpu(comms: list[CommSummary], blame: Blame, ci: int, r: int, ni: int, 
     return int(np.searchsorted(local, rr))
 
 
-def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSummary], blame: Blame, g_ev: np.ndarray,
+def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSummary], blame: Blame, st: _CommStats,
+              g_ev: np.ndarray,
               ni: int, node_series: list[dict[str, Series]], clock_floor: float, epoch_rt: int,
               p: StragglerParams) -> None:
     ms = 1e6
     n_ev = sum(t.k for t in tests if t.ci == main.ci)
     n_all = sum(t.n for t in tests if t.ci == main.ci)
+    by_node = main.p0 * comms[main.ci].size > 1 or len(set(np.asarray(comms[main.ci].node_of_rank).tolist())) > 1
     f.evidence.append(
-        f"origin of the others' wait ({f.kind}) in {n_ev} of {n_all} instances of the {f.windows_flagged} flagged "
-        f"of {f.windows_judged} windows (chance {1 / comms[main.ci].size:.1%} each), between t={f.first_s:.1f} s and "
-        f"t={f.last_s:.1f} s; exact binomial p={_p(f.p_value)}, Benjamini-Hochberg q={_p(f.q_value)} "
-        f"(threshold {p.fdr_q:g} over all ranks, windows and communicators)")
+        f"held the other {'nodes' if by_node else 'ranks'} of the communicator back for "
+        f"{f.held_ns / ms:.1f} ms in {f.windows_flagged} of {f.windows_judged} windows (up to {f.held_share:.1%} of "
+        f"a window's time in collectives, against {f.next_held_share:.1%} for any other), between "
+        f"t={f.first_s:.1f} s and t={f.last_s:.1f} s")
     f.evidence.append(
-        f"median {f.lateness_when_last_ns / ms:.3f} ms after the median rank when it was the origin; effect "
-        f"{main.effect_ns / ms:.3f} ms ({'compute excess' if f.kind == 'own compute' else f.kind}) against a floor of "
-        f"{main.floor_ns / ms:.3f} ms ({p.min_effect:.0%} of the typical compute interval"
-        + (", on the rank's own clock)" if f.kind == "own compute" else f", or the clock error {clock_floor / ms:.3f} ms)")
+        f"last by more than {main.floor_ns / ms:.3f} ms in {n_ev} of {n_all} instances "
+        f"(chance {main.p0:.1%} each); exact binomial p={_p(f.p_value)}, Benjamini-Hochberg q={_p(f.q_value)} "
+        f"(threshold {p.fdr_q:g} over all units, windows and communicators)")
+    f.evidence.append(
+        f"median {f.lateness_when_last_ns / ms:.3f} ms after the median rank in those instances, "
+        f"{main.effect_ns / ms:.3f} ms after the next {'node' if by_node else 'rank'} (the part it caused: not "
+        f"propagated to it, not the algorithm's usual exit offset); the floor {main.floor_ns / ms:.3f} ms is "
+        f"{p.min_effect:.0%} of the typical compute interval or the clock error {clock_floor / ms:.3f} ms"
         + (f"; slowness score {f.score_min:.2f} (1 = fastest)" if f.score_min is not None else
            f"; slowness score n/a: {f.score_reason}"))
     f.evidence.append(
@@ -462,6 +753,30 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
     f.metrics.update({"exit_delay_ns": ex, "exit_asymmetry_ns": asym, "compute_excess_ns": cx,
                       "effect_ns": main.effect_ns, "effect_floor_ns": main.floor_ns,
                       "clock_floor_ns": clock_floor})
+    off = _process_offcpu(comms[main.ci], f.ranks, st, flagged_windows(tests, main), node_series, epoch_rt)
+    f.metrics.update({k: v for k, v in off.items() if np.isfinite(v)})
+    blk, blk_p, rq, rq_p = (off[k] for k in ("blocked_ns_per_s", "blocked_ns_per_s_peers", "runnable_ns_per_s",
+                                             "runnable_ns_per_s_peers"))
+    stopped = bool(np.isfinite(blk) and np.isfinite(blk_p) and blk - blk_p >= p.offcpu_min_ns_per_s
+                   and blk >= p.offcpu_ratio * blk_p)
+    starved = bool(np.isfinite(rq) and np.isfinite(rq_p) and rq - rq_p >= p.offcpu_min_ns_per_s
+                   and rq >= p.runnable_ratio * rq_p)
+    off_note = []
+    if stopped:
+        off_note.append(f"its MPI threads were off CPU and not runnable (sleeping, or stopped by a signal) "
+                        f"{blk / ms:.0f} ms/s vs peers {blk_p / ms:.0f} ms/s")
+    if starved:
+        off_note.append(f"its MPI threads waited for a CPU (runnable, not running) {rq / ms:.0f} ms/s vs peers "
+                        f"{rq_p / ms:.0f} ms/s")
+    where_off = " in the flagged windows (eBPF off-CPU time of the threads that call MPI)"
+    if f.kind == "exit delay" and (stopped or starved):
+        # a collective that returns late on a process that was not on a CPU: the host held it
+        f.cause = "host"
+        f.evidence.append(
+            f"the previous collective returned {ex / ms:.3f} ms later on this rank than on the median rank, beyond "
+            f"its usual exit offset ({asym / ms:.3f} ms), but " + " and ".join(off_note) + where_off
+            + ": the process was not running, not the network")
+        return
     if f.kind == "exit delay":
         f.cause = "network"
         f.evidence.append(
@@ -529,8 +844,10 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
                           "longer GPU work before the collective")
         if np.isfinite(c_me):
             f.evidence.append(f"CPU {c_me:.2f} cores vs peers {c_peer:.2f}: host not busier")
-    elif cpu_hi or off_hi or (np.isfinite(dg) and dg <= -p.gpu_delta_points):
+    elif stopped or starved or cpu_hi or off_hi or (np.isfinite(dg) and dg <= -p.gpu_delta_points):
         f.cause = "host"
+        if off_note:
+            f.evidence.append("; ".join(off_note) + where_off)
         if cpu_hi:
             f.evidence.append(f"job processes used {c_me:.2f} CPU cores vs peers {c_peer:.2f} {where}")
         if off_hi:

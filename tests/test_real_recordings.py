@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from gpuprof.mpi_merge.merge import EXIT_COMPLETE, merge
 
 RECORDINGS = Path(__file__).resolve().parent / "recordings"
@@ -29,3 +31,22 @@ def test_demo_recording_names_only_the_slow_rank(tmp_path: Path) -> None:
     f = report["stragglers"][0]
     assert f["comm_id"] == world and f["cost_share"] > 0.3 and f["q_value"] < 1e-6
     assert "node3" in res.reports["txt"].read_text()
+    # it held the others back far longer than any other node, and its evidence names the CPU time
+    assert f["held_share"] > 2 * f["next_held_share"] and any("CPU" in e for e in f["evidence"])
+
+
+def test_offcpu_of_the_mpi_threads_per_process() -> None:
+    """The straggler evidence reads the off-CPU time of the threads that called MPI, per process, not
+    the node's sum (dominated by the job's idle helper threads)."""
+    from gpuprof.mpi_merge.loading import discover, summarize_node
+
+    for p in discover(RECORDINGS / "demo-4nodes"):
+        s = summarize_node(p)
+        pids = {k.split(":")[0] for k in s.series if k.startswith("pid")}
+        calls = {f"pid{int(x)}" for x in set(s.calls["pid"].tolist())} if s.calls is not None else set()
+        assert pids and pids <= calls, (s.node, pids, calls)
+        for pid in pids:
+            blocked = s.series[f"{pid}:offcpu_blocked_ns"]
+            assert blocked.unit == "ns/s" and np.isfinite(blocked.values).all()
+            # a rank polls inside MPI: its MPI thread is hardly ever blocked, and never more than wall time
+            assert 0 <= float(np.mean(blocked.values)) < 1e9

@@ -40,7 +40,7 @@ class App:
     # extra arguments for the fault "load_sleep" (train only)
     load_sleep_argv: tuple[str, ...] = ()
     # CFS quota of the fault cpu_quota, in CPUs: below what one rank uses, so that it binds
-    quota_cpus: float = 0.25
+    quota_cpus: float = 0.08
 
     def check(self) -> None:
         """Raise AppUnavailable naming what is missing."""

@@ -5,7 +5,7 @@
 | `balanced` | nothing | (no finding expected) |
 | `sigstop` | a helper process finds the rank's pid in its node's Slurm job cgroup and stops it (SIGSTOP) for `duty` of every `period_s`, SIGCONT otherwise | host |
 | `cpu_quota` | the processes of one node's Slurm job cgroup are moved into a cpu-controller cgroup of ours with a CFS quota (see below) | host |
-| `corunner` | the rank is pinned with taskset to CPU 1 and a `stress-ng --cpu 2` co-runner pinned to the same CPU | host |
+| `corunner` | the rank is pinned with taskset to CPU 1 and a `stress-ng --cpu 6` co-runner pinned to the same CPU (fewer workers do not bite on 2 cores: the other ranks crowd the other CPU as much) | host |
 | `load_sleep` | the training program's `--load-extra-s` on one rank (inside the app, by its own knob) | host |
 | `slow_collectives` | tests/realapps/slow_collectives.c, LD_PRELOADed on every rank, busy-waits `delay_us` after each collective returns on one rank | network |
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--period-s", type=float, default=0.2)
     ap.add_argument("--quota-cpus", type=float, default=0.15)
     ap.add_argument("--cpu", type=int, default=1)
-    ap.add_argument("--workers", type=int, default=2, help="stress-ng workers on that CPU")
+    ap.add_argument("--workers", type=int, default=6, help="stress-ng workers on that CPU")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
