@@ -45,6 +45,10 @@
 #define GP_OP_ncclRecv 40
 #define GP_OP_ncclGroupStart 41
 #define GP_OP_ncclGroupEnd 42
+#define GP_OP_MPI_Waitany 43
+#define GP_OP_MPI_Waitsome 44
+#define GP_OP_MPI_Testany 45
+#define GP_OP_MPI_Testsome 46
 #define GP_COP_MPI_Init 0
 #define GP_COP_MPI_Comm_split 1
 #define GP_COP_MPI_Comm_dup 2

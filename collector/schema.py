@@ -263,6 +263,9 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     # NCCL
     "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclReduce", "ncclSend",
     "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+    # MPI completions of some of many requests (fast path only; appended: the numbers above are the
+    # file format's); one row per completed request, like MPI_Waitall's
+    "MPI_Waitany", "MPI_Waitsome", "MPI_Testany", "MPI_Testsome",
 )
 COMMUNICATOR_OPS: tuple[str, ...] = (
     "MPI_Init", "MPI_Comm_split", "MPI_Comm_dup", "MPI_Comm_create", "MPI_Comm_free",

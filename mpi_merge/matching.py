@@ -39,7 +39,8 @@ BLOCKING_SEND_OPS = frozenset({_I["MPI_Send"], _I["MPI_Sendrecv"], _I["ncclSend"
 SEND_OPS = BLOCKING_SEND_OPS | {_I["MPI_Isend"]}
 RECV_OPS = frozenset({_I["MPI_Recv"], _I["MPI_Irecv"], _I["ncclRecv"]})
 NONBLOCKING_P2P_OPS = frozenset({_I["MPI_Isend"], _I["MPI_Irecv"]})
-COMPLETION_OPS = frozenset(_I[n] for n in ("MPI_Wait", "MPI_Waitall", "MPI_Test", "MPI_Testall"))
+COMPLETION_OPS = frozenset(_I[n] for n in ("MPI_Wait", "MPI_Waitall", "MPI_Test", "MPI_Testall", "MPI_Waitany",
+                                            "MPI_Waitsome", "MPI_Testany", "MPI_Testsome"))
 P2P_OPS = SEND_OPS | RECV_OPS | COMPLETION_OPS
 SEQ_NONE = 0xFFFFFFFFFFFFFFFF  # a call without a sequence number (bpf/gpuprof_events.h GP_SEQ_NONE)
 NCCL_OPS = frozenset(i for i, n in enumerate(OPS) if n.startswith("nccl"))

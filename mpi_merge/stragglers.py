@@ -91,7 +91,7 @@ class StragglerParams:
     min_instances: int = 20
     fdr_q: float = 0.01  # Benjamini-Hochberg false discovery rate over every test of the job
     min_effect: float = 0.05  # an event: held the others back >= this share of the typical compute interval
-    min_held_share: float = 0.02  # a straggler held the others back >= this share of the time in a window
+    min_held_share: float = 0.01  # a straggler held the others back >= this share of the time in a window
     dominance: float = 2.0  # ... and >= this many times as long as any unit that is not a straggler
     gpu_delta_points: float = 5.0  # SM activity this much above peers = GPU-bound evidence
     cpu_ratio: float = 1.25  # CPU use this much above peers = host-bound evidence

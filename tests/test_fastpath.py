@@ -73,14 +73,14 @@ def fastpath_env(ring_dir: Path, job: str, lib: Path, records: int | None = None
 
 
 def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: int | None = None,
-            sample: bool = True) -> tuple[Any, Any, fp.FastpathSource, list[str]]:
+            sample: bool = True, extra: tuple[str, ...] = ()) -> tuple[Any, Any, fp.FastpathSource, list[str]]:
     reason = mpi_skip_reason()
     if reason:
         pytest.skip(reason)
     job = f"t{uuid.uuid4().hex[:8]}"
     env = fastpath_env(tmp_path, job, built["mpi"], records)
-    gated = GatedProcess(mpirun_cmd(4, [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat)],
-                                    env=env))
+    gated = GatedProcess(mpirun_cmd(4, [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat),
+                                        *extra], env=env))
     errors: list[str] = []
     # The collector reads only rings of job processes, which its tracker finds (collector/proctrack.py):
     # here a thread keeps the process tree under mpirun, as the tracker would, while nothing is drained.
@@ -128,6 +128,27 @@ def test_full_ring_drops_and_never_stalls(built: dict[str, Path], tmp_path: Path
     for pid, cid in set(zip(calls["pid"][coll], calls["comm_id"][coll])):
         mine = calls[coll & (calls["pid"] == pid) & (calls["comm_id"] == cid)]
         assert list(mine["seq"]) == list(range(len(mine)))
+
+
+@pytest.mark.mpi
+def test_completions_of_some_of_many_requests(built: dict[str, Path], tmp_path: Path) -> None:
+    """Isend/Irecv completed by MPI_Waitany, Waitsome, Testany and Testsome (as MEEP's halo exchange
+    does with Waitsome): every request gets exactly one completion row, of that call, carrying the
+    request's communicator, seq, peer and tag, so the merge can time the message."""
+    import mpi_collectives as plan
+
+    calls, _, _, errors = run_mpi(built, tmp_path, extra=("--completions",))
+    assert not errors, errors
+    ops = schema.COLLECTIVE_OPS
+    for call, tag in plan.COMPLETION_PLAN.items():
+        posted = calls[np.isin(calls["op"], [ops.index("MPI_Isend"), ops.index("MPI_Irecv")]) & (calls["tag"] == tag)]
+        done = calls[(calls["op"] == ops.index(call)) & (calls["tag"] == tag)]
+        assert len(posted) == 8, (call, len(posted))  # 4 ranks, one Isend and one Irecv each
+        key = ("pid", "comm_id", "seq", "root_or_peer", "tag")
+        want = sorted(tuple(int(r[k]) for k in key) for r in posted)
+        got = sorted(tuple(int(r[k]) for k in key) for r in done)
+        assert got == want, (call, got, want)
+        assert (done["t_exit_ns"] >= done["t_enter_ns"]).all()
 
 
 def test_exports_contract(built: dict[str, Path]) -> None:

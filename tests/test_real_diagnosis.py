@@ -144,17 +144,17 @@ def test_scores_count_the_reports_findings_and_rescore_repeats_them(real_cache: 
 
 @pytest.mark.slurm
 @pytest.mark.mpi
-# Strict: the day the analysis meets these goals on the CI runs, this turns into a failure that says
-# to drop the mark (issue 10: SIGSTOP-like faults stay below the detection threshold today).
-@pytest.mark.xfail(reason="issue 10's goals are not met on real runs yet (tests/bench/bench_real.py measures them)",
-                   strict=True)
 def test_accuracy_goals(real_cache: Path) -> None:
+    """No finding on the balanced run and none that names the wrong node or cause (what the
+    held-back time, the minority and dominance rules guarantee); a fault run the analysis misses
+    on this run is reported as an xfail with the figures (issue 10: recall on a shared 2-core VM)."""
     specs = runner.plan(["train"], [f for _, f in CI_RUNS], 1)
     scores = runner.run_all(specs, real_cache, rescore=True)
     total = runner.bench_lines(scores)[-1]
-    assert total["findings_on_balanced"] == 0
-    assert total["recall"] is not None and total["recall"] >= 0.9
-    assert total["precision"] is not None and total["precision"] >= 0.95
+    assert total["findings_on_balanced"] == 0, total
+    assert total["precision"] is None or total["precision"] >= 0.95, total
+    if total["recall"] is None or total["recall"] < 0.9:
+        pytest.xfail(f"a fault run was missed on this run: {total}")
 
 
 # =================================================================================================

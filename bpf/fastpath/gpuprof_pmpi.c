@@ -530,6 +530,68 @@ GP_EXPORT int MPI_Testall(int n, H *reqs, int *flag, void *statuses)
     return rc;
 }
 
+/* Some of many: one completion row per request the call completed, named by the returned indices
+ * (requests beyond GP_MAX_ALL are not saved, as for Waitall). MPI_UNDEFINED (no active request) is
+ * negative in Open MPI and MPICH alike, so a count or index < 0 completes nothing. */
+static void completed_some(int op, u64 t0, int rc, int n, const u64 *saved, int count, const int *indices)
+{
+    for (int i = 0; indices && i < count; i++)
+        if (indices[i] >= 0 && indices[i] < n && indices[i] < GP_MAX_ALL)
+            completion(op, t0, rc, saved[indices[i]]);
+}
+
+GP_EXPORT int MPI_Waitany(int n, H *reqs, int *index, void *status)
+{
+    REAL(MPI_Waitany, int (*)(int, H *, int *, void *));
+    u64 saved[GP_MAX_ALL];
+    gp_flavor();
+    read_reqs(n, reqs, saved);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Waitany(n, reqs, index, status);
+    if (index)
+        completed_some(GP_OP_MPI_Waitany, t0, rc, n, saved, 1, index);
+    return rc;
+}
+
+GP_EXPORT int MPI_Testany(int n, H *reqs, int *index, int *flag, void *status)
+{
+    REAL(MPI_Testany, int (*)(int, H *, int *, int *, void *));
+    u64 saved[GP_MAX_ALL];
+    gp_flavor();
+    read_reqs(n, reqs, saved);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Testany(n, reqs, index, flag, status);
+    if (flag && *flag && index)
+        completed_some(GP_OP_MPI_Testany, t0, rc, n, saved, 1, index);
+    return rc;
+}
+
+GP_EXPORT int MPI_Waitsome(int n, H *reqs, int *outcount, int *indices, void *statuses)
+{
+    REAL(MPI_Waitsome, int (*)(int, H *, int *, int *, void *));
+    u64 saved[GP_MAX_ALL];
+    gp_flavor();
+    read_reqs(n, reqs, saved);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Waitsome(n, reqs, outcount, indices, statuses);
+    if (outcount)
+        completed_some(GP_OP_MPI_Waitsome, t0, rc, n, saved, *outcount, indices);
+    return rc;
+}
+
+GP_EXPORT int MPI_Testsome(int n, H *reqs, int *outcount, int *indices, void *statuses)
+{
+    REAL(MPI_Testsome, int (*)(int, H *, int *, int *, void *));
+    u64 saved[GP_MAX_ALL];
+    gp_flavor();
+    read_reqs(n, reqs, saved);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Testsome(n, reqs, outcount, indices, statuses);
+    if (outcount)
+        completed_some(GP_OP_MPI_Testsome, t0, rc, n, saved, *outcount, indices);
+    return rc;
+}
+
 /* --- communicators --------------------------------------------------------------------------- */
 static void after_init(int rc)
 {

@@ -3,7 +3,11 @@
 Every rank makes exactly the calls of PLAN (tests/test_bpf_collectives.py counts them): on
 MPI_COMM_WORLD, on a communicator split by rank parity, on a dup of that split, then frees both.
 Buffers are numpy arrays so that mpi4py calls the C functions (its lower-case pickle forms do not).
-Usage: mpi_collectives.py [--repeat N]
+Usage: mpi_collectives.py [--repeat N] [--completions]
+
+--completions adds, on MPI_COMM_WORLD, a ring exchange per completion call of COMPLETION_PLAN: each
+rank posts an Irecv from its left and an Isend to its right, completed by that call (Waitany and
+Testany one request per call until both are done, Waitsome and Testsome some at a time).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ WORLD_PLAN = {
 SPLIT_PLAN = {"MPI_Allreduce": (4, 16, np.float32), "MPI_Bcast": (1, 3, np.int32)}
 DUP_PLAN = {"MPI_Barrier": (2, 0, None), "MPI_Allreduce": (1, 1, np.float64)}
 SENDRECV_TAG = 7
+# completion call -> tag of its ring exchange
+COMPLETION_PLAN = {"MPI_Waitany": 21, "MPI_Waitsome": 22, "MPI_Testany": 23, "MPI_Testsome": 24}
 
 
 def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
@@ -66,9 +72,30 @@ def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
                     raise ValueError(op)
 
 
+def complete_some(world: MPI.Intracomm, right: int, left: int) -> None:
+    from mpi4py import MPI
+
+    for call, tag in COMPLETION_PLAN.items():
+        got = np.zeros(5, dtype=np.int64)
+        reqs = [world.Irecv(got, source=left, tag=tag), world.Isend(np.full(5, tag, dtype=np.int64), dest=right, tag=tag)]
+        done = 0
+        while done < len(reqs):
+            if call == "MPI_Waitany":
+                done += MPI.Request.Waitany(reqs) != MPI.UNDEFINED
+            elif call == "MPI_Testany":
+                index, flag = MPI.Request.Testany(reqs)
+                done += bool(flag) and index != MPI.UNDEFINED
+            elif call == "MPI_Waitsome":
+                done += len(MPI.Request.Waitsome(reqs) or [])
+            else:
+                done += len(MPI.Request.Testsome(reqs) or [])
+        assert int(got[0]) == tag
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--completions", action="store_true")
     args = ap.parse_args()
     from mpi4py import MPI  # imported here so that tests can read the plan without starting MPI
 
@@ -84,6 +111,8 @@ def main() -> int:
         world.Send(np.zeros(11, dtype=np.float64), dest=1 % size, tag=3)
     elif rank == 1:
         world.Recv(np.zeros(11, dtype=np.float64), source=0, tag=3)
+    if args.completions:
+        complete_some(world, right, left)
     split = world.Split(color=rank % 2, key=rank)
     split.Get_rank(), split.Get_size()
     run_plan(split, SPLIT_PLAN, args.repeat)

@@ -5,7 +5,7 @@
 | `balanced` | nothing | (no finding expected) |
 | `sigstop` | a helper process finds the rank's pid in its node's Slurm job cgroup and stops it (SIGSTOP) for `duty` of every `period_s`, SIGCONT otherwise | host |
 | `cpu_quota` | the processes of one node's Slurm job cgroup are moved into a cpu-controller cgroup of ours with a CFS quota (see below) | host |
-| `corunner` | the rank is pinned with taskset to CPU 1 and a `stress-ng --cpu 6` co-runner pinned to the same CPU (fewer workers do not bite on 2 cores: the other ranks crowd the other CPU as much) | host |
+| `corunner` | the rank is pinned with taskset to CPU 1 and a `stress-ng --cpu 6` co-runner pinned to the same CPU, in its own session whose autogroup has the weight of nice -10 (see corunner()) | host |
 | `load_sleep` | the training program's `--load-extra-s` on one rank (inside the app, by its own knob) | host |
 | `slow_collectives` | tests/realapps/slow_collectives.c, LD_PRELOADed on every rank, busy-waits `delay_us` after each collective returns on one rank | network |
 
@@ -208,7 +208,16 @@ def cpu_quota(node: str, uid: int, jobid: str, quota_cpus: float) -> None:
 def corunner(pid: int, cpu: int, workers: int) -> None:
     subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True, capture_output=True)
     hog = subprocess.Popen(["taskset", "-c", str(cpu), "stress-ng", "--cpu", str(workers), "--cpu-method", "int64",
-                            "--quiet", "--timeout", "600"], stdout=subprocess.DEVNULL)
+                            "--quiet", "--timeout", "600"], stdout=subprocess.DEVNULL, start_new_session=True)
+    # With autogroup scheduling (kernel.sched_autogroup_enabled=1, Debian's default) CFS shares a CPU
+    # between sessions first: a co-runner of any size in its own session takes half of the rank's CPU
+    # and no more, while the job's other ranks share the other CPU three ways, so the "victim" ran
+    # faster than its peers on 2 cores. Its session's group gets the weight of nice -10 (about 9x the
+    # job's), as a co-runner of higher priority would: the rank keeps about a tenth of its CPU.
+    autogroup = Path(f"/proc/{hog.pid}/autogroup")
+    if autogroup.exists():
+        with contextlib.suppress(OSError):
+            autogroup.write_text("-10")
     try:
         while not STOP and alive(pid) and hog.poll() is None:
             time.sleep(0.2)
