@@ -420,7 +420,8 @@ class JobAnalyzer:
         # each node's clock error (the model's uncertainty; 0 where unknown) sets the stragglers' effect floor
         clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
-                                             clock_error_ns=clock_err, p2p=late)
+                                             clock_error_ns=clock_err, p2p=late,
+                                             node_on_cpu=[s.on_cpu for s in sel.nodes])
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,

@@ -77,6 +77,39 @@ class ClockMap:
 
 
 @dataclass
+class OnCpuBins:
+    """CPU samples of one process, binned like the node's series: per (bin, function) the samples
+    whose innermost user frame is that function ("name (module)"); at most ON_CPU_TOP functions per
+    bin, the rest counted under "(other)"."""
+
+    t_rt: np.ndarray  # int64 bin starts, realtime ns
+    bin_ns: int
+    bin: np.ndarray  # [k] bin of each entry
+    label: np.ndarray  # [k] index into labels
+    count: np.ndarray  # [k] samples
+    labels: list[str]
+
+    def top(self, a: np.ndarray, b: np.ndarray, epoch_rt: int, n: int = 3) -> tuple[int, list[tuple[str, float]]]:
+        """Samples in the bins overlapping any range [a, b) (aligned ns) and the n functions with the
+        largest share of them."""
+        t = (self.t_rt - epoch_rt).astype(np.float64)
+        lo = np.searchsorted(t + self.bin_ns, a, side="right")
+        hi = np.searchsorted(t, b, side="left")
+        used = np.zeros(len(t) + 1, np.int64)
+        ok = hi > lo
+        np.add.at(used, lo[ok], 1)
+        np.add.at(used, hi[ok], -1)
+        in_bins = (np.cumsum(used[:-1]) > 0)[self.bin]
+        per = np.bincount(self.label[in_bins], weights=self.count[in_bins], minlength=len(self.labels))
+        total = int(per.sum())
+        order = np.argsort(-per, kind="stable")[:n]
+        return total, [(self.labels[i], float(per[i]) / total) for i in order if total and per[i] > 0]
+
+
+ON_CPU_TOP = 8
+
+
+@dataclass
 class NodeSummary:
     file: str
     file_bytes: int
@@ -102,6 +135,10 @@ class NodeSummary:
     late_probe_notes: list[str] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # per GPU: index, name, uuid, stats
     series: dict[str, Series] = field(default_factory=dict)  # "gpu0:util_gpu", "host:cpu_cores", ...
+    # per process that called MPI: where its threads were on CPU, per bin of the series (the straggler
+    # evidence quotes the functions of the straggler's intervals against its peers')
+    on_cpu: dict[int, OnCpuBins] = field(default_factory=dict)
+    on_cpu_note: str = ""  # why there are none (no stacks mode, file not sealed: no frames)
     drops: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS
     errors_total: int = 0
@@ -144,9 +181,11 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     p = Path(path)
     size = p.stat().st_size if p.exists() else 0
     s = NodeSummary(file=str(p), file_bytes=size)
-    # Of the eBPF tables only the off-CPU one feeds the summary (run-queue evidence); stacks and
-    # kernel launches can be large and go to the job file through the staged part, not through here.
-    wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES if t.group == "offcpu")
+    # Of the eBPF tables the off-CPU one and the CPU samples feed the summary (straggler evidence,
+    # binned here on the rank that reads the node); kernel launches can be large and go to the job
+    # file through the node tables' copy, not through here.
+    wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES if t.group == "offcpu") + (
+        schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path)
     try:
         trace = open_node_trace(p, tables=wanted)
     except TraceFormatError as e:
@@ -331,6 +370,59 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
                 tot = np.bincount(idx[ok], weights=rows[col][ok].astype(np.float64), minlength=nb)
                 s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
     _rank_thread_offcpu(trace, s, cm, tb, bin_ns, nb)
+    _on_cpu(trace, s, cm, tb, bin_ns, nb)
+
+
+def _on_cpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
+    """OnCpuBins of every process that called MPI on this node."""
+    samples = trace.tables.get(schema.STACK_SAMPLES.path)
+    frames = trace.tables.get(schema.STACK_FRAMES.path)
+    symbols = trace.tables.get(schema.STACK_SYMBOLS.path)
+    calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
+    if samples is None or not len(samples):
+        s.on_cpu_note = "no CPU samples (mode stacks off, or none taken)"
+        return
+    if frames is None or symbols is None or not len(frames):
+        s.on_cpu_note = "CPU samples without frames (the file was not sealed: frames are written at seal)"
+        return
+    pids = np.unique(calls["pid"]) if calls is not None and len(calls) else np.zeros(0, np.uint32)
+    samples = samples[np.isin(samples["pid"], pids)]
+    if not len(samples):
+        s.on_cpu_note = "no CPU samples of the processes that called MPI"
+        return
+    # innermost frame of each stack id; the user stack says where the program was, a sample without
+    # one (in the kernel on its behalf) is named by its kernel leaf
+    inner = frames[frames["depth"] == 0]
+    leaf_of = dict(zip(inner["stack_id"].tolist(), inner["symbol_id"].tolist()))
+    name_of = {int(i): f"{n.decode(errors='replace')} ({m.decode(errors='replace')})"
+               for i, n, m in zip(symbols["symbol_id"], symbols["name"], symbols["module"])}
+    user = [leaf_of.get(int(u)) for u in samples["user_stack"]]
+    kern = [leaf_of.get(int(k)) for k in samples["kernel_stack"]]
+    label_txt = [name_of.get(u if u is not None else (k if k is not None else -1), "[no frame]")
+                 for u, k in zip(user, kern)]
+    labels, label = np.unique(np.array(label_txt, dtype=object), return_inverse=True)
+    label = label.ravel().astype(np.int64)
+    idx = ((cm.to_realtime(samples["t_ns"]) - tb[0]) // bin_ns).astype(np.int64)
+    ok = (idx >= 0) & (idx < nb)
+    other = len(labels)
+    names = [str(x) for x in labels] + ["(other)"]
+    for pid in np.unique(samples["pid"][ok]):
+        sel = ok & (samples["pid"] == pid)
+        cell = idx[sel] * (other + 1) + label[sel]
+        u = np.unique(cell)
+        tot = np.bincount(np.searchsorted(u, cell), weights=samples["count"][sel].astype(np.float64), minlength=len(u))
+        b, lab = u // (other + 1), u % (other + 1)
+        # at most ON_CPU_TOP functions per bin: the rest into "(other)"
+        order = np.lexsort((-tot, b))
+        b, lab, tot = b[order], lab[order], tot[order]
+        start = np.concatenate([[0], np.flatnonzero(np.diff(b)) + 1])
+        rank_in = np.arange(len(b)) - np.repeat(start, np.diff(np.append(start, len(b))))
+        lab = np.where(rank_in < ON_CPU_TOP, lab, other)
+        cell2 = b * (other + 1) + lab
+        u2 = np.unique(cell2)
+        tot2 = np.bincount(np.searchsorted(u2, cell2), weights=tot, minlength=len(u2))
+        s.on_cpu[int(pid)] = OnCpuBins(tb, bin_ns, (u2 // (other + 1)).astype(np.int64),
+                                       (u2 % (other + 1)).astype(np.int64), tot2, names)
 
 
 def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.mpi_merge.common import block_rows, quiet_nan
-from gpuprof.mpi_merge.loading import Series
+from gpuprof.mpi_merge.loading import OnCpuBins, Series
 from gpuprof.mpi_merge.rootcause import (
     AlignedRows,
     Blame,
@@ -285,10 +285,12 @@ def find_stragglers(
     comms: list[CommSummary], times: Sequence[AlignedRows], node_names: list[str], node_series: list[dict[str, Series]],
     epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
     clock_error_ns: np.ndarray | Sequence[float] | None = None, p2p: P2PLateness | None = None,
+    node_on_cpu: Sequence[dict[int, OnCpuBins]] | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (root causes) and the per-communicator metrics. `clock_error_ns`: per node (index of
     node_names), the clock model's error; NaN or missing counts as 0. `p2p`: the matched messages'
-    Late Sender waits, judged per sending node like one more communicator."""
+    Late Sender waits, judged per sending node like one more communicator. `node_on_cpu`: per node,
+    where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence."""
     if params.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown straggler algorithm {params.algorithm!r}")
     err = np.zeros(len(node_names))
@@ -377,6 +379,9 @@ def find_stragglers(
         by_node.setdefault(key, []).append(t)
     findings = [_finding(tests, comms, blame, stats, node_names, node_series, epoch_rt, t0, total_wait, params)
                 for _, tests in sorted(by_node.items())]
+    if node_on_cpu is not None:
+        for f, (_, tests) in zip(findings, sorted(by_node.items())):
+            _on_cpu_evidence(f, tests, comms, stats, node_on_cpu, epoch_rt)
     named = {f.node for f in findings}
     for ni, tests in sorted(p2p_kept.items()):
         if node_names[ni] in named:  # also late at collectives: that finding says more
@@ -632,6 +637,47 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
     )
     _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_series, float(st.clock_floor[main.r]), epoch_rt, p)
     return f
+
+
+def _on_cpu_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats],
+                     node_on_cpu: Sequence[dict[int, OnCpuBins]], epoch_rt: int) -> None:
+    """Where the straggler's processes were on CPU in the flagged windows (CPU samples, innermost
+    frame) against the other ranks of the communicator: a rank computing while its peers poll in
+    MPI, or polling like them (then its lateness was not its compute)."""
+    main = min(tests, key=lambda t: (-comms[t.ci].size, t.p, t.ci, t.w, t.r))
+    c, st = comms[main.ci], stats[main.ci]
+    windows = flagged_windows(tests, main)
+    a = np.array([st.span_lo[w] for w in windows])
+    b = np.array([st.span_hi[w] for w in windows])
+
+    def merged(ranks: list[int]) -> tuple[int, list[tuple[str, float]]]:
+        total, share = 0, {}
+        for r in ranks:
+            ni, pid = int(c.node_of_rank[r]), int(c.pid_of_rank[r])
+            o = node_on_cpu[ni].get(pid) if 0 <= ni < len(node_on_cpu) else None
+            if o is None:
+                continue
+            n, top = o.top(a, b, epoch_rt, n=len(o.labels))
+            total += n
+            for name, x in top:
+                share[name] = share.get(name, 0.0) + x * n
+        best = sorted(share.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        return total, [(k, v / total) for k, v in best] if total else []
+
+    mine = set(f.ranks)
+    n_me, top_me = merged(f.ranks)
+    n_peer, top_peer = merged([r for r in range(c.size) if r not in mine])
+    if not n_me:
+        f.evidence.append("no CPU samples of its processes in the flagged windows (mode stacks, or a sealed file, "
+                          "gives where it was on CPU)")
+        return
+
+    def fmt(top: list[tuple[str, float]]) -> str:
+        return ", ".join(f"{x:.0%} {name}" for name, x in top)
+
+    f.evidence.append(f"on CPU in the flagged windows ({n_me} samples, innermost frame): {fmt(top_me)}"
+                      + (f"; the other ranks ({n_peer} samples): {fmt(top_peer)}" if n_peer else ""))
+    f.metrics["cpu_samples"] = float(n_me)
 
 
 def flagged_windows(tests: list[_Test], main: _Test) -> list[int]:

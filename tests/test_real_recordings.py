@@ -32,7 +32,9 @@ def test_demo_recording_names_only_the_slow_rank(tmp_path: Path) -> None:
     assert f["comm_id"] == world and f["cost_share"] > 0.3 and f["q_value"] < 1e-6
     assert "node3" in res.reports["txt"].read_text()
     # it held the others back far longer than any other node, and its evidence names the CPU time
+    # and where it was on CPU against the other ranks
     assert f["held_share"] > 2 * f["next_held_share"] and any("CPU" in e for e in f["evidence"])
+    assert any(e.startswith("on CPU in the flagged windows") and "the other ranks" in e for e in f["evidence"])
 
 
 def test_offcpu_of_the_mpi_threads_per_process() -> None:
@@ -50,3 +52,17 @@ def test_offcpu_of_the_mpi_threads_per_process() -> None:
             assert blocked.unit == "ns/s" and np.isfinite(blocked.values).all()
             # a rank polls inside MPI: its MPI thread is hardly ever blocked, and never more than wall time
             assert 0 <= float(np.mean(blocked.values)) < 1e9
+
+
+def test_where_each_mpi_process_was_on_cpu() -> None:
+    """CPU samples binned per process that called MPI, by innermost frame: the demo's ranks spend
+    their CPU in its busy loop and in MPI's polling, and the shares of a range sum to at most 1."""
+    from gpuprof.mpi_merge.loading import discover, summarize_node
+
+    for p in discover(RECORDINGS / "demo-4nodes"):
+        s = summarize_node(p)
+        assert s.on_cpu, (s.node, s.on_cpu_note)
+        for o in s.on_cpu.values():
+            n, top = o.top(np.array([0.0]), np.array([4e18]), 0, n=len(o.labels))
+            assert n > 0 and top and abs(sum(x for _, x in top) - 1.0) < 1e-9
+            assert all(" (" in name or name in ("[no frame]", "(other)") for name, _ in top)  # "function (module)"
