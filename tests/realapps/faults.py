@@ -5,7 +5,7 @@
 | `balanced` | nothing | (no finding expected) |
 | `sigstop` | a helper process finds the rank's pid in its node's Slurm job cgroup and stops it (SIGSTOP) for `duty` of every `period_s`, SIGCONT otherwise | host |
 | `cpu_quota` | the processes of one node's Slurm job cgroup are moved into a cpu-controller cgroup of ours with a CFS quota (see below) | host |
-| `corunner` | the rank is pinned with taskset to CPU 1 and a `stress-ng --cpu 6` co-runner pinned to the same CPU, in its own session whose autogroup has the weight of nice -10 (see corunner()) | host |
+| `corunner` | the rank is pinned with taskset to CPU 1, the job's other ranks to the other CPU, and a `stress-ng --cpu 6` co-runner to CPU 1, in its own session whose autogroup has the weight of nice -10 (see corunner()) | host |
 | `load_sleep` | the training program's `--load-extra-s` on one rank (inside the app, by its own knob) | host |
 | `slow_collectives` | tests/realapps/slow_collectives.c, LD_PRELOADed on every rank, busy-waits `delay_us` after each collective returns on one rank | network |
 
@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,21 +205,32 @@ def cpu_quota(node: str, uid: int, jobid: str, quota_cpus: float) -> None:
             time.sleep(0.2)
 
 
-def corunner(pid: int, cpu: int, workers: int) -> None:
+def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) -> None:
+    """The rank pinned to `cpu` with a stress-ng co-runner there; the job's other ranks (`others`,
+    polled: they may start later) pinned to the other CPU(s), as Slurm's core binding gives each rank
+    CPUs of its own. Without that, on 2 cores the scheduler moves the other ranks around the crowded
+    CPU and the co-runner slows whichever rank it meets, not the one the truth names."""
+    rest = sorted(set(range(os.cpu_count() or 2)) - {cpu}) or [cpu]
+    rest_list = ",".join(str(c) for c in rest)
     subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=True, capture_output=True)
     hog = subprocess.Popen(["taskset", "-c", str(cpu), "stress-ng", "--cpu", str(workers), "--cpu-method", "int64",
                             "--quiet", "--timeout", "600"], stdout=subprocess.DEVNULL, start_new_session=True)
     # With autogroup scheduling (kernel.sched_autogroup_enabled=1, Debian's default) CFS shares a CPU
     # between sessions first: a co-runner of any size in its own session takes half of the rank's CPU
-    # and no more, while the job's other ranks share the other CPU three ways, so the "victim" ran
-    # faster than its peers on 2 cores. Its session's group gets the weight of nice -10 (about 9x the
-    # job's), as a co-runner of higher priority would: the rank keeps about a tenth of its CPU.
+    # and no more. Its session's group gets the weight of nice -10 (about 9x the job's), as a
+    # co-runner of higher priority would: the rank keeps about a tenth of its CPU.
     autogroup = Path(f"/proc/{hog.pid}/autogroup")
     if autogroup.exists():
         with contextlib.suppress(OSError):
             autogroup.write_text("-10")
+    pinned: set[int] = set()
     try:
         while not STOP and alive(pid) and hog.poll() is None:
+            for other in others():
+                if other != pid and other not in pinned:
+                    pinned.add(other)
+                    subprocess.run(["taskset", "-a", "-p", "-c", rest_list, str(other)], check=False,
+                                   capture_output=True)
             time.sleep(0.2)
     finally:
         hog.terminate()
@@ -228,6 +239,16 @@ def corunner(pid: int, cpu: int, workers: int) -> None:
         except subprocess.TimeoutExpired:
             hog.kill()
             hog.wait()
+
+
+def other_ranks(node: str, uid: int, jobid: str, comm: str) -> list[int]:
+    """The application's processes (by /proc/PID/comm) in the job cgroups of the job's other nodes."""
+    out: list[int] = []
+    for cg in sorted(CGROUP_ROOT.glob(f"freezer/slurm_*/uid_{uid}/job_{jobid}")):
+        if cg.parts[-3] == f"slurm_{node}":
+            continue
+        out += [p for p in job_pids(cg) if comm_of(p) == comm]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.fault == "sigstop":
             sigstop_duty(pid, a.duty, a.period_s)
         elif a.fault == "corunner":
-            corunner(pid, a.cpu, a.workers)
+            corunner(pid, a.cpu, a.workers, lambda: other_ranks(a.node, a.uid, a.job, a.comm))
     except FaultUnavailable as e:
         print(f"inject: {a.fault}: {e}", file=sys.stderr, flush=True)
         return 4
