@@ -405,12 +405,13 @@ def find_stragglers(
 
 def _effect_and_dominance(tests: list[_Test], q_values: list[float], stats: dict[int, _CommStats],
                           params: StragglerParams) -> tuple[list[_Test], list[dict[str, Any]]]:
-    """The tests that survived the FDR control and are stragglers, per (communicator, window): a
-    candidate held the others back for >= min_held_share of the communicator's time in use there, the
-    candidates are a minority (at most max(1, units // 4): two slow nodes of four are an imbalance,
-    not a straggler that held the others back), and each held the others back >= dominance x as long
-    as the largest of the units that are not candidates. What fails the last two is listed as an
-    imbalance without a straggler (the summary says so; it is not a finding)."""
+    """The tests that survived the FDR control and are stragglers, per (communicator, window): the
+    smallest set of the units that held the others back longest, at most a minority (max(1, units //
+    4): two slow nodes of four are an imbalance, not a straggler that held the others back), whose
+    last member held them back >= min_held_share of the communicator's time in use there and >=
+    dominance x as long as the next unit, every member with a rejected test. A window with
+    significant units but no such set is listed as an imbalance without a straggler (the summary
+    says so; it is not a finding)."""
     groups: dict[tuple[int, int], list[_Test]] = {}
     for t, q in zip(tests, q_values):
         t.q = q
@@ -428,18 +429,26 @@ def _effect_and_dominance(tests: list[_Test], q_values: list[float], stats: dict
         big = [t for t in ts if H[t.u] >= params.min_held_share * active]
         if not big:
             continue
-        others = np.ones(n_units, bool)
-        others[[t.u for t in big]] = False
-        next_h = float(H[others].max()) if others.any() else 0.0
-        minority = len(big) <= max(1, n_units // 4)
-        dominant = all(H[t.u] >= params.dominance * next_h for t in big)
-        if not (minority and dominant):
+        # the stragglers: the smallest set of the units that held the others back longest whose last
+        # member held them back >= dominance x as long as the next unit, at most a minority
+        by_h = np.sort(H)[::-1]
+        limit = min(max(1, n_units // 4), n_units)
+        split = next((m for m in range(1, limit + 1)
+                      if by_h[m - 1] >= params.min_held_share * active
+                      and by_h[m - 1] >= params.dominance * (by_h[m] if m < n_units else 0.0)), 0)
+        tested = {t.u: t for t in big}
+        top_units = [int(u) for u in np.argsort(-H, kind="stable")[:split]]
+        next_h = float(by_h[split]) if 0 < split < n_units else (float(by_h[len(big)]) if len(big) < n_units else 0.0)
+        if not split or any(u not in tested for u in top_units):
+            why = "not dominant" if len(big) <= limit else "not a minority"
+            if split:
+                why = "the units that held the others back longest are not all significant"
             imbalance.append({"comm_id": st.name, "window": w, "units": len(big),
                               "ranks": sorted({int(r) for t in big for r in np.flatnonzero(st.unit == t.u)})[:16],
                               "held_share": [round(float(H[t.u]) / active, 4) for t in big],
-                              "next_held_share": round(next_h / active, 4),
-                              "why": "not a minority" if not minority else "not dominant"})
+                              "next_held_share": round(next_h / active, 4), "why": why})
             continue
+        big = [tested[u] for u in top_units]
         for t in big:
             ev = in_w & st.event & (uL == t.u)
             t.ranks = sorted({int(r) for r in L[ev]}) or [int(np.flatnonzero(st.unit == t.u)[0])]
