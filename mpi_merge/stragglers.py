@@ -17,9 +17,9 @@ exchangeable (which one is last does not depend on how long it held the others b
 - count: k of the window's n instances where the unit was last by more than its floor (min_effect x
   the typical compute interval, or the clock error between its node and the others), against
   Binomial(n, ranks of the unit / size): a unit late a little nearly every time;
-- magnitude: its held-back time beyond the floor against its share of the window's, by Bernstein's
-  inequality: a unit late rarely but long (a process stopped for 60 ms now and then) that the count
-  misses.
+- magnitude: its held-back time beyond the clock error against its share of the window's, by
+  Bernstein's inequality: a unit late rarely but long (a process stopped for 60 ms now and then)
+  that the count misses, or late every time by less than the floor.
 The two are Bonferroni-combined; Benjamini-Hochberg at fdr_q runs once over every test of the job
 (units x windows x communicators, point to point included).
 
@@ -244,21 +244,22 @@ def _origin_weight(blame: Blame, gids: np.ndarray, algorithm: str) -> np.ndarray
     return att.astype(np.float64)
 
 
-def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, floor: np.ndarray, ok: np.ndarray,
+def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, clock: np.ndarray, ok: np.ndarray,
                 event: np.ndarray, share: np.ndarray, judged: np.ndarray, params: StragglerParams) -> list[_Test]:
     """The tests of one communicator that pass fdr_q on their own (BH then runs over all of them),
     per judged window w and unit u with share[w, u], its chance to be the culprit of an instance
     in a balanced job. Two exact one-sided tests, each valid under that null, Bonferroni-combined:
     - count: of the window's n instances, k were u's events, where it held the others back by more
       than the floor (Binomial(n, share));
-    - magnitude: u's held-back time H against share x the window's total, by Bernstein's
+    - magnitude: u's held-back time H beyond the clock error (`clock`, per instance) against
+      share x the window's total, by Bernstein's
       inequality for the sum of the bounded independent terms h_i (B_i - share):
       P(H - share S >= t) <= exp(-t^2 / (2 share (1 - share) sum h^2 + 2/3 max(h) t)). It sees a
       unit that is late rarely but long (a process stopped for 60 ms among 10^5 short waits) that
       the count misses, and the count sees a unit that is late a little every time."""
     nw, n_units = share.shape
     sel = ok & (unit >= 0)
-    held = np.clip(held - floor, 0, None)  # only what lies beyond the floor: less may be clock error
+    held = np.clip(held - clock, 0, None)  # only what lies beyond the clock error counts
     cell = win[sel] * n_units + unit[sel]
     cnt = np.bincount(win[event & sel] * n_units + unit[event & sel], minlength=nw * n_units).reshape(nw, n_units)
     H = np.bincount(cell, weights=held[sel], minlength=nw * n_units).reshape(nw, n_units)
@@ -273,9 +274,10 @@ def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, fl
     pc = binom_sf_many(cnt[wi, ui], n[wi], share[wi, ui])
     sh = share[wi, ui]
     t = H[wi, ui] - sh * S[wi]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * t
-        pm = np.where((t > 0) & (den > 0), np.exp(-np.square(t) / den), 1.0)
+    den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * t
+    valid = (t > 0) & (den > 0)
+    pm = np.ones(len(t))
+    pm[valid] = np.exp(-np.square(t[valid]) / den[valid])
     pv = np.minimum(1.0, 2.0 * np.minimum(pc, pm))
     return [_Test(ci, int(wi[j]), int(ui[j]), [], int(cnt[wi[j], ui[j]]), int(n[wi[j]]), float(pv[j]),
                   float(sh[j])) for j in np.flatnonzero(pv <= params.fdr_q)]
@@ -329,10 +331,17 @@ def find_stragglers(
         held = np.clip(blame.held_ns[gids], 0, None) * _origin_weight(blame, gids, params.algorithm)
         typ_w = np.where(np.isfinite(typical), typical, 0.0)
         # an event: the last unit held the others back by more than min_effect of the typical compute
-        # interval and more than the clock error between it and the others (arrivals across nodes)
+        # interval, beyond the clock error between it and the others
         floor_unit = np.zeros(n_units)
         np.maximum.at(floor_unit, unit, clock_floor)
-        floor = np.maximum(params.min_effect * typ_w[win], np.where(uL >= 0, floor_unit[np.maximum(uL, 0)], 0.0))
+        clock_inst = np.where(uL >= 0, floor_unit[np.maximum(uL, 0)], 0.0)
+        # Arrivals compared across nodes carry both nodes' clock errors; the waitee's compute excess
+        # (its compute interval against the others', each on its own clock) does not. What it held
+        # the others back by is judged beyond the clock error, except the part its compute excess
+        # accounts for (drift over one interval is below min_effect).
+        clock_free = np.minimum(held, np.clip(np.nan_to_num(blame.compute_excess_ns[gids]), 0, None))
+        held = np.clip(np.maximum(clock_free, held - clock_inst), 0, None)
+        floor = params.min_effect * typ_w[win]
         event = att & (uL >= 0) & (held > floor)
         # the communicator's time in use per window: from its first to its last instance there, plus
         # one typical interval
@@ -345,7 +354,7 @@ def find_stragglers(
                         lo, hi + typ_w, L, uL, f"{c.comm_id:#x}")
         stats[ci] = st
         share = np.broadcast_to(per_unit / c.size, (nw, n_units))
-        cands += _unit_tests(ci, win, uL, held, floor, att & (uL >= 0), event, share, judged, params)
+        cands += _unit_tests(ci, win, uL, held, np.zeros(len(held)), att & (uL >= 0), event, share, judged, params)
         m_total += int(judged.sum()) * n_units
         with quiet_nan():
             judged_scores = score[judged]
@@ -493,8 +502,8 @@ def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float
     ok = (sn >= 0) & (rn >= 0) & (sn != rn)  # messages inside one node say nothing of nodes
     n_w = np.bincount(win[ok], minlength=nw)
     judged = n_w >= params.min_instances
-    floor = np.maximum(np.where(ok, err[np.clip(sn, 0, n_nodes - 1)] + err[np.clip(rn, 0, n_nodes - 1)], 0.0),
-                       params.p2p_min_wait_ns)
+    clock = np.where(ok, err[np.clip(sn, 0, n_nodes - 1)] + err[np.clip(rn, 0, n_nodes - 1)], 0.0)
+    floor = np.maximum(clock, params.p2p_min_wait_ns)
     event = ok & (ls > floor)
     lo = np.full(nw, np.inf)
     hi = np.full(nw, -np.inf)
@@ -508,7 +517,7 @@ def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float
     # the chance that a message with a long wait came from a node: its share of the messages sent
     sent = np.bincount(win[ok] * n_nodes + sn[ok], minlength=nw * n_nodes).reshape(nw, n_nodes)
     share = sent / np.maximum(n_w, 1)[:, None]
-    tests = _unit_tests(ci, win, culprit, ls, floor, ok, event, share, judged, params)
+    tests = _unit_tests(ci, win, culprit, ls, clock, ok, event, share, judged, params)
     return st, tests, int(judged.sum()) * n_nodes
 
 
