@@ -254,7 +254,8 @@ def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, cl
     - magnitude: u's held-back time H beyond the clock error (`clock`, per instance) against
       share x the window's total, by Bernstein's
       inequality for the sum of the bounded independent terms h_i (B_i - share):
-      P(H - share S >= t) <= exp(-t^2 / (2 share (1 - share) sum h^2 + 2/3 max(h) t)). It sees a
+      P(H - share S >= t) <= exp(-t^2 / (2 share (1 - share) sum h^2 + 2/3 b t)), b = max(h) max(share,
+      1 - share) bounding each term. It sees a
       unit that is late rarely but long (a process stopped for 60 ms among 10^5 short waits) that
       the count misses, and the count sees a unit that is late a little every time."""
     nw, n_units = share.shape
@@ -274,7 +275,8 @@ def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, cl
     pc = binom_sf_many(cnt[wi, ui], n[wi], share[wi, ui])
     sh = share[wi, ui]
     t = H[wi, ui] - sh * S[wi]
-    den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * t
+    # the centred terms h_i (B_i - share) are bounded by max(h) max(share, 1 - share)
+    den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * np.maximum(sh, 1.0 - sh) * t
     valid = (t > 0) & (den > 0)
     pm = np.ones(len(t))
     pm[valid] = np.exp(-np.square(t[valid]) / den[valid])

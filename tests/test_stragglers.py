@@ -308,3 +308,29 @@ def test_collective_returning_late_on_a_stopped_process_is_host_not_network() ->
     assert [(f.ranks, f.cause, f.kind) for f in findings] == [([3], "host", "exit delay")]
     assert any("not running" in e for e in findings[0].evidence)
     assert findings[0].metrics["blocked_ns_per_s"] == 300e6
+
+
+def test_count_and_magnitude_tests_are_valid_under_the_null() -> None:
+    """2000 windows of 60 instances, 4 exchangeable units, heavy-tailed held-back times (lognormal,
+    sigma 2) and every instance an event: the combined p-value is <= 0.01 in at most 1 % of the
+    tests (valid), while a unit stopped now and then is flagged in about half of its windows."""
+    from gpuprof.mpi_merge.stragglers import _unit_tests
+
+    rng = np.random.default_rng(8)
+    nw, per, units = 2000, 60, 4
+    win = np.repeat(np.arange(nw), per)
+    held = rng.lognormal(0.0, 2.0, nw * per)
+    unit = rng.integers(0, units, nw * per)
+    ok = np.ones(nw * per, bool)
+    share = np.full((nw, units), 1 / units)
+    judged = np.ones(nw, bool)
+    params = StragglerParams()
+    null = _unit_tests(0, win, unit, held, np.zeros(nw * per), ok, ok, share, judged, params)
+    assert len(null) <= 0.01 * nw * units
+    # unit 2 stopped now and then: 10 instances of each window where it held the others back 50x
+    # the usual (its count, 10 + 50 / 4 of 60, alone is weak: p ~ 0.05)
+    stopped = (rng.random((nw, per)).argsort(axis=1)[:, :10] + np.arange(nw)[:, None] * per).ravel()
+    unit[stopped] = 2
+    held[stopped] = 50 * np.median(held)
+    alt = _unit_tests(0, win, unit, held, np.zeros(nw * per), ok, ok, share, judged, params)
+    assert sum(1 for t in alt if t.u == 2) > 0.4 * nw
