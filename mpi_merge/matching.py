@@ -471,32 +471,57 @@ def _p2p_side(c: np.ndarray, ni: int, epoch_rt: int, is_send: bool) -> np.ndarra
 def _complete_requests(a: np.ndarray, nb: np.ndarray, c: np.ndarray, epoch_rt: int) -> None:
     """Isend/Irecv rows get the times of their completion: the first Wait/Test row after them in the
     same process with the same communicator, seq, peer and tag (what the probes copy from the
-    request into the completion). A completion is used once; none found leaves NaN."""
+    request into the completion). A completion is used once; none found leaves NaN.
+
+    Vectorized (MEEP's 4-rank run has 2.9 million requests): per key the requests in order of entry
+    take, each, the earliest unused completion that entered at or after them, so the k-th request
+    of a key gets completion j_k = max(j_(k-1) + 1, lb_k), lb_k = how many of the key's completions
+    entered before it; that is j_k = k + max over m <= k of (lb_m - m), a running maximum."""
     done = c[np.isin(c["op"], list(COMPLETION_OPS))]
-    if not len(done):
-        a["wait_enter"][nb] = np.nan
-        a["done"][nb] = np.nan
+    idx = np.flatnonzero(nb)
+    a["wait_enter"][idx] = np.nan
+    a["done"][idx] = np.nan
+    if not len(done) or not len(idx):
         return
     d_enter = (done["enter_rt"] - epoch_rt).astype(np.float64)
     d_exit = np.where(done["returned"], (done["exit_rt"] - epoch_rt).astype(np.float64), np.nan)
-    used = np.zeros(len(done), bool)
-    idx = np.flatnonzero(nb)
     peer = np.where(a["op"][idx] == _I["MPI_Isend"], a["dst"][idx], a["src"][idx])
-    keys_done: dict[tuple[int, int, int, int, int], list[int]] = {}
-    order = np.argsort(d_enter, kind="stable")
-    for j in order:
-        k = (int(done["pid"][j]), int(done["comm_id"][j]), int(done["seq"][j]), int(done["root_or_peer"][j]),
-             int(done["tag"][j]))
-        keys_done.setdefault(k, []).append(int(j))
-    for i, pr in zip(idx[np.argsort(a["enter"][idx], kind="stable")], peer[np.argsort(a["enter"][idx], kind="stable")]):
-        k = (int(a["pid"][i]), int(a["comm"][i]), int(a["seq"][i]), int(pr), int(a["tag"][i]))
-        cand = [j for j in keys_done.get(k, ()) if not used[j] and d_enter[j] >= a["enter"][i]]
-        if cand:
-            j = cand[0]
-            used[j] = True
-            a["wait_enter"][i], a["done"][i] = d_enter[j], d_exit[j]
-        else:
-            a["wait_enter"][i] = a["done"][i] = np.nan
+    cols = [np.concatenate([a["pid"][idx].astype(np.int64), done["pid"].astype(np.int64)]),
+            np.concatenate([a["comm"][idx], done["comm_id"]]),
+            np.concatenate([a["seq"][idx], done["seq"]]),
+            np.concatenate([peer.astype(np.int64), done["root_or_peer"].astype(np.int64)]),
+            np.concatenate([a["tag"][idx].astype(np.int64), done["tag"].astype(np.int64)])]
+    n_req = len(idx)
+    t = np.concatenate([a["enter"][idx], d_enter])
+    is_done = np.arange(len(t)) >= n_req
+    # by key, then time; at equal times a request before a completion (one that entered at the same
+    # ns is eligible)
+    order = np.lexsort((is_done, t, *cols[::-1]))
+    new_key = np.zeros(len(order), bool)
+    new_key[0] = True
+    for col in cols:
+        srt = col[order]
+        new_key[1:] |= srt[1:] != srt[:-1]
+    g_o = np.cumsum(new_key) - 1
+    d_o = is_done[order]
+    start = np.maximum.accumulate(np.where(new_key, np.arange(len(order)), 0))
+    dones_before = np.cumsum(d_o) - d_o  # completions strictly before, in the whole order
+    lb = dones_before - dones_before[start]  # ... of the same key
+    reqs_before = np.cumsum(~d_o) - (~d_o)
+    k = reqs_before - reqs_before[start]  # the request's index among its key's requests
+    req_pos = np.flatnonzero(~d_o)
+    big = len(order) + 1
+    v = (lb[req_pos] - k[req_pos]) + g_o[req_pos] * big  # running maximum within each key
+    j = k[req_pos] + (np.maximum.accumulate(v) - g_o[req_pos] * big)
+    n_done_of = np.bincount(g_o[d_o], minlength=int(g_o[-1]) + 1)
+    ok = j < n_done_of[g_o[req_pos]]
+    # the key's completions in time order: their positions in `order`, by key then rank
+    done_pos = np.flatnonzero(d_o)
+    done_first = np.searchsorted(g_o[done_pos], g_o[req_pos], side="left")
+    pick = order[done_pos[np.minimum(done_first + j, len(done_pos) - 1)]] - n_req
+    req_row = idx[order[req_pos]]
+    a["wait_enter"][req_row[ok]] = d_enter[pick[ok]]
+    a["done"][req_row[ok]] = d_exit[pick[ok]]
 
 
 def _with_order(a: np.ndarray) -> np.ndarray:
@@ -557,10 +582,17 @@ def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
         unpaired["receives from MPI_ANY_SOURCE or with MPI_ANY_TAG (the status is not recorded, so they "
                  "cannot be paired)"] = int(any_source.sum())
     wildcard_dst = set(zip(R["comm"][any_source].tolist(), R["dst"][any_source].tolist()))
+    paired_s = np.zeros(len(S), bool)
+    paired_s[si] = True
+    paired_r = np.zeros(len(Rk), bool)
+    paired_r[ri] = True
+    lone_s, lone_r = np.flatnonzero(~paired_s), np.flatnonzero(~paired_r)
     # (comm, rank) of every rank that recorded point to point: a partner outside it has no node file
-    ranks_seen = set(zip(S["comm"].tolist(), S["src"].tolist())) | set(zip(R["comm"].tolist(), R["dst"].tolist()))
-    lone_s = np.setdiff1d(np.arange(len(S)), si)
-    lone_r = np.setdiff1d(np.arange(len(Rk)), ri)
+    ranks_seen: set[tuple[int, int]] = set()
+    if len(lone_s) or len(lone_r):
+        for side, col in ((S, "src"), (R, "dst")):
+            for comm in np.unique(side["comm"]):
+                ranks_seen |= {(int(comm), int(r)) for r in np.unique(side[col][side["comm"] == comm])}
     if wildcard_dst and len(lone_s):
         # a send to a rank that posts wildcard receives may well be one of those: unpaired, not lost
         to_wild = np.array([k in wildcard_dst for k in zip(S["comm"][lone_s].tolist(), S["dst"][lone_s].tolist())],

@@ -132,3 +132,41 @@ def test_messages_alone_pin_the_clocks() -> None:
     assert abs(off - skew * MS) <= 0.1 * MS and f.causality_violations == 0
     lo, hi = m.interval_ns(np.array([2000.0 * MS]))
     assert lo[0] <= skew * MS <= hi[0]
+
+
+def test_request_completion_matches_the_first_unused_later_completion() -> None:
+    """The vectorized completion of requests against the rule, one request at a time: per key
+    (process, communicator, seq, peer, tag), in order of entry, each request takes the earliest
+    unused completion that entered at or after it. Random rows with repeated keys, equal times,
+    completions before their request and requests without one."""
+    from gpuprof.mpi_merge.matching import _complete_requests, _p2p_side
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(3000):
+        op = str(rng.choice(["MPI_Isend", "MPI_Irecv", "MPI_Wait", "MPI_Waitsome", "MPI_Send"]))
+        t = float(rng.integers(0, 400)) / 10
+        rows.append(row(op, 0, int(rng.integers(1, 3)), t, t + 0.05, int(rng.integers(0, 4)), tag=int(rng.integers(0, 2)),
+                        pid=int(rng.integers(100, 102))))
+    c = node(*rows)
+    a = _p2p_side(c, 0, 0, True)
+    nb = np.isin(a["op"], [OP["MPI_Isend"], OP["MPI_Irecv"]])
+    assert nb.any()
+    _complete_requests(a, nb, c, 0)
+    done = c[np.isin(c["op"], [OP["MPI_Wait"], OP["MPI_Waitsome"]])]
+    used = np.zeros(len(done), bool)
+    want_enter = np.full(len(a), np.nan)
+    d_order = np.argsort(done["enter_rt"], kind="stable")
+    for i in np.flatnonzero(nb)[np.argsort(a["enter"][nb], kind="stable")]:
+        peer = a["dst"][i] if a["op"][i] == OP["MPI_Isend"] else a["src"][i]
+        for j in d_order:
+            if (not used[j] and done["pid"][j] == a["pid"][i] and done["comm_id"][j] == a["comm"][i]
+                    and done["seq"][j] == a["seq"][i] and done["root_or_peer"][j] == peer and done["tag"][j] == a["tag"][i]
+                    and done["enter_rt"][j] >= a["enter"][i]):
+                used[j] = True
+                want_enter[i] = float(done["enter_rt"][j])
+                break
+    got = a["wait_enter"]
+    assert np.array_equal(np.isnan(got[nb]), np.isnan(want_enter[nb]))
+    assert np.array_equal(got[nb][~np.isnan(got[nb])], want_enter[nb][~np.isnan(want_enter[nb])])
+    assert 0 < int(np.isnan(got[nb]).sum()) < int(nb.sum())  # both cases occur
