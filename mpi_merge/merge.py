@@ -29,12 +29,13 @@ With GPUPROF_MERGE_TIMING=1 every rank prints its seconds per step to stderr (St
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,7 +45,7 @@ import numpy as np
 
 from gpuprof.collector import environment
 from gpuprof.collector.errors import MergeError
-from gpuprof.mpi_merge.analysis import ClockInput, JobAnalyzer, Selection, p2p_rows
+from gpuprof.mpi_merge.analysis import ClockInput, CommSink, JobAnalyzer, Selection, p2p_rows
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
 from gpuprof.mpi_merge.common import CommSpread, SerialSpread
 from gpuprof.mpi_merge.jobfile import (
@@ -55,14 +56,18 @@ from gpuprof.mpi_merge.jobfile import (
     write_aligned_times,
 )
 from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
-from gpuprof.mpi_merge.matching import CommStore, InstanceTable
+from gpuprof.mpi_merge.matching import CommStore, CommTable, InstanceTable, StoredComm
 from gpuprof.mpi_merge.report import render_reports, write_rendered
 from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
+from gpuprof.mpi_merge.waitstates import CommSummary, CommWaits
 
 EXIT_COMPLETE = 0
 EXIT_ERROR = 2
 EXIT_PARTIAL = 3
 TAG_COUNT, TAG_SUMMARY, TAG_ALIGNED, TAG_NODES = 11, 12, 15, 16
+# the steps whose progress is counted in instances (pass 1 and pass 2 over the job-wide tables)
+SCAN_STEP = "scan: completeness, mismatches, clock input"
+WAITS_STEP = "aligned times, wait states"
 
 
 class Comm(Protocol):
@@ -136,28 +141,90 @@ class StepTimes:
 
 
 class Progress:
-    """Rank 0's progress lines on stderr (the merge job's log): per step what is done of how much,
-    and, from the rate so far, about how long the step still takes. At most one line a second."""
+    """Rank 0's progress lines on stderr (the merge job's log): per step what is done of how much
+    and, once ESTIMATE_AFTER of it is done, about how long the step still takes at its rate so far
+    (the seconds since the step's first call over what it has done). At most one line every
+    MIN_INTERVAL_S, besides the lines that close a step (done == total, or forced).
+    `clock`: seconds on a monotonic clock (tests pass a fake one)."""
 
-    def __init__(self, on: bool):
+    MIN_INTERVAL_S = 1.0
+    # the first few percent are the least representative (files start cold, the first blocks
+    # carry the setup): no estimate before them
+    ESTIMATE_AFTER = 0.03
+
+    def __init__(self, on: bool, clock: Callable[[], float] = time.monotonic):
         self.on = on
-        self.t0 = time.monotonic()
-        self._last = 0.0
+        self.clock = clock
+        self.t0 = clock()
+        self._last = -math.inf
+        self._last_printed: tuple[str, int, int] | None = None
         self._step_t0: dict[str, float] = {}
+
+    def due(self) -> bool:
+        """Whether a line now would be printed: a count that costs something is made only then."""
+        return self.on and self.clock() - self._last >= self.MIN_INTERVAL_S
 
     def __call__(self, step: str, done: int, total: int, unit: str, force: bool = False) -> None:
         if not self.on:
             return
-        now = time.monotonic()
-        t_step = self._step_t0.setdefault(step, now)
-        if not force and now - self._last < 1.0 and done < total:
+        now = self.clock()
+        t_step = self._step_t0.setdefault(step, now)  # a step's first call starts its rate, printed or not
+        if not force and now - self._last < self.MIN_INTERVAL_S and done < total:
+            return
+        if (step, done, total) == self._last_printed:  # a step's forced end right after its last block
             return
         self._last = now
+        self._last_printed = (step, done, total)
+        share = f", {100 * done // total}%" if total > 0 else ""  # rounded down: 100% only when done
         left = ""
-        if 0 < done < total and now - t_step >= 1.0:  # a rate from less than a second says little
-            left = f", about {(now - t_step) / done * (total - done):.0f} s left in this step"
-        print(f"gpuprof merge: {step}: {done}/{total} {unit} ({now - self.t0:.1f} s{left})",
+        if 0 < done < total and done >= self.ESTIMATE_AFTER * total:
+            seconds_left = (now - t_step) / done * (total - done)
+            left = f", left ~{seconds_left:.0f} s" if seconds_left >= 0.5 else ", left <1 s"
+        print(f"gpuprof merge: {step}: {done}/{total} {unit}{share} ({now - self.t0:.1f} s{left})",
               file=sys.stderr, flush=True)
+
+
+class ProgressStore(CommStore):
+    """A CommStore whose block reads are progress of `step` while one is set: the scan (pass 1)
+    reads every instance once, by blocks, through block()."""
+
+    def __init__(self, shapes: dict[int, tuple[int, int]], epoch_rt: int, scratch: h5py.Group | None,
+                 progress: Progress):
+        super().__init__(shapes, epoch_rt, scratch)
+        self.progress = progress
+        self.step: str | None = None
+        self.n_instances = sum(c.n_seq for c in self.comms)
+        self._done = 0
+
+    def block(self, ci: int, s0: int, s1: int) -> CommTable:
+        blk = super().block(ci, s0, s1)
+        if self.step is not None:
+            self._done += s1 - s0
+            self.progress(self.step, self._done, self.n_instances, "instances analysed")
+        return blk
+
+
+class ProgressSink:
+    """analysis.CommSink that hands every block on to `sink` and counts its instances as progress:
+    pass 2 (aligned times and wait states) gives the sink every instance once, by blocks."""
+
+    def __init__(self, sink: CommSink, progress: Progress, step: str, n_instances: int):
+        self.sink = sink
+        self.progress = progress
+        self.step = step
+        self.n_instances = n_instances
+        self.done = 0
+
+    def begin(self, c: StoredComm) -> None:
+        self.sink.begin(c)
+
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None:
+        self.sink.block(blk, enter_al, exit_al, w)
+        self.done += blk.n_seq
+        self.progress(self.step, self.done, self.n_instances, "instances analysed")
+
+    def end(self, summary: CommSummary) -> None:
+        self.sink.end(summary)
 
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -243,19 +310,25 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     summaries: list[NodeSummary] = []
     mine: set[str] = set()
     progress = Progress(rank == 0 and show_progress)
+    # with progress on, every rank leaves a marker per file it has read, which rank 0 counts
+    read_marker_of = {f: parts_dir / f"{i:06d}.read" for i, f in enumerate(files)}
+    progress("reading node files", 0, len(files), "files read")
     for f in claim_files(files, rank, size, parts_dir):
-        # files started by every rank: the first one each, then the claims in the parts directory
-        progress("reading node files", min(size, len(files)) + sum(1 for _ in parts_dir.glob("*.claim")),
-                 len(files), "files started")
+        if progress.due():  # the count lists the parts directory: only for a line that is printed
+            progress("reading node files", _files_read(parts_dir), len(files), "files read")
         mine.add(f)
         s = summarize_node(f)
         if s.error is None:
             np.save(calls_of[f], s.calls, allow_pickle=False)
+        if show_progress:
+            read_marker_of[f].touch()
         s.calls = np.zeros(0, s.calls.dtype)  # a new empty array: a slice would keep them
         # the clock map is in the saved calls' times already: no rank needs it any more
         summaries.append(replace(s, clock=None))
     steps.mark("read")
-    progress("reading node files", len(mine), len(mine), "files read by rank 0", force=True)
+    # rank 0 has no file left to claim; the others may still be reading their last one
+    progress("reading node files", _files_read(parts_dir) if progress.on else 0, len(files), "files read",
+             force=True)
 
     # 2. rank 0 receives the summaries rank by rank and selects the files to merge
     sel: Selection | None = None
@@ -278,6 +351,8 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     assert decision is not None
     selected = list(zip(decision["files"], decision["nodes"]))
     steps.mark("select")
+    if size > 1:  # every rank's summaries are in: all files are read
+        progress("reading node files", len(files), len(files), "files read", force=True)
 
     # 3. the writer starts the job file with every selected node's tables, copied straight from the
     #    node files, while rank 0 fills the job-wide tables with the calls, one node at a time in the
@@ -292,8 +367,9 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     if rank == 0:
         assert sel is not None
         scratch = h5py.File(parts_dir / "scratch.h5", "w")
-        store = CommStore(sel.comm_shapes(), sel.epoch_rt, scratch.create_group("store"))
+        store = ProgressStore(sel.comm_shapes(), sel.epoch_rt, scratch.create_group("store"), progress)
         p2p = []
+        progress("loading calls into the job-wide tables", 0, len(selected), "nodes")
         for ni, (f, _node) in enumerate(selected):
             calls = _load_calls(calls_of[f])
             store.add_node(ni, calls)
@@ -302,8 +378,12 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         steps.mark("load_calls")
         job = JobAnalyzer(sel, store, p2p, scratch)
         # the clock fit's input in a file of its own, closed before the others open it
+        store.step = SCAN_STEP
+        progress(SCAN_STEP, 0, store.n_instances, "instances analysed")
         with h5py.File(instances_file, "w") as inst_f:
             clock_in = job.scan(reference, clock_params, inst_f)
+        store.step = None
+        progress(SCAN_STEP, store.n_instances, store.n_instances, "instances analysed", force=True)
         steps.mark("scan")
     # every rank fits the clocks: the windows are dealt over the ranks (CommSpread), all get the models
     clock_in = c.bcast(clock_in.without_table() if clock_in is not None else None, root=0)
@@ -341,14 +421,19 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
     assert job is not None and scratch is not None
     collectives_part = parts_dir / "collectives.h5"
+    n_instances = sum(c.n_seq for c in job.store.comms)
     try:
         # no chunk cache: every chunk is written whole, once (CollectivesWriter)
         with h5py.File(collectives_part, "w", libver="latest", rdcc_nbytes=0) as cf:
-            analysis = job.finish(CollectivesWriter(cf, job.names, decision["epoch"]), straggler_params)
+            progress(WAITS_STEP, 0, n_instances, "instances analysed")
+            sink = ProgressSink(CollectivesWriter(cf, job.names, decision["epoch"]), progress, WAITS_STEP,
+                                n_instances)
+            analysis = job.finish(sink, straggler_params)
     finally:
         scratch.close()
     steps.mark("finish_analysis")
-    progress("wait states, stragglers", len(job.store.comms), len(job.store.comms), "communicators", force=True)
+    progress("wait states, stragglers", n_instances, n_instances,
+             f"instances analysed in {len(job.store.comms)} communicator(s)", force=True)
     texts = render_reports(analysis)
     steps.mark("render")
     if writer != 0:
@@ -367,6 +452,11 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         job_id=analysis.job_id, stragglers=analysis.report["stragglers"], seconds=time.monotonic() - t_start,
         bytes_read=sum(os.path.getsize(f) for f in files if os.path.exists(f)),
     )
+
+
+def _files_read(parts_dir: Path) -> int:
+    """Node files read so far by all ranks: the markers they leave in the parts directory."""
+    return sum(1 for _ in parts_dir.glob("*.read"))
 
 
 def claim_files(files: list[str], rank: int, size: int, parts_dir: Path) -> Iterator[str]:

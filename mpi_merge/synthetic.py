@@ -16,6 +16,23 @@ The model (all times in a "true" time axis, seconds from job start):
     CPU busy and off-CPU time), "network" (the collective returns late on that node in about half
     the instances of the episode, so the node arrives late next time with normal compute).
 
+Memory stays bounded at any job size (4096 nodes x 8 ranks is the largest the CLI takes, what the
+merge at scale is measured with). The collective timeline is simulated in blocks of instances of at
+most TIMELINE_BLOCK_CELLS (instance x rank) cells, written to a scratch file in the output directory
+and read back one node's ranks at a time; node files are written one at a time. The generator
+therefore holds: about six float64 arrays of one block (16 MB each at the default: 80 MB at the
+peak whatever the job's size), per-instance vectors (the collective durations, ops, each
+straggler's episode: tens of bytes per instance), per-rank vectors (communicator, rank within it,
+the last exit jitter: tens of bytes per rank), one node's calls while writing it (79 bytes per call
+of its ranks, twice while sorting) and the ground truth (per node its clock: a few hundred bytes).
+Not the [instance x rank] tables of the job, which the scratch file holds (16 bytes a cell: 0.5 GB
+for 4096 x 8 ranks over 10 s at a collective every 10 ms, 3.1 GB over 60 s; unlinked from the start,
+so it goes when the generator ends, however it ends). The whole process peaked at 200 MB RSS for
+4096 x 8 ranks over 10 s and 211 MB over 60 s (the whole-table version: 2050 MB over 10 s).
+
+The output does not depend on the block size: the random draws keep the order of a whole-table
+simulation (see `simulate`), so the files of a job are the same as before the blocks, bit for bit.
+
 `python -m gpuprof.mpi_merge.synthetic --nodes N --out DIR` writes DIR/<node>.h5 and DIR/ground_truth.json.
 """
 
@@ -23,9 +40,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import click
 import h5py
@@ -41,6 +59,14 @@ OP_ALLREDUCE = schema.COLLECTIVE_OPS.index("MPI_Allreduce")
 OP_BCAST = schema.COLLECTIVE_OPS.index("MPI_Bcast")
 OP_BARRIER = schema.COLLECTIVE_OPS.index("MPI_Barrier")
 CAUSES = ("gpu", "host", "network")
+# (instance x rank) cells of one block of the simulated timeline: 16 MB a float64 array, of which
+# the simulation holds a handful at a time (the generator's memory bound, module docstring)
+TIMELINE_BLOCK_CELLS = 1 << 21
+MAX_NODES = 4096  # the CLI's limit: the largest job generated and merged so far (docs/merge.md, "At scale")
+
+
+class SynthConfigError(ValueError):
+    """A configuration the generator cannot simulate (the message names the field)."""
 
 
 @dataclass
@@ -83,8 +109,11 @@ class SynthConfig:
     write_bulk: bool = True  # write GPU/host tables (benchmarks of the clock fit skip them)
 
 
-def node_name(i: int) -> str:
-    return f"node{i:03d}"
+def node_name(i: int, nodes: int = 0) -> str:
+    """node000, node001, ...; in a job of more than 1000 nodes every name has as many digits as its
+    last node's (node0000 ... node4095), so that names sort in node order: the merge orders node
+    files by name."""
+    return f"node{i:0{max(3, len(str(nodes - 1)))}d}"
 
 
 # --- clocks --------------------------------------------------------------------------------------
@@ -134,35 +163,99 @@ def make_clocks(cfg: SynthConfig, rng: np.random.Generator) -> list[NodeClock]:
 
 
 # --- the timeline --------------------------------------------------------------------------------
-@dataclass
 class Timeline:
-    enter_s: np.ndarray  # [K, R] true times
-    exit_s: np.ndarray  # [K, R]
-    ops: np.ndarray  # [K]
-    comm_of_rank: np.ndarray  # [R] communicator index
-    comm_rank: np.ndarray  # [R] rank within its communicator
-    comm_sizes: list[int]
+    """True enter and exit times of every rank's collectives, [instance x rank], kept in a scratch
+    file rather than in memory. Block b of `block_rows` instances (the last one may be shorter) is
+    stored at the offset of its first instance as two rank-major arrays, enter then exit, so that the
+    ranks of one node are one contiguous read per block and array."""
+
+    def __init__(self, scratch: BinaryIO, n_instances: int, n_ranks: int, block_rows: int, ops: np.ndarray,
+                 comm_of_rank: np.ndarray, comm_rank: np.ndarray, comm_sizes: list[int], last_exit_s: float):
+        self.scratch = scratch
+        self.n_instances = n_instances
+        self.n_ranks = n_ranks
+        self.block_rows = block_rows
+        self.ops = ops  # [K]
+        self.comm_of_rank = comm_of_rank  # [R] communicator index
+        self.comm_rank = comm_rank  # [R] rank within its communicator
+        self.comm_sizes = comm_sizes
+        self.last_exit_s = last_exit_s  # the latest exit of the last instance
+
+    def write_block(self, enter_s: np.ndarray, exit_s: np.ndarray) -> None:
+        """Append the next block, [rows x R] each (blocks arrive in instance order)."""
+        for a in (enter_s, exit_s):
+            self.scratch.write(np.ascontiguousarray(a.T, dtype=np.float64).data)
+
+    def ranks(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Enter and exit times of ranks first .. first+count-1, [K x count] each."""
+        enter = np.empty((self.n_instances, count))
+        exit_ = np.empty((self.n_instances, count))
+        self.scratch.flush()  # the reads below go to the file descriptor, past the write buffer
+        fd = self.scratch.fileno()
+        for k0 in range(0, self.n_instances, self.block_rows):
+            rows = min(self.block_rows, self.n_instances - k0)
+            base = 2 * self.n_ranks * k0 * 8
+            for j, out in enumerate((enter, exit_)):
+                offset = base + (j * self.n_ranks + first) * rows * 8
+                want = count * rows * 8
+                buf = os.pread(fd, want, offset)
+                if len(buf) != want:
+                    raise OSError(f"the synthetic timeline's scratch file (in the output directory) ends at "
+                                  f"byte {offset + len(buf)}, instances {k0}-{k0 + rows - 1} need {offset + want}")
+                out[k0:k0 + rows] = np.frombuffer(buf, dtype=np.float64).reshape(count, rows).T
+        return enter, exit_
 
 
-def simulate(cfg: SynthConfig, rng: np.random.Generator) -> Timeline:
+def _fork(rng: np.random.Generator) -> np.random.Generator:
+    """A generator that draws what `rng` would draw next (rng itself is not advanced)."""
+    bit_generator = type(rng.bit_generator)()
+    bit_generator.state = rng.bit_generator.state
+    return np.random.Generator(bit_generator)
+
+
+def simulate(cfg: SynthConfig, rng: np.random.Generator, scratch: BinaryIO) -> Timeline:
+    """The job's collectives in true time, written into `scratch` by blocks of instances.
+
+    The draws keep the order of the whole-table simulation this replaces (compute noise of every
+    (instance, rank) in row order, then exit jitter of every one, then per-instance durations and the
+    network stragglers' draws), so the files do not depend on the block size: a generator is forked
+    at the start of each kind of draw and `rng` skips over that kind's draws, in blocks, to the next.
+    The skipping draws every table value twice, the price of output identical to earlier versions."""
     R = cfg.nodes * cfg.ranks_per_node
     K = int(cfg.duration_s * 1e3 / cfg.period_ms)
+    if K < 1:
+        raise SynthConfigError(f"duration_s={cfg.duration_s} with period_ms={cfg.period_ms} gives no collective")
+    if cfg.disjoint_comms > R:
+        raise SynthConfigError(f"disjoint_comms={cfg.disjoint_comms} is more communicators than the job's {R} ranks")
     period = cfg.period_ms * 1e-3
+    block_rows = max(1, TIMELINE_BLOCK_CELLS // R)
+    blocks = [(k0, min(K, k0 + block_rows)) for k0 in range(0, K, block_rows)]
     node_of_rank = np.arange(R) // cfg.ranks_per_node
-    C = period * (1.0 + cfg.compute_noise * rng.standard_normal((K, R)))
-    J = rng.exponential(cfg.exit_jitter_us * 1e-6, (K, R))
-    if cfg.exit_bias_us:
-        J += (np.arange(R) / max(1, R - 1)) * cfg.exit_bias_us * 1e-6
+
+    noise_rng = _fork(rng)
+    for k0, k1 in blocks:
+        rng.standard_normal((k1 - k0, R))
+    jitter_rng = _fork(rng)
+    for k0, k1 in blocks:
+        rng.exponential(cfg.exit_jitter_us * 1e-6, (k1 - k0, R))
+    exit_bias = (np.arange(R) / max(1, R - 1)) * cfg.exit_bias_us * 1e-6 if cfg.exit_bias_us else None
     d = cfg.collective_us * 1e-6 * (1.0 + 0.1 * rng.standard_normal(K)).clip(0.5)
     t_nominal = np.arange(K) * (period + cfg.collective_us * 1e-6)
+    # per straggler, in the configuration's order (overlapping episodes compound in that order):
+    # its instances and ranks, and a compute factor or, per instance hit, the extra exit delay
+    slow: list[tuple[np.ndarray, np.ndarray, float]] = []
+    late: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for s in cfg.stragglers:
         ep = (t_nominal >= s.start_s) & (t_nominal < s.end_s)
         cols = np.flatnonzero(node_of_rank == s.node)
         if s.cause in ("gpu", "host"):
-            C[np.ix_(ep, cols)] *= 1.0 + s.severity
+            slow.append((ep, cols, 1.0 + s.severity))
         else:
             hit = ep & (rng.random(K) < 0.5)
-            J[np.ix_(hit, cols)] += rng.exponential(s.severity * 1e-3, (int(hit.sum()), 1))
+            extra = np.zeros(K)
+            extra[hit] = rng.exponential(s.severity * 1e-3, int(hit.sum()))
+            late.append((hit, cols, extra))
+
     if cfg.disjoint_comms > 1:
         comm_of_rank = np.arange(R) * cfg.disjoint_comms // R
     else:
@@ -170,27 +263,49 @@ def simulate(cfg: SynthConfig, rng: np.random.Generator) -> Timeline:
     n_comms = int(comm_of_rank.max()) + 1
     comm_rank = np.zeros(R, dtype=np.int64)
     sizes = []
+    spans = []  # a communicator's ranks are contiguous: comm_of_rank does not decrease
     for c in range(n_comms):
         cols = np.flatnonzero(comm_of_rank == c)
         comm_rank[cols] = np.arange(len(cols))
         sizes.append(len(cols))
-    E = np.empty((K, R))
-    X = np.empty((K, R))
-    for c in range(n_comms):
-        cols = np.flatnonzero(comm_of_rank == c)
-        Cc, Jc = C[:, cols], J[:, cols]
-        # T_k - T_{k-1} = max_r (J_{k-1,r} + C_{k,r}) + d_k: the loop vectorizes into a cumsum
-        prev_j = np.vstack([np.zeros((1, len(cols))), Jc[:-1]])
-        step = (prev_j + Cc).max(axis=1) + d
-        T = np.cumsum(step)
-        T_prev = np.concatenate([[0.0], T[:-1]])
-        E[:, cols] = T_prev[:, None] + prev_j + Cc
-        X[:, cols] = T[:, None] + Jc
+        spans.append(slice(int(cols[0]), int(cols[-1]) + 1))
     ops = np.full(K, OP_ALLREDUCE, dtype=np.uint8)
     if cfg.op_mix:
         ops[np.arange(K) % 10 == 9] = OP_BCAST
         ops[np.arange(K) % 50 == 49] = OP_BARRIER
-    return Timeline(E, X, ops, comm_of_rank, comm_rank, sizes)
+
+    tl = Timeline(scratch, K, R, block_rows, ops, comm_of_rank, comm_rank, sizes, 0.0)
+    # carried from one block to the next: each communicator's last completion, each rank's last jitter
+    t_last = np.zeros(n_comms)
+    j_last = np.zeros(R)
+    X = np.empty((0, R))
+    for k0, k1 in blocks:
+        C = period * (1.0 + cfg.compute_noise * noise_rng.standard_normal((k1 - k0, R)))
+        J = jitter_rng.exponential(cfg.exit_jitter_us * 1e-6, (k1 - k0, R))
+        if exit_bias is not None:
+            J += exit_bias
+        for ep, cols, factor in slow:
+            C[np.ix_(ep[k0:k1], cols)] *= factor
+        for hit, cols, extra in late:
+            rows = hit[k0:k1]
+            J[np.ix_(rows, cols)] += extra[k0:k1][rows][:, None]
+        E = np.empty((k1 - k0, R))
+        X = np.empty((k1 - k0, R))
+        for c, span in enumerate(spans):
+            Cc, Jc = C[:, span], J[:, span]
+            # T_k - T_{k-1} = max_r (J_{k-1,r} + C_{k,r}) + d_k: the loop vectorizes into a cumsum
+            # (an accumulate adds in order, so starting it from the carry gives the whole-table sums)
+            prev_j = np.vstack([j_last[None, span], Jc[:-1]])
+            step = (prev_j + Cc).max(axis=1) + d[k0:k1]
+            T = np.cumsum(np.concatenate([[t_last[c]], step]))[1:]
+            T_prev = np.concatenate([[t_last[c]], T[:-1]])
+            E[:, span] = T_prev[:, None] + prev_j + Cc
+            X[:, span] = T[:, None] + Jc
+            t_last[c] = T[-1]
+        j_last = J[-1].copy()
+        tl.write_block(E, X)
+    tl.last_exit_s = float(np.nanmax(X[-1]))
+    return tl
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -215,11 +330,11 @@ def _metric_series(cfg: SynthConfig, node: int, t_s: np.ndarray, rng: np.random.
 def write_node(
     cfg: SynthConfig, out: Path, i: int, clock: NodeClock, tl: Timeline, rng: np.random.Generator
 ) -> Path:
-    name = node_name(i)
+    name = node_name(i, cfg.nodes)
     path = out / f"{name}.h5"
     cut_s = cfg.cutoff_nodes.get(i)
-    K = tl.enter_s.shape[0]
-    end_s = float(np.nanmax(tl.exit_s[-1])) + 0.5
+    K = tl.n_instances
+    end_s = tl.last_exit_s + 0.5
     if cut_s is not None:
         end_s = min(end_s, cut_s)
     modes = ("metrics", "collectives")
@@ -244,10 +359,11 @@ def write_node(
 
     # collectives of this node's ranks
     ranks = np.arange(i * cfg.ranks_per_node, (i + 1) * cfg.ranks_per_node)
+    node_enter, node_exit = tl.ranks(int(ranks[0]), len(ranks))
     rows = []
     for lr, r in enumerate(ranks):
         ks = np.arange(K)
-        enter, exit_ = tl.enter_s[:, r].copy(), tl.exit_s[:, r].copy()
+        enter, exit_ = node_enter[:, lr].copy(), node_exit[:, lr].copy()
         ops = tl.ops.copy()
         returned = np.ones(K, dtype=bool)
         if cfg.hang_at_seq is not None:
@@ -390,11 +506,11 @@ def ground_truth(cfg: SynthConfig, clocks: list[NodeClock], reference: int = 0) 
     return {
         "synthetic": True,
         "config": _jsonable(asdict(cfg)),
-        "reference_node": node_name(reference),
+        "reference_node": node_name(reference, cfg.nodes),
         "epoch_ns": EPOCH_NS,
         "nodes": [
             {
-                "node": node_name(i),
+                "node": node_name(i, cfg.nodes),
                 "offset_ns": c.offset_ns,
                 "drift_ppm": c.drift_ppm,
                 "ntp_knots_s": c.knots_s.tolist(),
@@ -404,13 +520,13 @@ def ground_truth(cfg: SynthConfig, clocks: list[NodeClock], reference: int = 0) 
             for i, c in enumerate(clocks)
         ],
         "stragglers": [
-            {"node": node_name(s.node), "cause": s.cause, "start_s": s.start_s, "end_s": s.end_s}
+            {"node": node_name(s.node, cfg.nodes), "cause": s.cause, "start_s": s.start_s, "end_s": s.end_s}
             for s in cfg.stragglers
         ],
-        "missing_nodes": [node_name(i) for i in cfg.missing_nodes],
-        "cutoff_nodes": {node_name(i): t for i, t in cfg.cutoff_nodes.items()},
+        "missing_nodes": [node_name(i, cfg.nodes) for i in cfg.missing_nodes],
+        "cutoff_nodes": {node_name(i, cfg.nodes): t for i, t in cfg.cutoff_nodes.items()},
         "hang": None if cfg.hang_at_seq is None else {
-            "seq": cfg.hang_at_seq, "culprit_node": node_name(cfg.hang_culprit), "kind": cfg.hang_kind,
+            "seq": cfg.hang_at_seq, "culprit_node": node_name(cfg.hang_culprit, cfg.nodes), "kind": cfg.hang_kind,
         },
     }
 
@@ -442,11 +558,14 @@ def generate(cfg: SynthConfig, out: str | os.PathLike[str]) -> dict[str, Any]:
     outp.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(cfg.seed)
     clocks = make_clocks(cfg, rng)
-    tl = simulate(cfg, rng)
-    for i in range(cfg.nodes):
-        if i in cfg.missing_nodes:
-            continue
-        write_node(cfg, outp, i, clocks[i], tl, np.random.default_rng([cfg.seed, i]))
+    missing = set(cfg.missing_nodes)
+    # the scratch file beside the output, not in /tmp (often a tmpfs: memory); unlinked at once
+    with tempfile.TemporaryFile(dir=outp, prefix=".synthetic-timeline-") as scratch:
+        tl = simulate(cfg, rng, scratch)
+        for i in range(cfg.nodes):
+            if i in missing:
+                continue
+            write_node(cfg, outp, i, clocks[i], tl, np.random.default_rng([cfg.seed, i]))
     truth = ground_truth(cfg, clocks)
     (outp / "ground_truth.json").write_text(json.dumps(truth, indent=1))
     return truth
@@ -466,11 +585,11 @@ def parse_straggler(spec: str) -> Straggler:
 
 
 @click.command()
-@click.option("--nodes", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--nodes", type=click.IntRange(1, MAX_NODES), default=8, show_default=True)
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True)
 @click.option("--duration-s", type=float, default=60.0, show_default=True)
 @click.option("--period-ms", type=float, default=10.0, show_default=True)
-@click.option("--ranks-per-node", type=int, default=1, show_default=True)
+@click.option("--ranks-per-node", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--job-id", default="4242", show_default=True)
@@ -480,10 +599,12 @@ def parse_straggler(spec: str) -> Straggler:
 @click.option("--missing-node", "missing", type=int, multiple=True)
 @click.option("--cutoff-node", "cutoff", multiple=True, help="NODE:T_S collector killed at T_S")
 @click.option("--idle-gpu", "idle", multiple=True, help="NODE:GPU left idle")
+@click.option("--bulk/--no-bulk", default=True, show_default=True,
+              help="GPU and host tables (--no-bulk: clocks and collectives only, as the merge benchmarks at scale)")
 def main(
     nodes: int, out: str, duration_s: float, period_ms: float, ranks_per_node: int, gpus_per_node: int,
     seed: int, job_id: str, stragglers: tuple[str, ...], same_host: bool, hang_at_seq: int | None,
-    missing: tuple[int, ...], cutoff: tuple[str, ...], idle: tuple[str, ...],
+    missing: tuple[int, ...], cutoff: tuple[str, ...], idle: tuple[str, ...], bulk: bool,
 ) -> None:
     """Write synthetic node files (synthetic=True) and ground_truth.json into OUT."""
     cfg = SynthConfig(
@@ -492,9 +613,12 @@ def main(
         stragglers=[parse_straggler(s) for s in stragglers], same_host=same_host, hang_at_seq=hang_at_seq,
         missing_nodes=list(missing),
         cutoff_nodes={int(c.split(":")[0]): float(c.split(":")[1]) for c in cutoff},
-        idle_gpus=[(int(x.split(":")[0]), int(x.split(":")[1])) for x in idle],
+        idle_gpus=[(int(x.split(":")[0]), int(x.split(":")[1])) for x in idle], write_bulk=bulk,
     )
-    generate(cfg, out)
+    try:
+        generate(cfg, out)
+    except SynthConfigError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"wrote {nodes - len(missing)} SYNTHETIC node files and ground_truth.json to {out}")
 
 

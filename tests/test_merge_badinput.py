@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.cli import merge as merge_cmd
-from gpuprof.mpi_merge.merge import EXIT_COMPLETE, EXIT_PARTIAL, merge
+from gpuprof.mpi_merge.merge import EXIT_COMPLETE, EXIT_PARTIAL, Progress, merge
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,69 @@ def test_progress_lines_name_each_step(base: Path, tmp_path: Path) -> None:
     r = CliRunner().invoke(merge_cmd, [str(copy(base, tmp_path)), "--quiet", "--progress"],
                            obj={"config_path": None})
     assert r.exit_code == EXIT_COMPLETE, r.output
-    for step in ("reading node files: 4/4", "loading calls into the job-wide tables: 4/4 nodes", "clock fit:",
-                 "wait states, stragglers:"):
+    for step in ("reading node files: 4/4 files read", "loading calls into the job-wide tables: 4/4 nodes",
+                 "scan: completeness, mismatches, clock input: 800/800 instances analysed", "clock fit:",
+                 "aligned times, wait states: 800/800 instances analysed", "wait states, stragglers:"):
         assert f"gpuprof merge: {step}" in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert all(line.startswith("gpuprof merge: ") for line in lines), r.stderr
+    assert len(lines) == len(set(lines)), r.stderr  # a step's end is printed once
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_estimates_time_left_from_the_rate_so_far(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    p = Progress(True, clock=clock)
+    step = "aligned times, wait states"
+    p(step, 0, 400, "instances analysed")
+    clock.now += 0.5
+    p(step, 4, 400, "instances analysed")  # half a second after the last line: not printed
+    clock.now += 0.5
+    p(step, 8, 400, "instances analysed")  # 2 % done: too early for an estimate
+    clock.now += 1.0
+    p(step, 20, 400, "instances analysed")  # 5 % in 2 s: 0.1 s an instance, 380 left
+    assert p.due() is False
+    clock.now += 1.0
+    assert p.due() is True
+    p(step, 300, 400, "instances analysed")  # 75 % in 3 s: 100 left at 0.01 s each
+    clock.now += 0.2
+    p(step, 400, 400, "instances analysed")  # the step's end is always printed, with no estimate
+    clock.now += 0.1
+    p("clock fit", 10, 1000, "instances")  # a new step has a rate of its own: 1 % done, none yet
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "gpuprof merge: aligned times, wait states: 0/400 instances analysed, 0% (0.0 s)",
+        "gpuprof merge: aligned times, wait states: 8/400 instances analysed, 2% (1.0 s)",
+        "gpuprof merge: aligned times, wait states: 20/400 instances analysed, 5% (2.0 s, left ~38 s)",
+        "gpuprof merge: aligned times, wait states: 300/400 instances analysed, 75% (3.0 s, left ~1 s)",
+        "gpuprof merge: aligned times, wait states: 400/400 instances analysed, 100% (3.2 s)",
+    ], lines
+
+
+def test_progress_rate_is_per_step_and_off_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    p = Progress(True, clock=clock)
+    p("reading node files", 4, 4, "files read")
+    clock.now += 10.0  # the next step starts late: its rate counts from its own first call
+    p("loading calls into the job-wide tables", 0, 100, "nodes")
+    clock.now += 2.0
+    p("loading calls into the job-wide tables", 50, 100, "nodes")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gpuprof merge: loading calls into the job-wide tables: 50/100 nodes, 50% (12.0 s, left ~2 s)")
+    clock.now += 1.0
+    p("loading calls into the job-wide tables", 99, 100, "nodes")  # not done: 99%, and under a second left
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "gpuprof merge: loading calls into the job-wide tables: 99/100 nodes, 99% (13.0 s, left <1 s)")
+    off = Progress(False, clock=clock)
+    off("reading node files", 1, 4, "files read", force=True)
+    assert not off.due() and capsys.readouterr().err == ""
 
 
 def test_missing_node_file(base: Path, tmp_path: Path) -> None:

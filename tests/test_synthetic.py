@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from gpuprof.collector.reader import open_node_trace
@@ -61,3 +63,44 @@ def test_cli(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "SYNTHETIC" in r.output
     assert json.loads((tmp_path / "ground_truth.json").read_text())["stragglers"][0]["cause"] == "gpu"
+
+
+def test_a_job_of_1024_nodes_of_8_ranks_generates_in_bounded_memory(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeline is simulated by blocks of instances into a scratch file: the generator's traced
+    peak stays below one float64 [instance x rank] table of the job (the whole-table simulation held
+    about eight: 106 MB at 200 instances of this job). A small block makes this job many blocks
+    (the default holds 2M cells). Only a sample of the node files is written: each costs the trace
+    writer's setup (~25 ms, whatever the job's size), and they are written one at a time anyway."""
+    monkeypatch.setattr(syn, "TIMELINE_BLOCK_CELLS", 1 << 16)
+    nodes, per_node, instances = 1024, 8, 500
+    written = [0, 1, 511, 1022, 1023]
+    cfg = syn.SynthConfig(nodes=nodes, ranks_per_node=per_node, duration_s=instances * 0.01, period_ms=10.0,
+                          write_bulk=False, missing_nodes=sorted(set(range(nodes)) - set(written)))
+    tracemalloc.start()
+    try:
+        truth = syn.generate(cfg, tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    table_bytes = instances * nodes * per_node * 8
+    assert peak < table_bytes / 4, f"peak {peak / 1e6:.1f} MB, one table {table_bytes / 1e6:.1f} MB"
+
+    # names of four digits sort in node order; the scratch file is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"node{i:04d}.h5" for i in written] + ["ground_truth.json"])
+    assert [n["node"] for n in truth["nodes"]][-2:] == ["node1022", "node1023"]
+    for i in written:
+        calls = open_node_trace(tmp_path / f"node{i:04d}.h5").table("/collectives/calls")
+        assert set(calls["comm_size"]) == {nodes * per_node}
+        for local in range(per_node):
+            mine = calls[calls["pid"] == 10_000 + local]
+            assert set(mine["comm_rank"]) == {i * per_node + local}
+            assert np.array_equal(np.sort(mine["seq"]), np.arange(instances))
+            assert (mine["t_exit_ns"] > mine["t_enter_ns"]).all()
+
+
+def test_cli_takes_up_to_4096_nodes_and_names_a_bad_field(tmp_path: Path) -> None:
+    r = CliRunner().invoke(syn.main, ["--nodes", "4097", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "4097" in r.output and "4096" in r.output
+    r = CliRunner().invoke(syn.main, ["--nodes", "2", "--out", str(tmp_path), "--duration-s", "0.001"])
+    assert r.exit_code == 2 and "duration_s=0.001" in r.output, r.output
