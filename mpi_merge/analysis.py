@@ -408,7 +408,9 @@ class JobAnalyzer:
             p2p_waits = compute_p2p_waits(p2p, al(p2p.send_node, p2p.send_enter), al(p2p.send_node, p2p.send_exit),
                                           al(p2p.recv_node, p2p.recv_enter), al(p2p.recv_node, p2p.recv_wait),
                                           al(p2p.recv_node, p2p.recv_exit))
-            late = P2PLateness(p2p.send_node, p2p.recv_node, al(p2p.send_node, p2p.send_enter), p2p_waits.late_sender_ns)
+            late = P2PLateness(p2p.send_node, p2p.recv_node, al(p2p.send_node, p2p.send_enter), p2p_waits.late_sender_ns,
+                               p2p.comm_id, p2p.src, p2p.dst, al(p2p.recv_node, p2p.recv_wait),
+                               al(p2p.recv_node, p2p.recv_exit))
         partial_nodes = {s.node for s in sel.nodes if s.partial_reasons}
         lossy = {s.node: int(sum(v for k, v in s.drops.items() if k.startswith("collectives"))) for s in sel.nodes}
         mism = find_mismatches(store, self.mismatch_flags, names, partial_nodes,

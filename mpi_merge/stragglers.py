@@ -228,6 +228,7 @@ class _Test:
     next_held_ns: float = 0.0  # the largest H of a unit that is not a candidate
     effect_ns: float = 0.0  # median held time per event
     floor_ns: float = 0.0  # the event threshold
+    level_ns: float = 0.0  # the threshold of the count that gave p
 
     @property
     def r(self) -> int:
@@ -244,45 +245,51 @@ def _origin_weight(blame: Blame, gids: np.ndarray, algorithm: str) -> np.ndarray
     return att.astype(np.float64)
 
 
-def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, clock: np.ndarray, ok: np.ndarray,
-                event: np.ndarray, share: np.ndarray, judged: np.ndarray, params: StragglerParams) -> list[_Test]:
+LEVEL_STEP = 4.0  # the thresholds of the count test: floor x LEVEL_STEP^k, k = 0 .. LEVELS - 1
+LEVELS = 6
+
+
+def _unit_tests(ci: int, win: np.ndarray, unit: np.ndarray, held: np.ndarray, floor: np.ndarray, ok: np.ndarray,
+                share: np.ndarray, judged: np.ndarray, params: StragglerParams) -> list[_Test]:
     """The tests of one communicator that pass fdr_q on their own (BH then runs over all of them),
     per judged window w and unit u with share[w, u], its chance to be the culprit of an instance
-    in a balanced job. Two exact one-sided tests, each valid under that null, Bonferroni-combined:
-    - count: of the window's n instances, k were u's events, where it held the others back by more
-      than the floor (Binomial(n, share));
-    - magnitude: u's held-back time H beyond the clock error (`clock`, per instance) against
-      share x the window's total, by Bernstein's
-      inequality for the sum of the bounded independent terms h_i (B_i - share):
-      P(H - share S >= t) <= exp(-t^2 / (2 share (1 - share) sum h^2 + 2/3 b t)), b = max(h) max(share,
-      1 - share) bounding each term. It sees a
-      unit that is late rarely but long (a process stopped for 60 ms among 10^5 short waits) that
-      the count misses, and the count sees a unit that is late a little every time."""
+    in a balanced job. At each of LEVELS thresholds (floor, 4 floor, 16 floor, ... 1024 floor, per
+    instance) the instances that held the others back by more are counted: which unit was the
+    culprit does not depend on how long it held them back when the units are exchangeable, so given
+    how many instances exceed a threshold, u's count among them is Binomial(n, share): an exact
+    one-sided p-value at every threshold, the smallest of them Bonferroni-corrected (x LEVELS).
+    The low thresholds see a unit late by a little nearly every time, the high ones a unit late
+    rarely but long (a process stopped for 60 ms in one step of 15: last hardly more often than
+    chance, but nearly the only culprit of the waits above 16 floors). Returns tests whose k, n and
+    level_ns are those of the threshold that gave the smallest p-value."""
     nw, n_units = share.shape
     sel = ok & (unit >= 0)
-    held = np.clip(held - clock, 0, None)  # only what lies beyond the clock error counts
-    cell = win[sel] * n_units + unit[sel]
-    cnt = np.bincount(win[event & sel] * n_units + unit[event & sel], minlength=nw * n_units).reshape(nw, n_units)
-    H = np.bincount(cell, weights=held[sel], minlength=nw * n_units).reshape(nw, n_units)
-    S = np.bincount(win[sel], weights=held[sel], minlength=nw)
-    S2 = np.bincount(win[sel], weights=held[sel] ** 2, minlength=nw)
-    M = np.zeros(nw)
-    np.maximum.at(M, win[sel], held[sel])
-    wi, ui = np.nonzero(judged[:, None] & ((cnt > 0) | (H > 0)))
-    if not len(wi):
-        return []
-    n = np.bincount(win[sel], minlength=nw)
-    pc = binom_sf_many(cnt[wi, ui], n[wi], share[wi, ui])
-    sh = share[wi, ui]
-    t = H[wi, ui] - sh * S[wi]
-    # the centred terms h_i (B_i - share) are bounded by max(h) max(share, 1 - share)
-    den = 2.0 * sh * (1.0 - sh) * S2[wi] + (2.0 / 3.0) * M[wi] * np.maximum(sh, 1.0 - sh) * t
-    valid = (t > 0) & (den > 0)
-    pm = np.ones(len(t))
-    pm[valid] = np.exp(-np.square(t[valid]) / den[valid])
-    pv = np.minimum(1.0, 2.0 * np.minimum(pc, pm))
-    return [_Test(ci, int(wi[j]), int(ui[j]), [], int(cnt[wi[j], ui[j]]), int(n[wi[j]]), float(pv[j]),
-                  float(sh[j])) for j in np.flatnonzero(pv <= params.fdr_q)]
+    best_p = np.ones((nw, n_units))
+    best = np.zeros((3, nw, n_units))  # k, n, threshold of the best level
+    for lv in range(LEVELS):
+        thr = floor * LEVEL_STEP ** lv
+        above = sel & (held > thr)
+        if not above.any():
+            break
+        n = np.bincount(win[above], minlength=nw)
+        cnt = np.bincount(win[above] * n_units + unit[above], minlength=nw * n_units).reshape(nw, n_units)
+        wi, ui = np.nonzero(judged[:, None] & (cnt > 0))
+        if not len(wi):
+            continue
+        pv = binom_sf_many(cnt[wi, ui], n[wi], share[wi, ui])
+        better = pv < best_p[wi, ui]
+        wi, ui, pv = wi[better], ui[better], pv[better]
+        best_p[wi, ui] = pv
+        best[0, wi, ui] = cnt[wi, ui]
+        best[1, wi, ui] = n[wi]
+        med_thr = np.zeros(nw)
+        for w in np.unique(wi):
+            med_thr[w] = float(np.median(thr[above & (win == w)]))
+        best[2, wi, ui] = med_thr[wi]
+    p_all = np.minimum(1.0, LEVELS * best_p)
+    wi, ui = np.nonzero(judged[:, None] & (p_all <= params.fdr_q))
+    return [_Test(ci, int(w), int(u), [], int(best[0, w, u]), int(best[1, w, u]), float(p_all[w, u]),
+                  float(share[w, u]), level_ns=float(best[2, w, u])) for w, u in zip(wi, ui)]
 
 
 def find_stragglers(
@@ -356,7 +363,7 @@ def find_stragglers(
                         lo, hi + typ_w, L, uL, f"{c.comm_id:#x}")
         stats[ci] = st
         share = np.broadcast_to(per_unit / c.size, (nw, n_units))
-        cands += _unit_tests(ci, win, uL, held, np.zeros(len(held)), att & (uL >= 0), event, share, judged, params)
+        cands += _unit_tests(ci, win, uL, held, floor, att & (uL >= 0), share, judged, params)
         m_total += int(judged.sum()) * n_units
         with quiet_nan():
             judged_scores = score[judged]
@@ -370,7 +377,7 @@ def find_stragglers(
             "held_others_ns": held_rank.round().tolist(),
             "windows_judged": int(judged.sum()), "window_s": window_s,
         }
-    if p2p is not None and len(p2p.t_ns) and len(node_names) >= 2:
+    if p2p is not None and np.isfinite(p2p.t_ns).any() and len(node_names) >= 2:
         pst, ptests, pm = _p2p_tests(p2p, len(comms), len(node_names), err, t0, params)
         stats[pst.ci] = pst
         cands += ptests
@@ -485,22 +492,81 @@ class P2PLateness:
     recv_node: np.ndarray
     t_ns: np.ndarray  # the send started (aligned ns)
     late_sender_ns: np.ndarray  # the receiver waited this long for the send to start
+    comm_id: np.ndarray | None = None  # with src, dst, recv_wait and recv_exit: who waited in which
+    src: np.ndarray | None = None  # call, and when each process's waits ended (propagation)
+    dst: np.ndarray | None = None
+    recv_wait: np.ndarray | None = None  # the receiver began to wait (aligned ns)
+    recv_exit: np.ndarray | None = None  # its receive completed (aligned ns)
+
+
+def _p2p_instances(p: P2PLateness) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The waits of point to point as instances: (time, culprit node, receiving node, held-back ns).
+
+    One instance per receiving call (a Recv, or a Wait/Waitall/Waitsome that completed several
+    requests at once: their waits overlap, and the call waited for the latest sender only), held
+    back by its longest Late Sender wait, whose sender is the culprit. Only the sender's own part
+    counts: the time since the message it last received (before the send) was sent to it. A rank
+    that waited for a stopped neighbour and then sent at once passes that lateness on, it did not
+    cause it (Scalasca's propagation of Late Sender waits); a rank stopped inside its own receive,
+    after the message had been sent, returns late by its own fault and keeps it."""
+    n = len(p.t_ns)
+    ls = np.clip(np.nan_to_num(p.late_sender_ns), 0, None)
+    if p.comm_id is None or p.src is None or p.dst is None or p.recv_wait is None or p.recv_exit is None:
+        return p.t_ns, p.send_node.astype(np.int64), p.recv_node.astype(np.int64), ls
+    comm = p.comm_id.astype(np.uint64)
+    # own part: send start - the sender process's last receive completion before it (same communicator)
+    key_node = np.concatenate([p.recv_node, p.send_node]).astype(np.int64)
+    key_comm = np.concatenate([comm, comm])
+    key_rank = np.concatenate([p.dst, p.src]).astype(np.int64)
+    tt = np.concatenate([np.nan_to_num(p.recv_exit, nan=np.inf), p.t_ns])
+    is_send = np.arange(2 * n) >= n
+    order = np.lexsort((is_send, tt, key_rank, key_comm, key_node))
+    new = np.zeros(2 * n, bool)
+    new[:1] = True
+    for k in (key_node, key_comm, key_rank):
+        ks = k[order]
+        new[1:] |= ks[1:] != ks[:-1]
+    start = np.maximum.accumulate(np.where(new, np.arange(2 * n), 0))
+    last_recv = np.maximum.accumulate(np.where(~is_send[order], np.arange(2 * n), -1))
+    has_prev = last_recv >= start
+    # the sender stopped waiting for someone else when the message it last received was sent, not
+    # when its receive returned: a process stopped inside its Recv returns late by its own fault
+    free_from = np.concatenate([np.fmin(np.nan_to_num(p.recv_exit, nan=np.inf), p.t_ns), p.t_ns])
+    prev_end = np.where(has_prev, free_from[order][np.maximum(last_recv, 0)], -np.inf)
+    own = np.full(n, np.inf)
+    sends = is_send[order]
+    own[order[sends] - n] = (tt[order] - prev_end)[sends]
+    own_held = np.minimum(ls, np.clip(own, 0, None))
+    # one instance per receiving call: (node, communicator, rank, when it began to wait)
+    wait_t = np.nan_to_num(p.recv_wait, nan=-1.0)
+    order = np.lexsort((-ls, wait_t, p.dst, comm, p.recv_node))
+    new = np.zeros(n, bool)
+    new[:1] = True
+    for k in (p.recv_node, comm, p.dst, wait_t):
+        ks = k[order]
+        new[1:] |= ks[1:] != ks[:-1]
+    first = order[new]  # the longest wait of each call comes first
+    first = first[np.isfinite(p.recv_wait[first])]  # a request never completed: no receiving call to judge
+    return p.recv_wait[first], p.send_node[first].astype(np.int64), p.recv_node[first].astype(np.int64), own_held[first]
 
 
 def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float,
                params: StragglerParams) -> tuple[_CommStats, list[_Test], int]:
     """Point to point as one more communicator whose units are the nodes and whose instances are
-    the messages: a message held its receiver back by its Late Sender wait, the sending node is the
-    culprit. The same test as for collectives: among each window's messages with the longest waits,
-    how many came from the node, against its share of the messages sent there."""
-    order = np.argsort(p.t_ns, kind="stable")
-    t = p.t_ns[order]
-    sn = p.send_node[order].astype(np.int64)
-    rn = p.recv_node[order].astype(np.int64)
-    ls = np.clip(np.nan_to_num(p.late_sender_ns[order]), 0, None)
+    the receiving calls (_p2p_instances): a call held its receiver back by its longest Late Sender
+    wait, the own part of its sender's lateness; the sending node is the culprit. The same tests as
+    for collectives, against the node's share of the messages sent in the window."""
+    t_i, sn_i, rn_i, ls_i = _p2p_instances(p)
+    keep = np.isfinite(t_i)
+    t_i, sn_i, rn_i, ls_i = t_i[keep], sn_i[keep], rn_i[keep], ls_i[keep]
+    order = np.argsort(t_i, kind="stable")
+    t, sn, rn, ls = t_i[order], sn_i[order], rn_i[order], ls_i[order]
     window_s = stretched_window_s(t, params.window_s, params.min_instances)
     win = np.maximum(np.floor((t - t0) / (window_s * 1e9)).astype(np.int64), 0)
     nw = int(win.max()) + 1
+    # messages of the window by sender, for the chance of each node to be the culprit
+    m_win = np.clip(np.floor((p.t_ns - t0) / (window_s * 1e9)).astype(np.int64), 0, nw - 1)
+    m_ok = (p.send_node >= 0) & (p.recv_node >= 0) & (p.send_node != p.recv_node)
     ok = (sn >= 0) & (rn >= 0) & (sn != rn)  # messages inside one node say nothing of nodes
     n_w = np.bincount(win[ok], minlength=nw)
     judged = n_w >= params.min_instances
@@ -517,9 +583,12 @@ def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float
     st = _CommStats(ci, window_s, win, n_w, judged, np.full((nw, n_nodes), np.nan), np.full(nw, np.nan),
                     err.copy(), unit, ls, event, active, lo, hi, culprit, culprit, "point to point")
     # the chance that a message with a long wait came from a node: its share of the messages sent
-    sent = np.bincount(win[ok] * n_nodes + sn[ok], minlength=nw * n_nodes).reshape(nw, n_nodes)
-    share = sent / np.maximum(n_w, 1)[:, None]
-    tests = _unit_tests(ci, win, culprit, ls, clock, ok, event, share, judged, params)
+    sm = p.send_node[m_ok].astype(np.int64)
+    sent = np.bincount(m_win[m_ok] * n_nodes + sm, minlength=nw * n_nodes).reshape(nw, n_nodes)
+    share = sent / np.maximum(sent.sum(axis=1), 1)[:, None]
+    # beyond the clock error between sender and receiver, and at least p2p_min_wait_ns
+    tests = _unit_tests(ci, win, culprit, np.clip(ls - clock, 0, None), np.full(len(ls), params.p2p_min_wait_ns),
+                        ok, share, judged, params)
     return st, tests, int(judged.sum()) * n_nodes
 
 
@@ -549,11 +618,13 @@ def _p2p_finding(tests: list[_Test], st: _CommStats, node_names: list[str], node
         f"its messages held their receivers back (Late Sender) for {f.held_ns / ms:.1f} ms in {len(flagged)} of "
         f"{f.windows_judged} windows (up to {f.held_share:.1%} of a window's time in point to point, against "
         f"{f.next_held_share:.1%} for any other node), between t={f.first_s:.1f} s and t={f.last_s:.1f} s")
+    best = min(tests, key=lambda t: t.p)
     f.evidence.append(
-        f"sender of {sum(t.k for t in tests)} of the {sum(t.n for t in tests)} messages with the longest waits "
-        f"(its share of the messages sent: {f.expected_share:.1%}); exact binomial p={_p(f.p_value)}, "
-        f"Benjamini-Hochberg q={_p(f.q_value)} (threshold {p.fdr_q:g} over all units, windows and communicators); "
-        f"median wait {f.lateness_when_last_ns / ms:.3f} ms")
+        f"sender of the longest wait in {best.k} of the {best.n} receiving calls that waited more than "
+        f"{best.level_ns / ms:.3f} ms (its share of the messages sent: {best.p0:.1%}); exact binomial "
+        f"p={_p(f.p_value)} (the smallest over {LEVELS} thresholds, x{LEVELS}), Benjamini-Hochberg q={_p(f.q_value)} "
+        f"(threshold {p.fdr_q:g} over all units, windows and communicators); the own part of its lateness counts "
+        f"(since the message it last received was sent): median {f.lateness_when_last_ns / ms:.3f} ms")
     a = np.array([st.span_lo[w] for w in flagged])
     b = np.array([st.span_hi[w] for w in flagged])
     rates: dict[str, list[float]] = {}
@@ -785,8 +856,6 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
               ni: int, node_series: list[dict[str, Series]], clock_floor: float, epoch_rt: int,
               p: StragglerParams) -> None:
     ms = 1e6
-    n_ev = sum(t.k for t in tests if t.ci == main.ci)
-    n_all = sum(t.n for t in tests if t.ci == main.ci)
     by_node = main.p0 * comms[main.ci].size > 1 or len(set(np.asarray(comms[main.ci].node_of_rank).tolist())) > 1
     f.evidence.append(
         f"held the other {'nodes' if by_node else 'ranks'} of the communicator back for "
@@ -794,9 +863,10 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
         f"a window's time in collectives, against {f.next_held_share:.1%} for any other), between "
         f"t={f.first_s:.1f} s and t={f.last_s:.1f} s")
     f.evidence.append(
-        f"last by more than {main.floor_ns / ms:.3f} ms in {n_ev} of {n_all} instances "
-        f"(chance {main.p0:.1%} each); exact binomial p={_p(f.p_value)}, Benjamini-Hochberg q={_p(f.q_value)} "
-        f"(threshold {p.fdr_q:g} over all units, windows and communicators)")
+        f"the culprit of {main.k} of the {main.n} instances where the last one held the others back by more than "
+        f"{main.level_ns / ms:.3f} ms (chance {main.p0:.1%} each); exact binomial p={_p(f.p_value)} (the smallest "
+        f"over {LEVELS} thresholds, x{LEVELS}), Benjamini-Hochberg q={_p(f.q_value)} (threshold {p.fdr_q:g} over all "
+        "units, windows and communicators)")
     f.evidence.append(
         f"median {f.lateness_when_last_ns / ms:.3f} ms after the median rank in those instances, "
         f"{main.effect_ns / ms:.3f} ms after the next {'node' if by_node else 'rank'} (the part it caused: not "

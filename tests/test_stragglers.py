@@ -310,10 +310,10 @@ def test_collective_returning_late_on_a_stopped_process_is_host_not_network() ->
     assert findings[0].metrics["blocked_ns_per_s"] == 300e6
 
 
-def test_count_and_magnitude_tests_are_valid_under_the_null() -> None:
+def test_threshold_counts_are_valid_under_the_null_and_see_rare_long_waits() -> None:
     """2000 windows of 60 instances, 4 exchangeable units, heavy-tailed held-back times (lognormal,
-    sigma 2) and every instance an event: the combined p-value is <= 0.01 in at most 1 % of the
-    tests (valid), while a unit stopped now and then is flagged in about half of its windows."""
+    sigma 2): the p-value (smallest over the thresholds, Bonferroni) is <= 0.01 in at most 1 % of
+    the tests (valid), while a unit stopped now and then is flagged in most of its windows."""
     from gpuprof.mpi_merge.stragglers import _unit_tests
 
     rng = np.random.default_rng(8)
@@ -325,12 +325,13 @@ def test_count_and_magnitude_tests_are_valid_under_the_null() -> None:
     share = np.full((nw, units), 1 / units)
     judged = np.ones(nw, bool)
     params = StragglerParams()
-    null = _unit_tests(0, win, unit, held, np.zeros(nw * per), ok, ok, share, judged, params)
+    floor = np.full(nw * per, float(np.median(held)))
+    null = _unit_tests(0, win, unit, held, floor, ok, share, judged, params)
     assert len(null) <= 0.01 * nw * units
     # unit 2 stopped now and then: 10 instances of each window where it held the others back 50x
     # the usual (its count, 10 + 50 / 4 of 60, alone is weak: p ~ 0.05)
     stopped = (rng.random((nw, per)).argsort(axis=1)[:, :10] + np.arange(nw)[:, None] * per).ravel()
     unit[stopped] = 2
     held[stopped] = 50 * np.median(held)
-    alt = _unit_tests(0, win, unit, held, np.zeros(nw * per), ok, ok, share, judged, params)
-    assert sum(1 for t in alt if t.u == 2) > 0.4 * nw
+    alt = _unit_tests(0, win, unit, held, floor, ok, share, judged, params)
+    assert sum(1 for t in alt if t.u == 2) > 0.8 * nw
