@@ -12,22 +12,22 @@ been as late as the next one. Only the part the delay analysis puts on the unit 
 compute, exit delay); what was propagated to it, and the algorithm's usual exit offsets, do not.
 
 Tests, per communicator, window of window_s (stretched so a window holds min_instances on average)
-and unit, each exact and one-sided under the null of a balanced job, where the units are
-exchangeable (which one is last does not depend on how long it held the others back):
-- count: k of the window's n instances where the unit was last by more than its floor (min_effect x
-  the typical compute interval, or the clock error between its node and the others), against
-  Binomial(n, ranks of the unit / size): a unit late a little nearly every time;
-- magnitude: its held-back time beyond the clock error against its share of the window's, by
-  Bernstein's inequality: a unit late rarely but long (a process stopped for 60 ms now and then)
-  that the count misses, or late every time by less than the floor.
-The two are Bonferroni-combined; Benjamini-Hochberg at fdr_q runs once over every test of the job
-(units x windows x communicators, point to point included).
+and unit, exact and one-sided under the null of a balanced job, where the units are exchangeable
+(which one is the culprit does not depend on how long it held the others back): at each of LEVELS
+thresholds (floor x 4^k; the floor is min_effect x the typical compute interval), given how many
+instances held the others back by more, the unit's count among them is Binomial(n, ranks of the
+unit / size); the smallest p-value of the thresholds, Bonferroni-corrected (_unit_tests). The low
+thresholds see a unit late a little nearly every time, the high ones a unit late rarely but long
+(a process stopped for 60 ms now and then). Held-back time counts beyond the clock error except the
+part the waitee's own-clock compute excess accounts for. Benjamini-Hochberg at fdr_q runs once over
+every test of the job (units x windows x communicators, point to point included).
 
-Effect and dominance. A rejected test is a straggler when, in its window, the unit held the others
-back for >= min_held_share of the communicator's time in use, the rejected units are a minority (at
-most max(1, units // 4): two slow nodes of four are an imbalance, not a node that held the others
-back), and each held them back >= dominance x as long as any other unit. What fails these is listed
-in the summary as an imbalance without a straggler, not as a finding. Findings are grouped per node;
+Effect and dominance. In each window, the smallest set of the units that held the others back
+longest, at most a minority (max(1, units // 4): two slow nodes of four are an imbalance, not a node
+that held the others back), whose last member held them back >= min_held_share of the
+communicator's time in use and >= dominance x as long as the next unit, every member with a
+rejected test, are the stragglers. A window with rejected tests but no such set is listed in the
+summary as an imbalance without a straggler, not as a finding. Findings are grouped per node;
 each names its root ranks, the held-back time, its cost (the waiting time of others it caused,
 directly and propagated, and the share of the job's waits), the lateness it propagated into other
 communicators (under "propagated"), and its evidence; the cause comes from that evidence (the rank's
