@@ -385,6 +385,8 @@ def find_stragglers(
     rejected, qv = benjamini_hochberg(np.array([t.p for t in cands]), params.fdr_q, max(m_total, len(cands)))
     kept, imbalance = _effect_and_dominance(
         [t for t, rej in zip(cands, rejected) if rej], [float(q) for q, rej in zip(qv, rejected) if rej], stats, params)
+    kept, explained = _explained_by_wider(kept, comms, stats)
+    imbalance += explained
     total_wait = float(blame.wait_ns.sum())
     by_node: dict[tuple[int, int], list[_Test]] = {}
     p2p_kept: dict[int, list[_Test]] = {}
@@ -419,6 +421,39 @@ def find_stragglers(
         "imbalance_without_straggler": imbalance[:20],
     }
     return findings, metrics
+
+
+def _explained_by_wider(kept: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats]
+                        ) -> tuple[list[_Test], list[dict[str, Any]]]:
+    """A straggler of a sub-communicator whose window overlaps that of a straggler of a wider
+    communicator on another node that held the others back longer is taken as the wider one's
+    consequence (a collective's exit order follows its last arrival, and the sub-communicator's
+    next collective inherits it), not as a finding of its own; the summary lists it. Point to point
+    counts as narrower than every communicator."""
+    def size(t: _Test) -> int:
+        return comms[t.ci].size if t.ci < len(comms) else 0
+
+    def span(t: _Test) -> tuple[float, float]:
+        st = stats[t.ci]
+        return float(st.span_lo[t.w]), float(st.span_hi[t.w])
+
+    def node(t: _Test) -> int:
+        return int(comms[t.ci].node_of_rank[t.r]) if t.ci < len(comms) else t.u
+
+    out: list[_Test] = []
+    dropped: list[dict[str, Any]] = []
+    for t in kept:
+        a0, a1 = span(t)
+        by = next((o for o in kept if size(o) > size(t) and node(o) != node(t) and o.held_ns > t.held_ns
+                   and span(o)[0] < a1 and a0 < span(o)[1]), None)
+        if by is None:
+            out.append(t)
+            continue
+        dropped.append({"comm_id": stats[t.ci].name, "window": t.w, "units": 1, "ranks": t.ranks,
+                        "held_share": [round(t.held_share, 4)], "next_held_share": round(t.next_held_ns and
+                                                                                          t.held_share * t.next_held_ns / max(t.held_ns, 1.0), 4),
+                        "why": f"explained by the straggler of the wider communicator {stats[by.ci].name}"})
+    return out, dropped
 
 
 def _effect_and_dominance(tests: list[_Test], q_values: list[float], stats: dict[int, _CommStats],
