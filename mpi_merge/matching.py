@@ -505,10 +505,10 @@ def _complete_requests(a: np.ndarray, nb: np.ndarray, c: np.ndarray, epoch_rt: i
     g_o = np.cumsum(new_key) - 1
     d_o = is_done[order]
     start = np.maximum.accumulate(np.where(new_key, np.arange(len(order)), 0))
-    dones_before = np.cumsum(d_o) - d_o  # completions strictly before, in the whole order
-    lb = dones_before - dones_before[start]  # ... of the same key
-    reqs_before = np.cumsum(~d_o) - (~d_o)
-    k = reqs_before - reqs_before[start]  # the request's index among its key's requests
+    dones_before: np.ndarray = np.cumsum(d_o) - d_o  # completions strictly before, in the whole order
+    lb: np.ndarray = dones_before - dones_before[start]  # ... of the same key
+    reqs_before: np.ndarray = np.cumsum(~d_o) - (~d_o)
+    k: np.ndarray = reqs_before - reqs_before[start]  # the request's index among its key's requests
     req_pos = np.flatnonzero(~d_o)
     big = len(order) + 1
     v = (lb[req_pos] - k[req_pos]) + g_o[req_pos] * big  # running maximum within each key
@@ -590,9 +590,9 @@ def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
     # (comm, rank) of every rank that recorded point to point: a partner outside it has no node file
     ranks_seen: set[tuple[int, int]] = set()
     if len(lone_s) or len(lone_r):
-        for side, col in ((S, "src"), (R, "dst")):
-            for comm in np.unique(side["comm"]):
-                ranks_seen |= {(int(comm), int(r)) for r in np.unique(side[col][side["comm"] == comm])}
+        for rows_of_side, col in ((S, "src"), (R, "dst")):
+            for comm in np.unique(rows_of_side["comm"]):
+                ranks_seen |= {(int(comm), int(r)) for r in np.unique(rows_of_side[col][rows_of_side["comm"] == comm])}
     if wildcard_dst and len(lone_s):
         # a send to a rank that posts wildcard receives may well be one of those: unpaired, not lost
         to_wild = np.array([k in wildcard_dst for k in zip(S["comm"][lone_s].tolist(), S["dst"][lone_s].tolist())],

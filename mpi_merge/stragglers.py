@@ -777,7 +777,7 @@ def _on_cpu_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], s
     b = np.array([st.span_hi[w] for w in windows])
 
     def merged(ranks: list[int]) -> tuple[int, list[tuple[str, float]]]:
-        total, share = 0, {}
+        total, share = 0, dict[str, float]()
         for r in ranks:
             ni, pid = int(c.node_of_rank[r]), int(c.pid_of_rank[r])
             o = node_on_cpu[ni].get(pid) if 0 <= ni < len(node_on_cpu) else None
