@@ -76,6 +76,20 @@ class ClockMap:
         return m + base + np.round(delta).astype(np.int64)
 
 
+def bins_overlapping(t_rt: np.ndarray, bin_ns: int, a: np.ndarray, b: np.ndarray, epoch_rt: int) -> np.ndarray:
+    """[bins] bool: the bins (starts t_rt, realtime ns, each bin_ns long) that overlap any of the
+    ranges [a, b) (aligned ns from epoch_rt; bins start on the node's realtime clock, whose error is
+    nothing against a bin)."""
+    t = (t_rt - epoch_rt).astype(np.float64)
+    lo = np.searchsorted(t + bin_ns, a, side="right")
+    hi = np.searchsorted(t, b, side="left")
+    mark = np.zeros(len(t) + 1, np.int64)
+    ok = hi > lo
+    np.add.at(mark, lo[ok], 1)
+    np.add.at(mark, hi[ok], -1)
+    return np.cumsum(mark[:-1]) > 0
+
+
 @dataclass
 class OnCpuBins:
     """CPU samples of one process, binned like the node's series: per (bin, function) the samples
@@ -92,14 +106,7 @@ class OnCpuBins:
     def top(self, a: np.ndarray, b: np.ndarray, epoch_rt: int, n: int = 3) -> tuple[int, list[tuple[str, float]]]:
         """Samples in the bins overlapping any range [a, b) (aligned ns) and the n functions with the
         largest share of them."""
-        t = (self.t_rt - epoch_rt).astype(np.float64)
-        lo = np.searchsorted(t + self.bin_ns, a, side="right")
-        hi = np.searchsorted(t, b, side="left")
-        used = np.zeros(len(t) + 1, np.int64)
-        ok = hi > lo
-        np.add.at(used, lo[ok], 1)
-        np.add.at(used, hi[ok], -1)
-        in_bins = (np.cumsum(used[:-1]) > 0)[self.bin]
+        in_bins = bins_overlapping(self.t_rt, self.bin_ns, a, b, epoch_rt)[self.bin]
         per = np.bincount(self.label[in_bins], weights=self.count[in_bins], minlength=len(self.labels))
         total = int(per.sum())
         order = np.argsort(-per, kind="stable")[:n]

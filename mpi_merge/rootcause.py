@@ -301,6 +301,7 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
     gcomm, gseq, gids, seqs = _instance_order(comms)
     n = len(gcomm)
     base = [exit_baselines(c, tm) for c, tm in zip(comms, times)]
+    units = [comm_units(c) for c in comms]
     f = {name: np.zeros(n) for name in ("wait", "own", "exit", "asym", "prop", "late", "xd", "b", "cx", "px", "e", "held")}
     ptr = np.full(n, -1, np.int64)
     waitee = np.full(n, -1, np.int64)
@@ -335,7 +336,8 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
             cells = slice(o, o + nr * sz)
             o += nr * sz
             _attribute_rows(comms[ci], gseq[sel], sel, E, comb, back[cells].reshape(nr, sz, RING),
-                            before[:, cells].reshape(3, nr, sz), procs[ci], f, ptr, waitee, proc_l, attributed)
+                            before[:, cells].reshape(3, nr, sz), procs[ci], units[ci], f, ptr, waitee, proc_l,
+                            attributed)
         s0 = s1
     return Blame(gcomm, gseq, f["wait"], f["own"], f["exit"], f["asym"], f["prop"], ptr, waitee, proc_l, f["late"],
                  f["xd"], f["b"], f["cx"], f["held"], f["px"], f["e"], attributed, gids, seqs, procs, base)
@@ -386,7 +388,8 @@ def _ring_lookup(proc: np.ndarray, vals: np.ndarray, ring: np.ndarray) -> tuple[
 
 
 def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.ndarray, comb: np.ndarray,
-                    back: np.ndarray, before: np.ndarray, procs: np.ndarray, f: dict[str, np.ndarray],
+                    back: np.ndarray, before: np.ndarray, procs: np.ndarray, units: np.ndarray,
+                    f: dict[str, np.ndarray],
                     ptr: np.ndarray, waitee: np.ndarray, proc_l: np.ndarray, attributed: np.ndarray) -> None:
     """One communicator's rows of a span: each row's waits split, waiter by waiter, over the parts of
     the waitee's and the waiter's time since the last instance both were in (module docstring)."""
@@ -457,7 +460,6 @@ def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.nda
         f["cx"][g] = parts[0].sum(axis=1) / nw
         f["xd"][g] = parts[1].sum(axis=1) / nw
         f["b"][g] = parts[2].sum(axis=1) / nw
-        units = comm_units(c)
         uL = units[L]
         others = np.where(units[None, :] == uL[:, None], -np.inf, E).max(axis=1)
         f["held"][g] = np.where(sync & np.isfinite(others), eL - others, 0.0)

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.mpi_merge.common import block_rows, quiet_nan
-from gpuprof.mpi_merge.loading import OnCpuBins, Series
+from gpuprof.mpi_merge.loading import OnCpuBins, Series, bins_overlapping
 from gpuprof.mpi_merge.rootcause import (
     AlignedRows,
     Blame,
@@ -450,8 +450,8 @@ def _explained_by_wider(kept: list[_Test], comms: list[CommSummary], stats: dict
             out.append(t)
             continue
         dropped.append({"comm_id": stats[t.ci].name, "window": t.w, "units": 1, "ranks": t.ranks,
-                        "held_share": [round(t.held_share, 4)], "next_held_share": round(t.next_held_ns and
-                                                                                          t.held_share * t.next_held_ns / max(t.held_ns, 1.0), 4),
+                        "held_share": [round(t.held_share, 4)],
+                        "next_held_share": round(t.held_share * t.next_held_ns / max(t.held_ns, 1.0), 4),
                         "why": f"explained by the straggler of the wider communicator {stats[by.ci].name}"})
     return out, dropped
 
@@ -841,19 +841,10 @@ def _p(x: float) -> str:
 
 
 def _bins_mean(s: Series, a: np.ndarray, b: np.ndarray, epoch_rt: int) -> float:
-    """Mean of a binned series over the bins that overlap any of the ranges [a, b) (aligned ns; bins
-    start on the node's realtime clock: its error is nothing against the bins)."""
+    """Mean of a binned series over the bins that overlap any of the ranges [a, b) (aligned ns)."""
     if not len(s.values) or not len(a):
         return float("nan")
-    t = (s.t_rt - epoch_rt).astype(np.float64)
-    lo = np.searchsorted(t + s.bin_ns, a, side="right")
-    hi = np.searchsorted(t, b, side="left")
-    mark = np.zeros(len(t) + 1, np.int64)
-    ok = hi > lo
-    np.add.at(mark, lo[ok], 1)
-    np.add.at(mark, hi[ok], -1)
-    sel = np.cumsum(mark[:-1]) > 0
-    v = s.values[sel]
+    v = s.values[bins_overlapping(s.t_rt, s.bin_ns, a, b, epoch_rt)]
     v = v[np.isfinite(v)]
     return float(v.mean()) if len(v) else float("nan")
 
