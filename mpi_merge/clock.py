@@ -26,8 +26,15 @@ clocks drift within it):
      kernel's slew limit (|drift| <= 500 ppm): the points are clipped into the tube that the bound
      leaves around the intervals; when no such tube exists the data ask for more than 500 ppm and
      the model says so. Steps 1-3 are repeated against the current model (evaluated at each
-     instance, so the drift it already has is removed before the next constant is fitted).
-After alignment no instance violates causality beyond `violation_tol_ns` (counted and reported).
+     instance, so the drift it already has is removed before the next constant is fitted);
+  4. the exact last step (_repair_exact): constants joined linearly cannot follow a slewing clock
+     within the microseconds that matched messages allow, so the intervals of the model that still
+     hold an instance out of order get more knots, and each run of them is solved as a linear
+     program (HiGHS): the knot values nearest the model's (L1) that keep every instance there in
+     order with |drift| <= 500 ppm; a run with no solution is grown up to the whole model. Only what
+     no clock within the slew limit can put in order is called inconsistent (and stays counted).
+After alignment no instance violates causality beyond `violation_tol_ns` unless the data contradict
+every physical clock (counted and reported).
 
 Method "bounds" (the previous default, kept for comparison), per window of `window_s`:
   1. start from the exit-synchronous estimate (all ranks leave an N-to-N collective at about the same
@@ -49,7 +56,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -862,15 +869,13 @@ def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarr
 
 
 def _piece_point(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece], base: np.ndarray, ref: int,
-                 i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Piece i's joint correction back towards the prior (_joint), or the nodes of its contradicting
-    constraints when there is none."""
+                 i: int) -> np.ndarray | None:
+    """Piece i's joint correction back towards the prior (_joint), None when its constraints contradict."""
     pc = pieces[i]
     if not pc.consistent:
-        return None, None
+        return None
     E, X = _residual(rows, clocks, pc.r0, pc.r1)
-    d = _joint(E, X, -base[i], *_ref_box(rows.n_cols, ref))
-    return d, (np.isfinite(E).any(axis=0) if d is None else None)
+    return _joint(E, X, -base[i], *_ref_box(rows.n_cols, ref))
 
 
 def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, p: ClockParams,
@@ -886,9 +891,11 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
     models = [NodeClockModel("", True, "", np.array([t[0]]), zero.copy(), zero.copy(), max_drift_ppm=p.max_drift_ppm)
               for _ in range(n)]
     pieces: list[_Piece] = []
-    notes = [""] * n  # sticky: a later iteration, fitted against a corrected model, may not see it
-    contradicted = np.zeros(n, bool)
+    notes = [""] * n
     for it in range(max(1, p.max_iterations)):
+        # the tube of the last round decides: the first rounds fit constants against a model that does
+        # not drift yet, and a drifting clock then looks like one that needs more than the bound
+        notes = [""] * n
         # each round fits constants against the last round's model; joined linearly they can leave a
         # few instances out of order between two points: go on until none is (or the data say why)
         if it >= p.iterations and _violations(rows, models, p.violation_tol_ns, spread) == 0:
@@ -916,11 +923,9 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
             # then per node the path nearest those points with bounded drift inside the node's tube
             joint = functools.partial(_piece_point, rows, clocks, pieces, base, ref)
             want = base.copy()
-            for i, (d, bad_nodes) in enumerate(spread.map(joint, len(pieces))):
-                if d is not None:
+            for i, d in enumerate(spread.map(joint, len(pieces))):
+                if d is not None:  # else: contradicting (what stays out of order is judged at the end)
                     want[i] = base[i] + d
-                elif bad_nodes is not None:
-                    contradicted |= bad_nodes
             for a in range(n):
                 if a != ref:
                     pts[:, a] = _bounded_path(tp, want[:, a], tube_lo[:, a], tube_hi[:, a], s)
@@ -940,8 +945,6 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                     d = _joint(E, X, np.zeros(n), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
                     if d is None:  # the constraints win over the drift bound (said below, if it shows)
                         d = _joint(E, X, np.zeros(n), *_ref_box(n, ref))
-                    if d is None:
-                        contradicted |= np.isfinite(E).any(axis=0)
                 pts[i] = base[i] + (d if d is not None else 0.0)
         tp_all = np.concatenate([[t[0]], tp, [t[-1]]])
         new_models = []
@@ -955,6 +958,16 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                                              point_lo=la, point_hi=ha, inconsistent=notes[a],
                                              max_drift_ppm=p.max_drift_ppm))
         models = new_models
+    models, unrepaired = _repair_exact(rows, t, models, ref, p, spread)
+    for a, m in enumerate(models):
+        # what the data say, from the final model: a node whose rows are all in order on a clock within
+        # the slew limit is consistent, whatever the rounds' constant pieces suggested on the way
+        if unrepaired[a]:
+            m.inconsistent = (f"no clock with |drift| <= {p.max_drift_ppm:.0f} ppm (the kernel's slew limit) keeps "
+                              "every collective and message of this node in order: the data are inconsistent with "
+                              "any physical clock (the instances left out of order are counted)")
+        elif not np.any(np.abs(m.seg_drift_ppm) > p.max_drift_ppm * (1 + 1e-9)):
+            m.inconsistent = ""
     # what the final pieces say about each node: its error interval and where nothing constrained it
     for a, m in enumerate(models):
         if a == ref:
@@ -982,8 +995,206 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         m.unconstrained_spans = spans
         if not widths:
             m.reason = "no collective constrains this node's clock: it keeps its wall clock (the prior)"
-        if contradicted[a]:
-            extra = ("some instances contradict every clock correction (a cycle of causality constraints: "
-                     "this node's timestamps disagree with the others'); the prior is kept there")
-            m.inconsistent = f"{m.inconsistent}; {extra}" if m.inconsistent else extra
     return models
+
+
+# --- the exact last step: what the pieces' points, joined linearly, still leave out of order -------
+REPAIR_ROUNDS = 4
+REPAIR_SUBKNOTS = 8  # each interval of the model that holds a violation gets this many pieces
+REPAIR_MIN_GAP_NS = 5e6  # intervals are not cut into pieces shorter than this
+REPAIR_PAD_NS = 50e6  # rows this close to a region are in its program too (their times straddle a knot)
+
+
+def _violation_rows(rows: InstanceRows, models: list[NodeClockModel], tol_ns: float, spread: Spread) -> np.ndarray:
+    """Rows (time order) where, after alignment, some node left before the last node entered (beyond tol)."""
+    blocks = row_blocks(rows.n_rows, rows.n_cols)
+    clocks = RankClocks(list(models))
+
+    def find(b: int) -> np.ndarray:
+        E, Xmin, _ = rows.take(_all(*blocks[b]))
+        with quiet_nan():
+            bad = np.nanmin(clocks.align(Xmin), axis=1) < np.nanmax(clocks.align(E), axis=1) - tol_ns
+        return np.flatnonzero(bad) + blocks[b][0]
+
+    found = list((spread or SerialSpread()).map(find, len(blocks)))
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
+def _knot_weights(T: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The piecewise-linear function through values at knots T, at times tau, as weights on two knots
+    (i, i + 1): exactly NodeClockModel.offset_ns (the first piece extended backwards, constant after
+    the last knot). Returns (i, weight of i, weight of i + 1); i + 1 is clipped to the last knot."""
+    K = len(T) - 1
+    i = np.clip(np.searchsorted(T, tau, side="right") - 1, 0, K)
+    last = i >= K
+    ii = np.minimum(i, K - 1)
+    lam = np.where(last, 1.0, (tau - T[ii]) / np.maximum(T[ii + 1] - T[ii], 1.0))
+    return ii, 1.0 - lam, lam
+
+
+def _solve_region(rows: InstanceRows, t: np.ndarray, T: np.ndarray, P: np.ndarray, ref: int, k0: int, k1: int,
+                  s: float, tol_ns: float) -> np.ndarray | None:
+    """New values of the knots k0 .. k1 (k0 and k1 stay, unless they are the model's first or last
+    knot, which nothing beyond them holds; the reference stays): the ones
+    nearest the current values P (L1) with which every row near the region is in causal order and
+    every node drifts by at most s between knots: a linear program (HiGHS through scipy). None when
+    there are none (with these end knots: the caller grows the region)."""
+    from scipy.optimize import linprog
+    from scipy.sparse import bmat, coo_matrix, csr_matrix, hstack, identity, vstack
+
+    n = P.shape[1]
+    free_nodes = [a for a in range(n) if a != ref]
+    f0, f1 = (k0 if k0 == 0 else k0 + 1), (k1 + 1 if k1 == len(T) - 1 else k1)  # free knots f0 .. f1 - 1
+    kf = np.arange(f0, f1)
+    if not len(kf) or not free_nodes:
+        return P[k0:k1 + 1].copy()
+    col_of_node = np.full(n, -1)
+    col_of_node[free_nodes] = np.arange(len(free_nodes))
+    nv = len(kf) * len(free_nodes)
+
+    def var(k: np.ndarray, a: np.ndarray) -> np.ndarray:
+        """Variable index of knot k of node a, -1 where that value is fixed."""
+        ok = (k >= f0) & (k < f1) & (col_of_node[a] >= 0)
+        return np.where(ok, (k - f0) * len(free_nodes) + col_of_node[a], -1)
+
+    r0, r1 = np.searchsorted(t, [T[k0] - REPAIR_PAD_NS, T[k1] + REPAIR_PAD_NS])
+    idx = np.arange(r0, r1)
+    E, X, _ = rows.take(idx)
+    # every pair (a leaves, b entered) of a row: o_a(X_a) - o_b(E_b) <= X_a - E_b. A pair with more
+    # slack than both nodes can move inside the region (2 s per unit of its length, each) stays
+    # satisfied and is left out.
+    cap = 2 * s * float(T[k1] - T[k0]) * 2 + tol_ns
+    terms_r, terms_v, terms_w, rhs = [], [], [], []
+    m = 0
+    for a in range(n):
+        xa = X[:, a]
+        ia, wa0, wa1 = _knot_weights(T, xa)
+        oa = wa0 * P[ia, a] + wa1 * P[ia + 1, a]
+        for b in range(n):
+            if b == a:
+                continue
+            eb = E[:, b]
+            ib, wb0, wb1 = _knot_weights(T, eb)
+            ob = wb0 * P[ib, b] + wb1 * P[ib + 1, b]
+            with quiet_nan():
+                slack = (xa - oa) - (eb - ob)
+            keep = np.flatnonzero(np.isfinite(slack) & (slack < cap))
+            if not len(keep):
+                continue
+            rid = m + np.arange(len(keep))
+            m += len(keep)
+            for kk, w, sign, node in ((ia, wa0, 1.0, a), (ia + 1, wa1, 1.0, a), (ib, wb0, -1.0, b),
+                                      (ib + 1, wb1, -1.0, b)):
+                v = var(kk[keep], np.full(len(keep), node))
+                use = (v >= 0) & (w[keep] != 0.0)
+                terms_r.append(rid[use])
+                terms_v.append(v[use])
+                terms_w.append(sign * w[keep][use])
+            rhs.append(slack[keep])
+    if not m:
+        return P[k0:k1 + 1].copy()
+    A_c = coo_matrix((np.concatenate(terms_w), (np.concatenate(terms_r), np.concatenate(terms_v))), shape=(m, nv))
+    b_c = np.concatenate(rhs)
+    # drift between consecutive knots k, k + 1 of the region, each free node: |dP + change| <= s dT
+    kk, aa = (x.ravel() for x in np.meshgrid(np.arange(k0, k1), np.asarray(free_nodes), indexing="ij"))
+    g = s * (T[kk + 1] - T[kk])
+    d = P[kk + 1, aa] - P[kk, aa]
+    v1, v0 = var(kk + 1, aa), var(kk, aa)
+    dr, dv, dw = [], [], []
+    for sign, first in ((1.0, 0), (-1.0, len(kk))):  # change(k+1) - change(k) <= g - d, and >= -g - d
+        for v, w in ((v1, sign), (v0, -sign)):
+            use = v >= 0
+            dr.append(first + np.flatnonzero(use))
+            dv.append(v[use])
+            dw.append(np.full(int(use.sum()), w))
+    A_d = coo_matrix((np.concatenate(dw), (np.concatenate(dr), np.concatenate(dv))), shape=(2 * len(kk), nv))
+    db = np.concatenate([g - d, g + d])
+    # |change| <= u: minimise the sum of u
+    eye = identity(nv, format="csr")
+    A_abs = bmat([[eye, -eye], [-eye, -eye]])
+    c = np.concatenate([np.zeros(nv), np.ones(nv)])
+    bounds = [(None, None)] * nv + [(0, None)] * nv
+    main = vstack([A_c, A_d])
+    A = vstack([hstack([main, csr_matrix((main.shape[0], nv))]), A_abs]).tocsr()
+    res = linprog(c, A_ub=A, b_ub=np.concatenate([b_c, db, np.zeros(2 * nv)]), bounds=bounds, method="highs")
+    if res.status == 0:
+        out = P[k0:k1 + 1].copy()
+        out[f0 - k0:f1 - k0] += _unflatten(res.x[:nv], kf, free_nodes, n)
+        return out
+    return None
+
+
+def _unflatten(x: np.ndarray, kf: np.ndarray, free_nodes: list[int], n: int) -> np.ndarray:
+    out = np.zeros((len(kf), n))
+    out[:, free_nodes] = x.reshape(len(kf), len(free_nodes))
+    return out
+
+
+def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, p: ClockParams,
+                  spread: Spread) -> tuple[list[NodeClockModel], np.ndarray]:
+    """The rounds above fit one constant per piece and join the pieces' points linearly; where the
+    constraints are tight (matched messages between nodes: microseconds) and the clocks drift, the
+    line between two points can leave rows out of order. Here each interval of the model that holds
+    such a row (with its neighbours) gets REPAIR_SUBKNOTS knots, and the knots of each run of such
+    intervals are solved exactly (_solve_region): the nearest model that keeps every row in order. A
+    run whose end knots, held where the rounds put them, leave no solution is grown (doubled on each
+    side, up to the whole model). Returns the models (all on the same knots, as the rounds' are) and
+    the nodes of rows that no clock keeps in order."""
+    n = len(models)
+    s = p.max_drift_ppm * 1e-6
+    unrepaired = np.zeros(n, bool)
+    for _ in range(REPAIR_ROUNDS):
+        bad = _violation_rows(rows, models, p.violation_tol_ns, spread)
+        T = models[0].seg_start
+        if not len(bad) or len(T) < 2:
+            break
+        K = len(T) - 1
+        iv = np.clip(np.searchsorted(T, t[bad], side="right") - 1, 0, K - 1)
+        marked = np.unique(np.clip(np.concatenate([iv - 1, iv, iv + 1]), 0, K - 1))
+        long_ = marked[T[marked + 1] - T[marked] > REPAIR_MIN_GAP_NS * REPAIR_SUBKNOTS]
+        frac = np.arange(1, REPAIR_SUBKNOTS) / REPAIR_SUBKNOTS
+        T_new = np.union1d(T, (T[long_][:, None] + (T[long_ + 1] - T[long_])[:, None] * frac[None, :]).ravel())
+        P = np.column_stack([m.offset_ns(T_new) for m in models])
+        P[:, ref] = 0.0
+        # runs of marked intervals, as knot ranges of T_new
+        runs: list[tuple[int, int]] = []
+        for i in marked:
+            a, b = int(np.searchsorted(T_new, T[i])), int(np.searchsorted(T_new, T[i + 1]))
+            if runs and runs[-1][1] >= a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+
+        def solve(P: np.ndarray, run: tuple[int, int]) -> np.ndarray | None:
+            return _solve_region(rows, t, T_new, P, ref, run[0], run[1], s, 0.0)
+
+        failed = []
+        for run, got in zip(runs, spread.map(lambda i: solve(P, runs[i]), len(runs))):
+            if got is None:
+                failed.append(run)
+            else:
+                P[run[0]:run[1] + 1] = got
+        for a, b in failed:  # rare: grown one after the other, each on what the others left
+            last = len(T_new) - 1
+            while True:
+                width = b - a
+                a, b = max(0, a - width), min(last, b + width)
+                got = solve(P, (a, b))
+                if got is not None:
+                    P[a:b + 1] = got
+                    break
+                if a == 0 and b == last:
+                    E, _, _ = rows.take(bad)
+                    unrepaired |= np.isfinite(E).any(axis=0)
+                    break
+        models = [_with_knots(m, T_new, P[:, j], p.max_drift_ppm) for j, m in enumerate(models)]
+    return models, unrepaired
+
+
+def _with_knots(m: NodeClockModel, T: np.ndarray, P: np.ndarray, max_drift_ppm: float) -> NodeClockModel:
+    """m on knots T with values P (its intervals interpolated at the new knots)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        drift = np.append(np.diff(P) / np.maximum(np.diff(T), 1.0) * 1e6, 0.0)
+    lo, hi = m.interval_ns(T) if not m.is_reference else (np.zeros(len(T)), np.zeros(len(T)))
+    return replace(m, seg_start=T, seg_offset=P, seg_drift_ppm=drift, point_lo=lo, point_hi=hi,
+                   max_drift_ppm=max_drift_ppm)

@@ -262,3 +262,4 @@ def test_node_without_collectives_for_a_while_keeps_the_prior_there() -> None:
     # in the gap the offset may only move back towards the prior at the slew limit
     mid = float(m.offset_ns(np.array([16e9]))[0])
     assert 4e6 - 500e-6 * 5.5e9 - 1 <= mid <= 4e6 + 1
+

@@ -5,7 +5,9 @@ the injection; and the clock fit judged on re-timed copies of those recordings. 
     {"bench": "real_diagnosis", "app", "fault", "runs", "precision", "recall", "cause_accuracy",
      "findings_on_balanced"}            per (app, fault), then app = fault = "all" (the totals)
     {"bench": "clock_real", "rms_error_us", "raw_wall_clock_us", "interval_coverage",
-     "causality_violations", "recordings"}
+     "causality_violations", "pinned_rms_error_us", "pinned_calls", "recordings"}
+    (interval_coverage: the truth inside the reported interval, over every call of every node;
+     pinned_*: the calls whose interval is at most retime.PINNED_US wide)
 
     .venv/bin/python tests/bench/bench_real.py [--quick] [--rescore] [--runs N] [--apps a,b] [--faults x,y]
 
@@ -61,6 +63,7 @@ def clock_real(cache: Path, run_names: list[str]) -> dict[str, Any]:
     raws: list[float] = []
     coverage: list[float] = []
     violations: list[int] = []
+    pinned: list[tuple[int, float]] = []  # (calls, rms) of the calls whose interval pins the clock
     used = 0
     notes = []
     for name in run_names:
@@ -95,6 +98,8 @@ def clock_real(cache: Path, run_names: list[str]) -> dict[str, Any]:
                 coverage.append(s.interval_coverage)
             if s.causality_violations is not None:
                 violations.append(int(s.causality_violations))
+            if s.pinned.get("calls"):
+                pinned.append((int(s.pinned["calls"]), float(s.pinned["rms_error_us"])))
 
     def rms(x: list[float]) -> float | None:
         return round(float(np.sqrt(np.mean(np.square(x)))), 3) if x else None
@@ -102,6 +107,10 @@ def clock_real(cache: Path, run_names: list[str]) -> dict[str, Any]:
     return {"bench": "clock_real", "rms_error_us": rms(errs), "raw_wall_clock_us": rms(raws),
             "interval_coverage": round(float(np.mean(coverage)), 4) if coverage else None,
             "causality_violations": int(sum(violations)) if violations else None,
+            # where the constraints pin a clock to an interval <= retime.PINNED_US wide
+            "pinned_rms_error_us": (round(float(np.sqrt(sum(c * r * r for c, r in pinned) / sum(c for c, _ in pinned))), 3)
+                                    if pinned else None),
+            "pinned_calls": sum(c for c, _ in pinned), "pinned_width_us": retime.PINNED_US,
             "recordings": used, "notes": notes[:10],
             "interval_note": None if coverage else "the report's nodes[].clock has no interval_lo_us/interval_hi_us"}
 
