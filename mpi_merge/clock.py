@@ -1102,11 +1102,11 @@ def _solve_region(rows: InstanceRows, t: np.ndarray, T: np.ndarray, P: np.ndarra
     v1, v0 = var(kk + 1, aa), var(kk, aa)
     dr, dv, dw = [], [], []
     for sign, first in ((1.0, 0), (-1.0, len(kk))):  # change(k+1) - change(k) <= g - d, and >= -g - d
-        for v, w in ((v1, sign), (v0, -sign)):
+        for v, coef in ((v1, sign), (v0, -sign)):
             use = v >= 0
             dr.append(first + np.flatnonzero(use))
             dv.append(v[use])
-            dw.append(np.full(int(use.sum()), w))
+            dw.append(np.full(int(use.sum()), coef))
     A_d = coo_matrix((np.concatenate(dw), (np.concatenate(dr), np.concatenate(dv))), shape=(2 * len(kk), nv))
     db = np.concatenate([g - d, g + d])
     # |change| <= u: minimise the sum of u
@@ -1165,11 +1165,10 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
             else:
                 runs.append((a, b))
 
-        def solve(P: np.ndarray, run: tuple[int, int]) -> np.ndarray | None:
-            return _solve_region(rows, t, T_new, P, ref, run[0], run[1], s, 0.0)
-
+        solve = functools.partial(_solve_region, rows, t, T_new, ref=ref, s=s, tol_ns=0.0)
+        first = functools.partial(_solve_run, solve, P, runs)
         failed = []
-        for run, got in zip(runs, spread.map(lambda i: solve(P, runs[i]), len(runs))):
+        for run, got in zip(runs, spread.map(first, len(runs))):
             if got is None:
                 failed.append(run)
             else:
@@ -1179,7 +1178,7 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
             while True:
                 width = b - a
                 a, b = max(0, a - width), min(last, b + width)
-                got = solve(P, (a, b))
+                got = solve(P, k0=a, k1=b)
                 if got is not None:
                     P[a:b + 1] = got
                     break
@@ -1189,6 +1188,11 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
                     break
         models = [_with_knots(m, T_new, P[:, j], p.max_drift_ppm) for j, m in enumerate(models)]
     return models, unrepaired
+
+
+def _solve_run(solve: Callable[..., np.ndarray | None], P: np.ndarray, runs: list[tuple[int, int]],
+               i: int) -> np.ndarray | None:
+    return solve(P, k0=runs[i][0], k1=runs[i][1])
 
 
 def _with_knots(m: NodeClockModel, T: np.ndarray, P: np.ndarray, max_drift_ppm: float) -> NodeClockModel:

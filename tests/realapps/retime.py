@@ -167,7 +167,7 @@ PINNED_US = 20.0
 
 def _pinned(errs: list[np.ndarray], n_all: int) -> dict[str, Any]:
     e = np.concatenate(errs) if errs else np.zeros(0)
-    return {"width_us": PINNED_US, "calls": int(len(e)), "share": round(len(e) / n_all, 4) if n_all else None,
+    return {"width_us": PINNED_US, "calls": len(e), "share": round(len(e) / n_all, 4) if n_all else None,
             "rms_error_us": round(float(np.sqrt(np.mean(e**2))), 3) if len(e) else None}
 
 
