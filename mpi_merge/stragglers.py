@@ -99,6 +99,7 @@ class StragglerParams:
     runnable_ratio: float = 1.1  # the MPI threads' run-queue time this much above peers = host-bound evidence
     p2p_min_wait_ns: float = 20_000.0  # a Late Sender wait shorter than this is no event
     offcpu_min_ns_per_s: float = 50e6  # ... and at least this much more per second (5 % of the time)
+    peer_on_cpu_ratio: float = 0.6  # a peer on CPU at most this share of the others' time was held off it
     # "rootcause": the rank was the origin (own compute or exit delay) of the waits it ended;
     # "last_share": the rank arrived last (no root-cause split; for comparison);
     # "score": arrived last and median-ratio score below score_threshold
@@ -136,9 +137,12 @@ class Finding:
     propagated: list[dict[str, Any]] = field(default_factory=list)  # {comm_id, ranks, wait_ns}
     evidence: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    # an exit delay that a peer not running at the time explains: why it is no finding ('' otherwise)
+    explained_by_peer: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d.pop("explained_by_peer")
         d["comm_id"] = "point to point" if self.kind == "late sender" else f"{self.comm_id:#x}"
         d["propagated"] = [dict(p) for p in self.propagated]
         return d
@@ -402,6 +406,12 @@ def find_stragglers(
     if node_on_cpu is not None:
         for f, (_, tests) in zip(findings, sorted(by_node.items())):
             _on_cpu_evidence(f, tests, comms, stats, node_on_cpu, epoch_rt)
+    for f in findings:
+        if f.explained_by_peer:
+            imbalance.append({"comm_id": f"{f.comm_id:#x}", "node": f.node, "ranks": f.ranks,
+                              "held_share": [round(f.held_share, 4)], "next_held_share": round(f.next_held_share, 4),
+                              "why": f.explained_by_peer})
+    findings = [f for f in findings if not f.explained_by_peer]
     named = {f.node for f in findings}
     for ni, tests in sorted(p2p_kept.items()):
         if node_names[ni] in named:  # also late at collectives: that finding says more
@@ -761,7 +771,8 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
         next_held_share=most.held_share * (most.next_held_ns / most.held_ns) if most.held_ns > 0 else 0.0,
         propagated=propagated,
     )
-    _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_series, float(st.clock_floor[main.r]), epoch_rt, p)
+    _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_names, node_series, float(st.clock_floor[main.r]),
+              epoch_rt, p)
     return f
 
 
@@ -835,6 +846,39 @@ def _process_offcpu(c: CommSummary, ranks: list[int], st: _CommStats, windows: l
     return out
 
 
+def _peer_not_running(c: CommSummary, ranks: list[int], st: _CommStats, windows: list[int], node_names: list[str],
+                      node_series: list[dict[str, Series]], epoch_rt: int, p: StragglerParams) -> str:
+    """Why a late exit of `ranks` is a wait inside the collective, or '': another rank of the
+    communicator (on another node) whose MPI threads were, in the flagged windows, off CPU and not
+    runnable (stopped, sleeping) or on CPU far less than the others (held off it: run-queue time, a
+    co-runner), by the same margins as a straggler's own evidence. A ring or tree collective returns
+    on a rank only after the data of the others reached it."""
+    ms = 1e6
+    mine = set(ranks)
+    nodes_mine = {int(c.node_of_rank[r]) for r in ranks}
+    for r in range(c.size):
+        if r in mine or int(c.node_of_rank[r]) in nodes_mine:
+            continue
+        off = _process_offcpu(c, [r], st, windows, node_series, epoch_rt)
+        blk, blk_p, rq, rq_p = (off[k] for k in ("blocked_ns_per_s", "blocked_ns_per_s_peers", "runnable_ns_per_s",
+                                                 "runnable_ns_per_s_peers"))
+        if not all(np.isfinite(x) for x in (blk, blk_p, rq, rq_p)):
+            continue
+        stopped = blk - blk_p >= p.offcpu_min_ns_per_s and blk >= p.offcpu_ratio * blk_p
+        on_cpu, on_cpu_p = 1e9 - blk - rq, 1e9 - blk_p - rq_p
+        held_off = ((blk + rq) - (blk_p + rq_p) >= p.offcpu_min_ns_per_s and on_cpu_p > 0
+                    and on_cpu <= p.peer_on_cpu_ratio * on_cpu_p)
+        if stopped or held_off:
+            what = (f"off CPU and not runnable {blk / ms:.0f} ms/s vs {blk_p / ms:.0f} ms/s" if stopped else
+                    f"on CPU {on_cpu / ms:.0f} ms/s vs {on_cpu_p / ms:.0f} ms/s")
+            ni = int(c.node_of_rank[r])
+            where = f" ({node_names[ni]})" if 0 <= ni < len(node_names) else ""
+            return (f"its collectives returned late while rank {r}{where} was not running "
+                    f"({what} for the other ranks, eBPF off-CPU time of its MPI threads): a wait inside the "
+                    "collective, not the network")
+    return ""
+
+
 def _p(x: float) -> str:
     """A p-value for the evidence; below the smallest double it is only bounded."""
     return f"{x:.2g}" if x > 0 else "<1e-300"
@@ -879,8 +923,8 @@ def _rank_gpu(comms: list[CommSummary], blame: Blame, ci: int, r: int, ni: int, 
 
 def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSummary], blame: Blame, st: _CommStats,
               g_ev: np.ndarray,
-              ni: int, node_series: list[dict[str, Series]], clock_floor: float, epoch_rt: int,
-              p: StragglerParams) -> None:
+              ni: int, node_names: list[str], node_series: list[dict[str, Series]], clock_floor: float,
+              epoch_rt: int, p: StragglerParams) -> None:
     ms = 1e6
     by_node = main.p0 * comms[main.ci].size > 1 or len(set(np.asarray(comms[main.ci].node_of_rank).tolist())) > 1
     f.evidence.append(
@@ -940,6 +984,13 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
             + ": the process was not running, not the network")
         return
     if f.kind == "exit delay":
+        peer = _peer_not_running(comms[main.ci], f.ranks, st, flagged_windows(tests, main), node_names, node_series,
+                                 epoch_rt, p)
+        if peer:
+            # the collective returned late here because a peer it needed data from was not running:
+            # a wait inside the collective, whose origin is that peer (its own finding, if it is one)
+            f.explained_by_peer = peer
+            return
         f.cause = "network"
         f.evidence.append(
             f"the previous collective returned {ex / ms:.3f} ms later on this rank than on the median rank, beyond "

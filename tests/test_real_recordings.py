@@ -92,3 +92,21 @@ def test_retimed_hpcc_recording_is_aligned_without_violations(tmp_path: Path) ->
     assert s.rms_error_us is not None and s.raw_wall_clock_us is not None
     assert s.rms_error_us < s.raw_wall_clock_us / 10  # ms injected, ~0.1-0.2 ms left (intervals of tens of us)
     assert s.interval_coverage is not None and s.interval_coverage >= 0.95
+
+
+def test_exit_delay_behind_a_stopped_peer_is_not_the_network(tmp_path: Path) -> None:
+    """A real HPCC recording with node3's rank stopped 30 % of every 200 ms from outside (SIGSTOP /
+    SIGCONT): node3 is the one root cause (host: its MPI threads off CPU and not runnable). Node4's
+    collectives also return late in one window, because the collective needs data from the stopped
+    rank: a wait inside the collective, listed with that reason, not a NETWORK finding of its own
+    (which the report made before the peers' off-CPU time was read)."""
+    d = tmp_path / "sigstop.gpuprof.d"
+    shutil.copytree(RECORDINGS / "hpcc-sigstop-4nodes", d)
+    res = merge(str(d), output_stem=str(tmp_path / "sigstop"))
+    # partial only for 4 messages whose partner's record is missing (the collectors stopped at the end)
+    assert res is not None and all(r.startswith("point to point: 4 ") for r in res.partial_reasons), res
+    report = json.loads(res.reports["json"].read_text())
+    assert [(f["node"], f["cause"]) for f in report["stragglers"]] == [("node3", "host")]
+    assert any("stopped" in e or "not runnable" in e for e in report["stragglers"][0]["evidence"])
+    explained = [i for i in report["straggler_summary"]["imbalance_without_straggler"] if i.get("node") == "node4"]
+    assert explained and "rank 2 (node3) was not running" in explained[0]["why"]
