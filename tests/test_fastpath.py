@@ -202,3 +202,29 @@ def test_nccl_arguments_decoded(built: dict[str, Path], tmp_path: Path, drain: s
     calls = collect(batches, schema.COLLECTIVE_CALLS)
     assert set(calls["path"]) == {1}
     check_nccl(calls, np.concatenate(src.raw_calls), src.events_comm, expected)
+
+
+@pytest.mark.mpi
+def test_comm_create_on_disjoint_groups_gives_each_group_its_communicator(built: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """MPI_Comm_create with disjoint groups (ranks 0-1 and 2-3) makes two communicators from one call:
+    each gets its own id, the same on both of its members, so the merge never mixes their instances."""
+    import mpi_collectives as plan
+
+    calls, comms, _, errors = run_mpi(built, tmp_path, extra=("--create",))
+    assert not errors, errors
+    created = comms[comms["op"] == schema.COMMUNICATOR_OPS.index("MPI_Comm_create")]
+    ops = schema.COLLECTIVE_OPS
+    n_allreduce = plan.CREATE_PLAN["MPI_Allreduce"][0]
+    world_and_split = {int(c) for c in calls["comm_id"][calls["comm_size"] == 4]}
+    on_created = calls[(calls["op"] == ops.index("MPI_Allreduce")) & (calls["comm_size"] == 2)
+                       & (calls["bytes"] == 4 * 8)]
+    by_comm: dict[int, set[int]] = {}
+    for cid, pid in zip(on_created["comm_id"], on_created["pid"]):
+        by_comm.setdefault(int(cid), set()).add(int(pid))
+    assert len(by_comm) == 2, by_comm  # one communicator per group
+    assert all(len(p) == 2 for p in by_comm.values())  # both members of a group share its id
+    assert not set(by_comm) & world_and_split
+    assert len(on_created) == 4 * n_allreduce
+    # the communicator table names them alike: two ids, two ranks each, created by MPI_Comm_create
+    assert {int(c) for c in created["comm_id"]} == set(by_comm)

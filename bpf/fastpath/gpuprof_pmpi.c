@@ -650,11 +650,29 @@ GP_EXPORT int MPI_Comm_dup(H comm, H *newcomm)
     return rc;
 }
 
+/* MPI_Comm_create on disjoint groups makes one communicator per group from one call: the parent
+ * rank of the group's first member (the same on every member, distinct across disjoint groups) is
+ * recorded as the color, so that the collector gives each its own id. -1 when it cannot be read. */
+static s32 group_leader(H parent, H group)
+{
+    GP_REAL(LIB, PMPI_Comm_group, int (*)(H, H *));
+    GP_REAL(LIB, PMPI_Group_translate_ranks, int (*)(H, int, const int *, H, int *));
+    GP_REAL(LIB, PMPI_Group_free, int (*)(H *));
+    u64 parent_group = 0; /* wide enough for either ABI's handle */
+    int first = 0, leader = -1;
+    if (real_PMPI_Comm_group(parent, (H *)&parent_group) != 0)
+        return -1;
+    if (real_PMPI_Group_translate_ranks(group, 1, &first, hmake(hread(&parent_group)), &leader) != 0)
+        leader = -1;
+    real_PMPI_Group_free((H *)&parent_group);
+    return leader;
+}
+
 GP_EXPORT int MPI_Comm_create(H comm, H group, H *newcomm)
 {
     REAL(MPI_Comm_create, int (*)(H, H, H *));
     int rc = real_PMPI_Comm_create(comm, group, newcomm);
-    created(GP_COP_MPI_Comm_create, rc, comm, newcomm, 0, 0);
+    created(GP_COP_MPI_Comm_create, rc, comm, newcomm, rc == 0 ? group_leader(comm, group) : -1, 0);
     return rc;
 }
 

@@ -270,7 +270,11 @@ class CommRegistry:
         elif name == "MPI_Comm_create":
             if h in (0, MPICH_COMM_NULL) or h == self._predefined(pid).get("null"):
                 return
-            cid = stable_id("mpi-create", parent_id, index)
+            # disjoint groups of one call: the fast path records the parent rank of each group's first
+            # member as the color (the uprobe path cannot read the group: 0, one id for all groups;
+            # the group of parent rank 0 keeps the id without a color, which earlier files carry)
+            cid = (stable_id("mpi-create", parent_id, index, color) if color > 0
+                   else stable_id("mpi-create", parent_id, index))
         elif name == "ncclCommSplit":
             if color == NCCL_SPLIT_NOCOLOR or h == 0:
                 return

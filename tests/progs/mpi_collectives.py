@@ -3,11 +3,14 @@
 Every rank makes exactly the calls of PLAN (tests/test_bpf_collectives.py counts them): on
 MPI_COMM_WORLD, on a communicator split by rank parity, on a dup of that split, then frees both.
 Buffers are numpy arrays so that mpi4py calls the C functions (its lower-case pickle forms do not).
-Usage: mpi_collectives.py [--repeat N] [--completions]
+Usage: mpi_collectives.py [--repeat N] [--completions] [--create]
 
 --completions adds, on MPI_COMM_WORLD, a ring exchange per completion call of COMPLETION_PLAN: each
 rank posts an Irecv from its left and an Isend to its right, completed by that call (Waitany and
 Testany one request per call until both are done, Waitsome and Testsome some at a time).
+
+--create adds MPI_Comm_create on MPI_COMM_WORLD with disjoint groups (the lower and the upper half of
+the ranks: one communicator per group from one call) and CREATE_PLAN on each.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ WORLD_PLAN = {
 }
 SPLIT_PLAN = {"MPI_Allreduce": (4, 16, np.float32), "MPI_Bcast": (1, 3, np.int32)}
 DUP_PLAN = {"MPI_Barrier": (2, 0, None), "MPI_Allreduce": (1, 1, np.float64)}
+CREATE_PLAN = {"MPI_Allreduce": (3, 4, np.float64)}
 SENDRECV_TAG = 7
 # completion call -> tag of its ring exchange
 COMPLETION_PLAN = {"MPI_Waitany": 21, "MPI_Waitsome": 22, "MPI_Testany": 23, "MPI_Testsome": 24}
@@ -96,6 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--completions", action="store_true")
+    ap.add_argument("--create", action="store_true")
     args = ap.parse_args()
     from mpi4py import MPI  # imported here so that tests can read the plan without starting MPI
 
@@ -120,6 +125,13 @@ def main() -> int:
     run_plan(dup, DUP_PLAN, args.repeat)
     dup.Free()
     split.Free()
+    if args.create:
+        half = list(range(size // 2)) if rank < size // 2 else list(range(size // 2, size))
+        group = world.Get_group().Incl(half)
+        created = world.Create(group)
+        group.Free()
+        run_plan(created, CREATE_PLAN, args.repeat)
+        created.Free()
     print(json.dumps({"rank": rank, "size": size}), flush=True)
     return 0
 
