@@ -228,3 +228,26 @@ def test_comm_create_on_disjoint_groups_gives_each_group_its_communicator(built:
     assert len(on_created) == 4 * n_allreduce
     # the communicator table names them alike: two ids, two ranks each, created by MPI_Comm_create
     assert {int(c) for c in created["comm_id"]} == set(by_comm)
+
+
+@pytest.mark.mpi
+def test_persistent_requests_each_start_is_a_message(built: dict[str, Path], tmp_path: Path) -> None:
+    """MPI_Send_init / MPI_Recv_init once, then MPI_Startall and MPI_Waitall five times (as halo codes
+    do): every start is recorded as the MPI_Isend / MPI_Irecv it starts, numbered in its channel
+    (0..4), and completed by its Waitall row with the same communicator, seq, peer and tag, so the
+    merge matches and times each message."""
+    import mpi_collectives as plan
+
+    calls, _, _, errors = run_mpi(built, tmp_path, extra=("--persistent",))
+    assert not errors, errors
+    ops = schema.COLLECTIVE_OPS
+    tagged = calls[calls["tag"] == plan.PERSISTENT_TAG]
+    for op in ("MPI_Isend", "MPI_Irecv"):
+        posted = tagged[tagged["op"] == ops.index(op)]
+        assert len(posted) == 4 * plan.PERSISTENT_STARTS, (op, len(posted))
+        for pid in set(posted["pid"].tolist()):
+            assert sorted(posted["seq"][posted["pid"] == pid].tolist()) == list(range(plan.PERSISTENT_STARTS))
+    done = tagged[tagged["op"] == ops.index("MPI_Waitall")]
+    key = ("pid", "comm_id", "seq", "root_or_peer", "tag")
+    posted = tagged[np.isin(tagged["op"], [ops.index("MPI_Isend"), ops.index("MPI_Irecv")])]
+    assert sorted(tuple(int(r[k]) for k in key) for r in done) == sorted(tuple(int(r[k]) for k in key) for r in posted)

@@ -29,6 +29,7 @@ struct gp_counter {
 };
 static struct gp_counter counters[GP_TABLE];
 static struct gp_req_info reqs[GP_TABLE];
+static struct gp_req_info preqs[GP_TABLE];
 
 u64 gp_now(void)
 {
@@ -292,6 +293,27 @@ int gp_req_take(u64 req, struct gp_req_info *out)
     *out = *r;
     r->req = 0;
     return 1;
+}
+
+void gp_preq_put(const struct gp_req_info *info)
+{
+    preqs[gp_mix(10, info->req, 0, 0) & (GP_TABLE - 1)] = *info;
+}
+
+int gp_preq_get(u64 req, struct gp_req_info *out)
+{
+    const struct gp_req_info *r = &preqs[gp_mix(10, req, 0, 0) & (GP_TABLE - 1)];
+    if (r->req != req || req == 0)
+        return 0;
+    *out = *r;
+    return 1;
+}
+
+void gp_preq_drop(u64 req)
+{
+    struct gp_req_info *r = &preqs[gp_mix(10, req, 0, 0) & (GP_TABLE - 1)];
+    if (r->req == req)
+        r->req = 0;
 }
 
 u64 gp_fnv1a64(const void *data, unsigned long len)

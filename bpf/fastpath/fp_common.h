@@ -37,5 +37,10 @@ struct gp_req_info {
 };
 void gp_req_put(const struct gp_req_info *info);
 int gp_req_take(u64 req, struct gp_req_info *out);
+/* A persistent request's definition (MPI_Send_init / MPI_Recv_init; seq holds GP_SEQ_SEND or
+ * GP_SEQ_RECV): read at every MPI_Start, dropped by MPI_Request_free. */
+void gp_preq_put(const struct gp_req_info *info);
+int gp_preq_get(u64 req, struct gp_req_info *out);
+void gp_preq_drop(u64 req);
 
 #endif

@@ -503,6 +503,76 @@ static void read_reqs(int n, const void *reqs, u64 *out)
         out[i] = narrow ? (u64)((const u32 *)reqs)[i] : ((const u64 *)reqs)[i];
 }
 
+/* Persistent requests: MPI_Send_init / MPI_Recv_init define a message, each MPI_Start starts one.
+ * A start is recorded as the MPI_Isend / MPI_Irecv it is (the next number of its channel, the
+ * request remembered for its completion), so the merge matches and times it like any other. */
+static void persistent(u32 dir, int rc, H comm, u64 bytes, s32 peer, s32 tag, H *req)
+{
+    if (rc != 0 || !req)
+        return;
+    struct gp_req_info pi = {hread(req), hv(comm), dir, bytes, peer, tag};
+    gp_preq_put(&pi);
+}
+
+static void started(u64 t0, int rc, u64 req)
+{
+    struct gp_req_info pi;
+    if (!gp_preq_get(req, &pi))
+        return;
+    u32 dir = (u32)pi.seq;
+    seen(pi.handle);
+    struct gp_req_info ri = {req, pi.handle, gp_next(dir, pi.handle, pi.peer, pi.tag), pi.bytes, pi.peer, pi.tag};
+    gp_req_put(&ri);
+    emit_call(dir == GP_SEQ_SEND ? GP_OP_MPI_Isend : GP_OP_MPI_Irecv, t0, ri.handle, ri.seq, ri.bytes, ri.peer,
+              ri.tag, rc, req, 0);
+}
+
+GP_EXPORT int MPI_Send_init(const void *b, int n, H dt, int dest, int tag, H comm, H *req)
+{
+    REAL(MPI_Send_init, int (*)(const void *, int, H, int, int, H, H *));
+    int rc = real_PMPI_Send_init(b, n, dt, dest, tag, comm, req);
+    persistent(GP_SEQ_SEND, rc, comm, type_bytes(n, dt), dest, tag, req);
+    return rc;
+}
+
+GP_EXPORT int MPI_Recv_init(void *b, int n, H dt, int src, int tag, H comm, H *req)
+{
+    REAL(MPI_Recv_init, int (*)(void *, int, H, int, int, H, H *));
+    int rc = real_PMPI_Recv_init(b, n, dt, src, tag, comm, req);
+    persistent(GP_SEQ_RECV, rc, comm, type_bytes(n, dt), src, tag, req);
+    return rc;
+}
+
+GP_EXPORT int MPI_Start(H *req)
+{
+    REAL(MPI_Start, int (*)(H *));
+    u64 r = hread(req);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Start(req);
+    started(t0, rc, r);
+    return rc;
+}
+
+GP_EXPORT int MPI_Startall(int n, H *reqs)
+{
+    REAL(MPI_Startall, int (*)(int, H *));
+    u64 saved[GP_MAX_ALL];
+    gp_flavor();
+    read_reqs(n, reqs, saved);
+    u64 t0 = gp_now();
+    int rc = real_PMPI_Startall(n, reqs);
+    for (int i = 0; i < n && i < GP_MAX_ALL; i++)
+        started(t0, rc, saved[i]);
+    return rc;
+}
+
+GP_EXPORT int MPI_Request_free(H *req)
+{
+    REAL(MPI_Request_free, int (*)(H *));
+    gp_preq_drop(hread(req));
+    return real_PMPI_Request_free(req);
+}
+
 GP_EXPORT int MPI_Waitall(int n, H *reqs, void *statuses)
 {
     REAL(MPI_Waitall, int (*)(int, H *, void *));

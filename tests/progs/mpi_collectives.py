@@ -3,7 +3,7 @@
 Every rank makes exactly the calls of PLAN (tests/test_bpf_collectives.py counts them): on
 MPI_COMM_WORLD, on a communicator split by rank parity, on a dup of that split, then frees both.
 Buffers are numpy arrays so that mpi4py calls the C functions (its lower-case pickle forms do not).
-Usage: mpi_collectives.py [--repeat N] [--completions] [--create]
+Usage: mpi_collectives.py [--repeat N] [--completions] [--create] [--persistent]
 
 --completions adds, on MPI_COMM_WORLD, a ring exchange per completion call of COMPLETION_PLAN: each
 rank posts an Irecv from its left and an Isend to its right, completed by that call (Waitany and
@@ -11,6 +11,9 @@ Testany one request per call until both are done, Waitsome and Testsome some at 
 
 --create adds MPI_Comm_create on MPI_COMM_WORLD with disjoint groups (the lower and the upper half of
 the ranks: one communicator per group from one call) and CREATE_PLAN on each.
+
+--persistent adds, on MPI_COMM_WORLD, a ring exchange through persistent requests (MPI_Send_init and
+MPI_Recv_init once, then PERSISTENT_STARTS rounds of MPI_Startall and MPI_Waitall), tag PERSISTENT_TAG.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ WORLD_PLAN = {
 SPLIT_PLAN = {"MPI_Allreduce": (4, 16, np.float32), "MPI_Bcast": (1, 3, np.int32)}
 DUP_PLAN = {"MPI_Barrier": (2, 0, None), "MPI_Allreduce": (1, 1, np.float64)}
 CREATE_PLAN = {"MPI_Allreduce": (3, 4, np.float64)}
+PERSISTENT_STARTS, PERSISTENT_TAG = 5, 21
 SENDRECV_TAG = 7
 # completion call -> tag of its ring exchange
 COMPLETION_PLAN = {"MPI_Waitany": 21, "MPI_Waitsome": 22, "MPI_Testany": 23, "MPI_Testsome": 24}
@@ -101,6 +105,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--completions", action="store_true")
     ap.add_argument("--create", action="store_true")
+    ap.add_argument("--persistent", action="store_true")
     args = ap.parse_args()
     from mpi4py import MPI  # imported here so that tests can read the plan without starting MPI
 
@@ -118,6 +123,15 @@ def main() -> int:
         world.Recv(np.zeros(11, dtype=np.float64), source=0, tag=3)
     if args.completions:
         complete_some(world, right, left)
+    if args.persistent:
+        out, inb = np.full(6, rank, dtype=np.int32), np.zeros(6, dtype=np.int32)
+        reqs = [world.Send_init(out, dest=right, tag=PERSISTENT_TAG), world.Recv_init(inb, source=left, tag=PERSISTENT_TAG)]
+        for _ in range(PERSISTENT_STARTS):
+            MPI.Prequest.Startall(reqs)
+            MPI.Request.Waitall(reqs)
+            assert int(inb[0]) == left
+        for r in reqs:
+            r.Free()
     split = world.Split(color=rank % 2, key=rank)
     split.Get_rank(), split.Get_size()
     run_plan(split, SPLIT_PLAN, args.repeat)
