@@ -63,6 +63,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "clock_interval_s": Key((int, float), 1.0, "(monotonic, realtime) pair every N s"),
         "process_scan_interval_s": Key((int, float), 1.0, "how often new job processes are picked up"),
         "compression": Key(str, "gzip", "HDF5 filter: gzip, lzf or none (docs/trace-format.md)"),
+        "job_check_interval_s": Key(
+            (int, float), 10.0,
+            "while the job has no process on this node, ask Slurm this often whether it is over (0 = never)",
+        ),
+        "orphan_timeout_s": Key(
+            (int, float), 3600.0,
+            "stop when the job has had no process here and Slurm could not be asked for this long (0 = never)",
+        ),
         "test_slow_attach_s": Key(
             (int, float), 0.0, "test hook: every source but the clock starts this much later (0 = off)"
         ),

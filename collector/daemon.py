@@ -46,6 +46,7 @@ log = logging.getLogger("gpuprof.collector")
 MAX_STATUS_ERRORS = 20
 ERROR_REPEAT_S = 10.0  # the same (source, message) is recorded at most once per this interval
 MAX_BACKOFF_S = 30.0
+JOB_CHECK_MAX_S = 600.0  # longest wait between two questions to Slurm about the job (_watch_job)
 SOURCE_STOP_TIMEOUT_S = 3.0
 TRACKER_RING = "processes"
 DIAG_RING = "diagnostics"
@@ -218,6 +219,10 @@ class Collector:
         self._fatal = ""
         self._abandoned_writer: NodeTraceWriter | None = None
         self._first_process_ns: int | None = None  # start of the job's first process seen (monotonic)
+        self._no_process_since: float | None = None  # monotonic, while the job has no process here
+        self._last_job_check: float | None = None
+        self._slurm_live_at: float | None = None  # monotonic, Slurm's last 'the job runs'
+        self._live_answers = 0  # 'the job runs' answers since the job last had a process here
         # Test hook (collector.test_slow_attach_s): every source but the clock starts this much later.
         self._slow_attach_s = float(self.cfg.get("test_slow_attach_s", 0.0))
 
@@ -284,6 +289,7 @@ class Collector:
                 "pids": len(self.tracker.pids()),
                 "process_tracking": self.tracker.method,
                 "pid": os.getpid(),
+                "thread_cpu_s": thread_cpu_s(),
                 **({"error": self._fatal} if self.state == "error" else {}),
             }
 
@@ -456,8 +462,51 @@ class Collector:
         interval = float(self.cfg["process_scan_interval_s"])
         while True:
             self._scan_processes()
-            if self._sources_stop.wait(interval):
+            self._watch_job()
+            # on stop_event, not on the sources' stop: after a write error (disk full) the sources
+            # stop but the collector stays to tell the epilog why, and still watches its job
+            if self.stop_event.wait(interval):
                 return
+
+    def _watch_job(self) -> None:
+        """Stop (and seal) when the job is over but no epilog came (docs/collector.md, "When the
+        job is gone"). Slurm is asked only while the job has no process on this node, at most
+        every collector.job_check_interval_s; in doubt (Slurm unreachable) the collector goes on,
+        up to collector.orphan_timeout_s without a process and without an answer."""
+        check_s = float(self.cfg.get("job_check_interval_s", 0.0))
+        if not self.opts.job_id or not self.opts.use_scontrol or check_s <= 0 or self.stop_event.is_set():
+            return
+        now = time.monotonic()
+        if self.tracker.pids():
+            self._no_process_since = None
+            self._live_answers = 0
+            return
+        if self._no_process_since is None:
+            self._no_process_since = now
+        # each 'still running' doubles the wait, up to JOB_CHECK_MAX_S: thousands of idle nodes of
+        # one job (no PrologFlags=Contain, a long serial phase on its first node) must not flood
+        # slurmctld; a job that ended is still noticed within that bound
+        wait_s = min(check_s * 2 ** self._live_answers, max(check_s, JOB_CHECK_MAX_S))
+        if self._last_job_check is not None and now - self._last_job_check < wait_s:
+            return
+        self._last_job_check = now
+        from gpuprof.collector.jobwatch import job_state
+
+        verdict, why = job_state(self.opts.job_id)
+        if verdict == "gone":
+            self.report_error("job", f"{why} and no epilog sealed this collector: sealing and stopping")
+            self.request_stop(f"{why} (no epilog came)")
+            return
+        if verdict == "live":
+            self._slurm_live_at = now
+            self._live_answers += 1
+            return
+        orphan_s = float(self.cfg.get("orphan_timeout_s", 0.0))
+        since = max(self._no_process_since, self._slurm_live_at or 0.0)
+        if orphan_s > 0 and now - since >= orphan_s:
+            self.report_error("job", f"no job process on this node for {orphan_s:.0f} s and Slurm cannot say "
+                              f"whether the job runs ({why}): sealing and stopping")
+            self.request_stop("orphaned: no job process and no answer from Slurm")
 
     def _scan_processes(self) -> None:
         try:
@@ -681,6 +730,30 @@ MISSED = {
     "offcpu": "off-CPU episodes before attached_ns",
     "kernels": "CUDA launches and kernel names (module loads) before attached_ns",
 }
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread name: the Python
+    threads by their name (source-<name>, writer, tracker, ...), native ones (the C samplers, BCC's)
+    by their comm and id. For the benchmark's account of where the collector's time goes."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # the thread ended
+        comm = data[data.find(b"(") + 1:data.rfind(b")")].decode(errors="replace")
+        rest = data[data.rfind(b")") + 2:].split()
+        name = names.get(int(tid)) or f"{comm}/{tid}"
+        out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / tick
+    return out
 
 
 def process_start_ns(pid: int) -> int | None:

@@ -18,6 +18,8 @@ the one set, as they share the GPUs' switch.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -30,9 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuprof.collector.errors import GpuprofError
 from gpuprof.slurm_hooks.paths import make_private_dir
 
 SITE_HOLDER = "site"
+
+
+class DcgmStateError(GpuprofError):
+    """The holder file cannot be written (the message names it); DCGM was left as it was."""
 
 
 @dataclass
@@ -50,6 +57,7 @@ class DcgmLock:
         self.calls_log = self.dir / "calls.log"
         self.cfg = dcgm_config
         self.log = log
+        self._saved = ""  # the holder file's content as last read or written
 
     @contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
@@ -57,14 +65,43 @@ class DcgmLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             state = self._read()
-            before = json.dumps(state, sort_keys=True)
+            self._saved = json.dumps(state, sort_keys=True)
             yield state
-            if json.dumps(state, sort_keys=True) != before:
-                tmp = self.state_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(state, sort_keys=True, indent=1))
-                os.replace(tmp, self.state_file)
+            if json.dumps(state, sort_keys=True) != self._saved:
+                self._save(state)
         finally:
             os.close(fd)  # closing releases the flock
+
+    def _save(self, state: dict[str, Any]) -> None:
+        """Replace the holder file atomically; DcgmStateError (naming the file) when it cannot be
+        written (a full disk): the previous file stays whole."""
+        text = json.dumps(state, sort_keys=True)
+        data = json.dumps(state, sort_keys=True, indent=1).encode()
+        tmp = self.state_file.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._rewrite_in_place(data):
+                raise DcgmStateError(f"cannot write the DCGM holder file {self.state_file}: {e.strerror}") from None
+        self._saved = text
+
+    def _rewrite_in_place(self, data: bytes) -> bool:
+        """On a full disk a second file does not fit but the holder file's own pages do (a release
+        only shrinks it): rewrite it in place, under the flock. Not atomic; a torn file reads as
+        damaged, which resumes DCGM (_read), the safe side."""
+        try:
+            fd = os.open(self.state_file, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            return os.write(fd, data) == len(data)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -122,9 +159,18 @@ class DcgmLock:
         return DcgmResult("none", holders, "skipped")
 
     def acquire(self, holder: str, info: dict[str, Any]) -> DcgmResult:
+        """Add the holder; pause DCGM when it is the first. The holder (and the pause, as an intent)
+        is recorded before dcgmi is called: a pause that could not be recorded is never made, so
+        no pause outlives its record (raises DcgmStateError then, nothing changed)."""
         with self._locked() as state:
             state["holders"][holder] = dict(info, since=time.time())
-            return self._transition(state)
+            pause = not state.get("paused_by_us", False)
+            if pause:
+                state["paused_by_us"] = True  # a later resume of a pause that failed is harmless
+            self._save(state)
+            if pause:
+                return DcgmResult("pause", sorted(state["holders"]), self._dcgmi("pause"))
+            return DcgmResult("none", sorted(state["holders"]), "skipped")
 
     def release(self, holder: str) -> DcgmResult:
         with self._locked() as state:

@@ -9,12 +9,15 @@ Rules every hook keeps (ARCHITECTURE.md, decision 5):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,9 +26,10 @@ from typing import Any
 from gpuprof.collector import config as config_mod
 from gpuprof.collector import environment as env
 from gpuprof.collector.errors import GpuprofError, JobLookupError
+from gpuprof.collector.jobwatch import LIVE_STATES
 from gpuprof.collector.schema import parse_modes
 from gpuprof.slurm_hooks import log as log_mod
-from gpuprof.slurm_hooks.dcgm_lock import DcgmLock, holder_name
+from gpuprof.slurm_hooks.dcgm_lock import DcgmLock, DcgmStateError, holder_name
 from gpuprof.slurm_hooks.job import JobInfo, from_hook_environment, job_source
 from gpuprof.slurm_hooks.paths import (
     PlacementError,
@@ -35,10 +39,6 @@ from gpuprof.slurm_hooks.paths import (
     place_as_user,
     remove_job_dir,
 )
-
-# Job states in which a job still holds its nodes (scontrol's JobState, flags stripped).
-LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING",
-               "REQUEUED", "SIGNALING", "STAGE_OUT"}
 
 
 @dataclass
@@ -59,6 +59,7 @@ class NodeJobState:
     ring_dir: str = ""  # the fast path's per-job directory ('' when none was made)
     attached: bool = False  # every source was in place before the prolog returned
     late_sources: list[str] | None = None  # sources still not attached when the prolog gave up
+    problem: str = ""  # why this node records nothing or less (told to the user by the epilog)
 
 
 def _job_node_dir(cfg: dict[str, Any], job_id: str, node: str) -> Path:
@@ -159,10 +160,19 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         log.error("--profile-gpu=%r: %s; profiling skipped", raw_modes, e)
         return
     job = from_hook_environment()
-    state_dir = _job_node_dir(cfg, job_id, node)
-    lock = DcgmLock(Path(cfg["paths"]["state_dir"]), cfg["dcgm"], log)
-    _watchdog(lock, log)
-    dcgm = lock.acquire(holder_name(job_id, node), {"job": job_id, "node": node})
+    try:
+        state_dir = _job_node_dir(cfg, job_id, node)
+        lock = DcgmLock(Path(cfg["paths"]["state_dir"]), cfg["dcgm"], log)
+    except (OSError, PlacementError) as e:
+        log.error("state directory %s: %s%s; profiling skipped", cfg["paths"]["state_dir"],
+                  getattr(e, "strerror", None) or e, _fs_full_note(Path(cfg["paths"]["state_dir"])))
+        return
+    _watchdog(lock, log, cfg, node, job_id)
+    try:
+        dcgm = lock.acquire(holder_name(job_id, node), {"job": job_id, "node": node})
+    except DcgmStateError as e:
+        log.error("%s%s; DCGM not paused, profiling skipped", e, _fs_full_note(lock.dir))
+        return
     log.info("DCGM lock held by %d holder(s), action %s (%s)", len(dcgm.holders), dcgm.action, dcgm.dcgmi)
 
     ring_dir = _make_ring_dir(job_id, node, modes, job, log)
@@ -172,11 +182,19 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
     cmd = collector_command(config_path or env.get(env.GPUPROF_CONFIG), job, node, modes, trace, socket, python)
     state = NodeJobState(job_id, node, list(modes), job.uid, job.gid, None, str(trace), str(socket), time.time(),
                          False, dcgm.dcgmi, ring_dir=str(ring_dir or ""))
+    # Written before the collector starts: a state directory that cannot hold this small file
+    # (disk full) cannot hold a node file either, and a collector the epilog cannot find must
+    # never be started.
+    why_state = _write_state(state_dir, state)
+    if why_state:
+        log.error("%s; the job runs unprofiled on this node", why_state)
+        return
     try:
         started = time.monotonic()
         proc = _start_collector(cmd, int(cfg["hooks"]["collector_nice"]), state_dir / "collector.log")
     except OSError as e:
-        log.error("collector cannot start (%s): %s; the job runs unprofiled", cmd[0], e.strerror)
+        state.problem = f"collector cannot start ({cmd[0]}): {e.strerror}"
+        log.error("%s; the job runs unprofiled", state.problem)
     else:
         state.collector_pid = proc.pid
         attach_budget = float(cfg["hooks"]["attach_timeout_s"])
@@ -186,14 +204,52 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         state.attached = not why_not and not late
         state.late_sources = late
         if why_not:
+            state.problem = why_not
             log.error("%s; see %s", why_not, state_dir / "collector.log")
+            # A collector that does not record costs the job and answers no one: stop it now, its
+            # file (if any) is the epilog's to recover.
+            _terminate(proc.pid, log)
         else:
             log.info("collector pid %d recording to %s (modes %s)", proc.pid, trace, ",".join(modes))
         if late:
             # The job starts anyway; the collector marks these in the node file (attach_json).
             log.warning("sources %s not attached within hooks.attach_timeout_s = %s s: the job starts and "
                         "they are marked late in the node file", ",".join(late), attach_budget)
-    (state_dir / "state.json").write_text(json.dumps(asdict(state), indent=1))
+    why_state = _write_state(state_dir, state)
+    if why_state:
+        # the first state.json stays; the epilog finds the collector by its socket and its command line
+        log.error("%s", why_state)
+
+
+def _write_state(state_dir: Path, state: NodeJobState) -> str:
+    """state.json, replaced atomically ('' when written, else why not): a full disk leaves the
+    previous version whole instead of an empty file."""
+    path = state_dir / "state.json"
+    tmp = state_dir / "state.json.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            data = json.dumps(asdict(state), indent=1).encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return f"cannot write prolog state {path}: {e.strerror}{_fs_full_note(state_dir)}"
+    return ""
+
+
+def _fs_full_note(path: Path) -> str:
+    """' (the file system of PATH is full: N bytes free)' when under 256 kB are left, else ''."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" (the file system of {path} is full: {free} bytes free)" if free < 256 * 1024 else ""
 
 
 def _make_ring_dir(job_id: str, node: str, modes: tuple[str, ...], job: JobInfo,
@@ -223,10 +279,99 @@ def job_still_running(holder: str, info: dict[str, Any]) -> bool:
     return job.state.split()[0] in LIVE_STATES
 
 
-def _watchdog(lock: DcgmLock, log: logging.Logger) -> None:
-    gone, result = lock.watchdog(job_still_running)
-    if gone:
-        log.warning("watchdog dropped stale DCGM holders %s; action %s (%s)", gone, result.action, result.dcgmi)
+def _watchdog(lock: DcgmLock, log: logging.Logger, cfg: dict[str, Any] | None = None, node: str = "",
+              current_job: str = "") -> None:
+    try:
+        gone, result = lock.watchdog(job_still_running)
+    except GpuprofError as e:
+        log.error("DCGM watchdog: %s", e)
+    else:
+        if gone:
+            log.warning("watchdog dropped stale DCGM holders %s; action %s (%s)", gone, result.action, result.dcgmi)
+    if cfg is not None and node:
+        reap_orphans(cfg, node, current_job, log)
+
+
+def reap_orphans(cfg: dict[str, Any], node: str, current_job: str, log: logging.Logger) -> list[str]:
+    """State left by jobs of this node whose epilog never ran (node crash, slurmd down at job end):
+    for each whose job Slurm says is gone, stop its collector, keep its node file where root can
+    find it (state_dir/undelivered/, the job's output directory is not known any more) and remove
+    the rest. Returns the jobs reaped."""
+    jobs_dir = Path(cfg["paths"]["state_dir"]) / "jobs"
+    reaped = []
+    try:
+        entries = sorted(jobs_dir.iterdir())
+    except OSError:
+        return []
+    for d in entries:
+        job_id, _, dnode = d.name.partition("@")
+        if dnode != node or job_id == current_job or d.is_symlink() or not d.is_dir():
+            continue
+        if job_still_running("", {"job": job_id}):
+            continue
+        stopped = stop_job_collectors(job_id, node, log)
+        kept = ""
+        trace = d / f"{node}.h5"
+        if trace.is_file() and not trace.is_symlink():
+            undelivered = Path(cfg["paths"]["state_dir"]) / "undelivered"
+            try:
+                make_private_dir(undelivered)
+                os.replace(trace, undelivered / f"{job_id}@{node}.h5")
+                kept = str(undelivered / f"{job_id}@{node}.h5")
+            except (OSError, PlacementError) as e:
+                log.error("orphaned node file %s cannot be kept: %s", trace, getattr(e, "strerror", None) or e)
+        shutil.rmtree(d, ignore_errors=True)
+        _remove_ring_dir(job_id, node, log)
+        log.warning("job %s ended without an epilog on %s: %d collector(s) stopped, state removed%s", job_id, node,
+                    stopped, f", node file kept at {kept}" if kept else ", no node file")
+        reaped.append(job_id)
+    return reaped
+
+
+def collector_pids(job_id: str, node: str) -> list[int]:
+    """Root's collectors of (job, node), found by their command line in /proc (what the prolog
+    started: `... gpuprof.slurm_hooks.cli ... collect --job JOB --node NODE ...`)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != 0:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"collect" not in argv or b"gpuprof.slurm_hooks.cli" not in argv:
+            continue
+        try:
+            if argv[argv.index(b"--job") + 1] == job_id.encode() and argv[argv.index(b"--node") + 1] == node.encode():
+                out.append(int(name))
+        except (ValueError, IndexError):
+            continue
+    return sorted(p for p in out if _process_alive(p))
+
+
+def stop_job_collectors(job_id: str, node: str, log: logging.Logger) -> int:
+    """SIGTERM (the collector seals what it can), then SIGKILL, every collector of (job, node)."""
+    pids = collector_pids(job_id, node)
+    for pid in pids:
+        log.warning("collector pid %d of job %s on %s still running: stopping it", pid, job_id, node)
+        _terminate(pid, log)
+    return len(pids)
+
+
+def _terminate(pid: int, log: logging.Logger, grace_s: float = 3.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _process_alive(pid):
+            return
+        time.sleep(0.02)
+    log.warning("collector pid %d ignored SIGTERM for %s s: killing it", pid, grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def epilog(config_path: str | None = None) -> int:
@@ -249,15 +394,21 @@ def _epilog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         log.error("epilog cannot read the config: DCGM resume left to the watchdog")
         return
     log = log_mod.setup("epilog", job_id, node, cfg["paths"]["log_file"])
-    lock = DcgmLock(Path(cfg["paths"]["state_dir"]), cfg["dcgm"], log)
     state_dir = Path(cfg["paths"]["state_dir"]) / "jobs" / f"{job_id}@{node}"
     try:
         _seal_and_place(cfg, job_id, node, state_dir, log)
     finally:
-        result = lock.release(holder_name(job_id, node))
-        log.info("DCGM lock released; %d holder(s) left, action %s (%s)", len(result.holders), result.action,
-                 result.dcgmi)
-        _watchdog(lock, log)
+        # whatever happened above, no collector of this job outlives its epilog
+        stop_job_collectors(job_id, node, log)
+        try:
+            lock = DcgmLock(Path(cfg["paths"]["state_dir"]), cfg["dcgm"], log)
+            result = lock.release(holder_name(job_id, node))
+        except (OSError, GpuprofError) as e:
+            log.error("DCGM lock: %s; resume left to the watchdog", getattr(e, "strerror", None) or e)
+        else:
+            log.info("DCGM lock released; %d holder(s) left, action %s (%s)", len(result.holders), result.action,
+                     result.dcgmi)
+            _watchdog(lock, log, cfg, node, job_id)
         if state_dir.is_dir() and not state_dir.is_symlink():
             shutil.rmtree(state_dir, ignore_errors=True)
         _remove_ring_dir(job_id, node, log)
@@ -281,49 +432,192 @@ def _remove_ring_dir(job_id: str, node: str, log: logging.Logger) -> None:
         log.warning("fast-path ring directory: %s", e)
 
 
-def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:
-    from gpuprof.collector.control import request
-    from gpuprof.collector.writer import recover
+PROBLEM_NOTE = "{node}.problem.txt"  # next to the node files: why this node's file is missing or partial
+RECOVER_PREFIX = "gpuprof-recover-"  # a private temporary directory, when the state directory is full
 
+
+def _load_state(state_dir: Path, job_id: str, node: str, problems: list[str],
+                log: logging.Logger) -> NodeJobState | None:
+    """The prolog's state.json; when it is missing or unreadable (a full state directory), what
+    the fixed paths and a running collector still tell (None: nothing was started here)."""
     state_file = state_dir / "state.json"
     try:
-        state = NodeJobState(**json.loads(state_file.read_text()))
+        return NodeJobState(**json.loads(state_file.read_text()))
     except FileNotFoundError:
-        log.error("no prolog state at %s: nothing was recorded on this node", state_file)
-        return
-    except (json.JSONDecodeError, TypeError) as e:
-        log.error("prolog state %s unreadable: %s", state_file, e)
-        return
+        why = f"no prolog state at {state_file}"
+    except (json.JSONDecodeError, TypeError, OSError) as e:
+        why = f"prolog state {state_file} unreadable: {e}"
+    why += _fs_full_note(state_dir.parent if not state_dir.is_dir() else state_dir)
+    trace, socket = state_dir / f"{node}.h5", state_dir / "control.sock"
+    pids = collector_pids(job_id, node)
+    if not pids and not trace.exists():
+        log.error("%s: nothing was recorded on this node", why)
+        problems.append(f"{why}: nothing was recorded on this node")
+        return None
+    log.error("%s; using the collector's fixed paths (%s, %s), collector pids %s", why, trace, socket, pids)
+    problems.append(why)
+    return NodeJobState(job_id, node, [], -1, -1, pids[0] if pids else None, str(trace), str(socket), 0.0,
+                        bool(pids), "unknown")
+
+
+def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, log: logging.Logger) -> None:
+    problems: list[str] = []
+    placed: Path | None = None
+    try:
+        placed = _seal_and_recover(cfg, job_id, node, state_dir, problems, log)
+    finally:
+        if problems:
+            _place_note(cfg, job_id, node, problems, placed, log)
+
+
+def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, problems: list[str],
+                      log: logging.Logger) -> Path | None:
+    from gpuprof.collector.control import request
+
+    state = _load_state(state_dir, job_id, node, problems, log)
+    if state is None:
+        return None
+    if state.problem:
+        problems.append(f"prolog: {state.problem}")
     trace = Path(state.trace)
-    to_place = trace
     sealed = False
-    if state.collector_started:
+    why = ""
+    if state.collector_started and Path(state.socket).exists():
         try:
             reply = request(state.socket, "seal", timeout_s=float(cfg["hooks"]["seal_timeout_s"]))
             sealed = bool(reply.get("sealed"))
+            if not sealed:
+                why = f"collector failed: {reply.get('error', '?')}"
         except GpuprofError as e:
             log.error("collector did not seal %s: %s", trace, e)
+            problems.append(f"collector did not answer the seal request: {e}")
+    elif state.collector_started:
+        problems.append(f"collector gone before the epilog (no control socket {state.socket})")
     _stop_collector(state.collector_pid, log)
     if not trace.exists():
         log.error("no trace file %s: the collector recorded nothing on this node", trace)
-        return
+        problems.append(f"no node file: the collector recorded nothing on this node{_fs_full_note(state_dir)}")
+        return None
+    to_place: Path | None = trace
     if not sealed:
-        to_place = state_dir / f"{node}.recovered.h5"
+        to_place = _recover(trace, state_dir, node, why, problems, log)
+    if to_place is None:
+        return None
+    try:
+        return _place_node_file(cfg, job_id, node, to_place, problems, log)
+    finally:
+        if to_place.parent.name.startswith(RECOVER_PREFIX):
+            shutil.rmtree(to_place.parent, ignore_errors=True)
+
+
+def _recover(trace: Path, state_dir: Path, node: str, why: str, problems: list[str],
+             log: logging.Logger) -> Path | None:
+    """An unsealed node file made whole (data up to its last flush) in the state directory, or,
+    when that is full, in a private temporary directory; None when neither works."""
+    from gpuprof.collector.writer import recover
+
+    reason = f"{why}; data up to its last flush" if why else "collector died or did not seal; data up to its last flush"
+    reason += _fs_full_note(state_dir)
+    last: Exception | None = None
+    for where in ("state", "tmp"):
+        d = state_dir
         try:
-            recover(trace, to_place, "collector died or did not seal; data up to its last flush")
-            log.warning("recovered unsealed trace %s up to its last flush", trace)
-        except GpuprofError as e:
-            log.error("cannot recover %s: %s", trace, e)
-            return
+            if where == "tmp":
+                d = Path(tempfile.mkdtemp(prefix=RECOVER_PREFIX))  # root's own, mode 0700
+            dst = d / f"{node}.recovered.h5"
+            recover(trace, dst, reason)
+        except (GpuprofError, OSError, RuntimeError) as e:
+            last = e
+            log.warning("cannot recover %s into %s: %s", trace, d, e)
+            if where == "tmp":
+                shutil.rmtree(d, ignore_errors=True)
+            continue
+        log.warning("recovered unsealed trace %s up to its last flush (%s)", trace, reason)
+        problems.append(f"node file partial: {reason}")
+        return dst
+    log.error("cannot recover %s: %s", trace, last)
+    problems.append(f"node file {trace.name} could not be recovered: {last}")
+    return None
+
+
+def _output_dirs(cfg: dict[str, Any], job_id: str, log: logging.Logger) -> tuple[JobInfo, list[Path]]:
+    """Where the node files go: the template's directory next to the job's stdout, then (when the
+    stdout directory is gone) the same name in the job's working directory."""
     job = _job_for_placement(job_id, log)
     dest = node_dir_for_stdout(job.stdout, cfg["hooks"]["output_dir_template"], work_dir=job.work_dir,
                                job_id=job_id, user=job.user)
+    dirs = [dest]
+    if job.work_dir:
+        alt = Path(job.work_dir) / dest.name
+        if alt != dest:
+            dirs.append(alt)
+    return job, dirs
+
+
+def _place_node_file(cfg: dict[str, Any], job_id: str, node: str, src: Path, problems: list[str],
+                     log: logging.Logger) -> Path | None:
+    job, dirs = _output_dirs(cfg, job_id, log)
+    errors = []
+    for dest in dirs:
+        try:
+            placed = place_as_user(src, dest.parent, f"{node}.h5", uid=job.uid, gid=job.gid, subdir=dest.name)
+        except GpuprofError as e:
+            errors.append(str(e))
+            log.error("%s", e)
+            continue
+        if dest != dirs[0]:
+            problems.append(f"placed in {dest} (the job's working directory): {errors[0]}")
+        log.info("node trace placed at %s", placed)
+        return placed
+    # the user's directories cannot take it (full, removed): keep it for root, say where
+    kept = _keep_undelivered(cfg, job_id, node, src, log)
+    problems.append(f"node file not delivered ({'; '.join(errors)})" + (f"; kept by root at {kept}" if kept else ""))
+    return None
+
+
+def _keep_undelivered(cfg: dict[str, Any], job_id: str, node: str, src: Path, log: logging.Logger) -> str:
+    undelivered = Path(cfg["paths"]["state_dir"]) / "undelivered"
+    dst = undelivered / f"{job_id}@{node}.h5"
     try:
-        placed = place_as_user(to_place, dest.parent, f"{node}.h5", uid=job.uid, gid=job.gid, subdir=dest.name)
+        make_private_dir(undelivered)
+        shutil.copyfile(src, dst, follow_symlinks=False)
+    except (OSError, PlacementError) as e:
+        log.error("node file %s lost: cannot keep it at %s either: %s", src, dst, getattr(e, "strerror", None) or e)
+        with contextlib.suppress(OSError):
+            dst.unlink()
+        return ""
+    log.warning("node file kept at %s (not delivered to the job's user)", dst)
+    return str(dst)
+
+
+def _place_note(cfg: dict[str, Any], job_id: str, node: str, problems: list[str], placed: Path | None,
+                log: logging.Logger) -> None:
+    """<node>.problem.txt next to the node files, written as the job's user: what went wrong on
+    this node, so that a missing or partial node file is explained where the user looks."""
+    text = f"gpuprof: job {job_id}, node {node}\n" + "".join(f"- {p}\n" for p in problems)
+    for p in problems:
+        log.warning("told the user: %s", p)
+    try:
+        job, dirs = _output_dirs(cfg, job_id, log)
     except GpuprofError as e:
-        log.error("%s", e)
+        log.error("problem note not written: %s", e)
         return
-    log.info("node trace placed at %s", placed)
+    if placed is not None:
+        dirs = [placed.parent] + [d for d in dirs if d != placed.parent]
+    with tempfile.TemporaryDirectory(prefix="gpuprof-note-") as tmp:
+        src = Path(tmp) / "note.txt"
+        try:
+            src.write_text(text)
+        except OSError as e:
+            log.error("problem note not written: %s", e.strerror)
+            return
+        for dest in dirs:
+            try:
+                place_as_user(src, dest.parent, PROBLEM_NOTE.format(node=node), uid=job.uid, gid=job.gid,
+                              subdir=dest.name)
+                return
+            except GpuprofError as e:
+                log.error("problem note: %s", e)
 
 
 def _job_for_placement(job_id: str, log: logging.Logger) -> JobInfo:

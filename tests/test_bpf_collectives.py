@@ -167,3 +167,30 @@ def test_nccl_arguments_decoded() -> None:
     calls = collect(batches, schema.COLLECTIVE_CALLS)
     raw = np.concatenate(src.raw_calls)
     check_nccl(calls, raw, src.events_comm, expected)
+
+
+@pytest.mark.bpf
+@pytest.mark.mpi
+def test_full_bpf_ring_counts_its_drops(tmp_path: Path) -> None:
+    """A call ring of 2 pages that is never drained while 3000 calls are made: what does not fit
+    is counted by the BPF program (gp_coll_drops), kept by the source when it stops
+    (dropped_total, what the benches print), and nothing is lost without being counted."""
+    import subprocess
+
+    reason = bpf_skip_reason() or mpi_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    exe = tmp_path / "mpi_bench"
+    subprocess.run(["mpicc", "-O2", "-o", str(exe), str(PROGS / "mpi_bench.c")], check=True)
+    n = 3000
+    gated = GatedProcess(mpirun_cmd(1, [str(exe), "tight", str(n)]))
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("collectives",),
+                   config={"sources.collectives": {"mpi_path": "uprobe", "nccl_path": "uprobe", "ring_pages": 1}})
+    src = bc.BpfCollectivesSource(("mpi",))
+    batches, (rc, _out, err) = run_source_over(src, ctx, gated, sample=False)
+    assert rc == 0, err[-2000:]
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    allreduce = int((calls["op"] == schema.COLLECTIVE_OPS.index("MPI_Allreduce")).sum())
+    assert src.dropped_total > 0 and src.drops() == src.dropped_total
+    assert allreduce < n and allreduce + src.dropped_total >= n, (allreduce, src.dropped_total)
+    assert len(calls) + src.dropped_total <= n + 10  # the loop's calls and a few of MPI_Init's

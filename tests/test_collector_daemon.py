@@ -268,3 +268,77 @@ def test_host_rows_are_plausible(tmp_path: Path, job: subprocess.Popen[bytes]) -
         cpu[int(pid)] = (int(r["cpu_time_ns"][-1]) - int(r["cpu_time_ns"][0])) / 1e9
     assert max(cpu.values()) > 0.5  # the spinning child
     assert schema.HOST_PROCS.path in open_node_trace(out).tables
+
+
+FAKE_SCONTROL = """#!/bin/sh
+# scontrol double: `show job -o ID` answers from $FAKE_SCONTROL_STATE (absent: an unknown job)
+case "$1" in
+show)
+    if [ -s "$FAKE_SCONTROL_STATE" ]; then echo "JobId=$4 JobName=x JobState=$(cat "$FAKE_SCONTROL_STATE") Reason=None"; exit 0; fi
+    echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;
+*) exit 1;;
+esac
+"""
+
+
+def test_collector_stops_by_itself_when_slurm_says_the_job_is_over(tmp_path: Path) -> None:
+    """No epilog ever comes (its state was lost): while the job has no process on the node the
+    collector asks Slurm; RUNNING keeps it recording, a final state makes it seal and exit."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(FAKE_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    state = tmp_path / "job-state"
+    state.write_text("RUNNING")
+    conf = tmp_path / "gpuprof.toml"
+    conf.write_text("[collector]\njob_check_interval_s = 0.3\nprocess_scan_interval_s = 0.2\n")
+    out, sock = tmp_path / "n.h5", tmp_path / "n.sock"
+    env = env_with(PATH=f"{bindir}:{os.environ['PATH']}", FAKE_SCONTROL_STATE=str(state))
+    p = subprocess.Popen([*GPUPROF, "--config", str(conf), "collect", "--job", "4242", "--node", "nodeX",
+                          "--modes", "metrics", "--output", str(out), "--control-socket", str(sock)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_state(sock, "recording")
+        time.sleep(1.5)  # several checks, each answered RUNNING
+        assert p.poll() is None and request(sock, "status", 2.0)["state"] == "recording"
+        state.write_text("COMPLETED")
+        assert p.wait(20) == 0, p.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    t = open_node_trace(out)
+    assert t.sealed
+    msgs = [e["message"] for e in summarize(t)["errors"] if e["source"] == "job"]
+    assert any("job 4242 is COMPLETED and no epilog sealed this collector" in m for m in msgs), msgs
+
+
+@is_root
+def test_collector_in_error_still_stops_when_the_job_is_gone(tmp_path: Path) -> None:
+    """A collector whose disk filled stays up to tell the epilog why; with no epilog it still
+    ends once Slurm no longer knows the job."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(FAKE_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    conf = tmp_path / "gpuprof.toml"
+    conf.write_text("[collector]\njob_check_interval_s = 0.3\n")
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "size=64k")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt}/filler", "bs=4k"], capture_output=True, check=False)
+        sock = tmp_path / "n.sock"
+        env = env_with(PATH=f"{bindir}:{os.environ['PATH']}", FAKE_SCONTROL_STATE=str(tmp_path / "absent"))
+        p = subprocess.Popen([*GPUPROF, "--config", str(conf), "collect", "--job", "4243", "--node", "nodeX",
+                              "--modes", "metrics", "--output", str(mnt / "n.h5"), "--control-socket", str(sock)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert p.wait(20) == 1
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        err = p.stderr.read().decode()  # type: ignore[union-attr]
+        assert "ENOSPC" in err and "Slurm does not know job 4243" in err, err
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -122,3 +122,38 @@ def test_failed_resume_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert lock.watchdog(lambda h, i: True)[1].action == "resume"
     assert lock.watchdog(lambda h, i: True)[1].action == "none"
     assert calls_of(calls) == ["profile --pause", "profile --resume", "profile --resume"]
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root (mounts a tmpfs)")
+def test_full_disk_never_leaves_a_pause_unrecorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full state directory: a pause that cannot be recorded is not made (DcgmStateError, no
+    dcgmi call), and the last release still resumes and records it (the holder file rewritten in
+    place: a second file does not fit)."""
+    import subprocess
+
+    from gpuprof.slurm_hooks.dcgm_lock import DcgmStateError
+
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gpuprof-test", str(state)], check=True)
+    try:
+        lock, calls = make_lock(tmp_path, monkeypatch)
+        a, b = holder_name("1", "node1"), holder_name("2", "node1")
+
+        def fill() -> None:
+            subprocess.run(["dd", "if=/dev/zero", f"of={state}/filler", "bs=4k"], capture_output=True, check=False)
+
+        fill()
+        with pytest.raises(DcgmStateError, match="holders.json"):
+            lock.acquire(a, {"job": "1"})
+        assert calls_of(calls) == []  # not paused: no pause without its record
+        (state / "filler").unlink()
+        assert lock.acquire(a, {"job": "1"}).action == "pause"
+        fill()
+        assert lock.acquire(b, {"job": "2"}).action == "none"  # fits in the holder file's own page
+        assert lock.release(a).action == "none"
+        assert lock.release(b).action == "resume"
+        assert lock.holders() == {}
+        assert calls_of(calls) == ["profile --pause", "profile --resume"]
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)

@@ -49,6 +49,7 @@ class BpfCollectivesSource(Source):
         self.libraries = libraries
         self.hub: BpfHub | None = None
         self.attached: set[tuple[str, str]] = set()
+        self.dropped_total = 0  # records lost in the BPF ring buffers (full), as read at stop
         self.missing: dict[str, set[str]] = {}
         self._calls: list[Any] = []
         self._comms: list[Any] = []
@@ -209,10 +210,12 @@ class BpfCollectivesSource(Source):
         return self._rows(now_ns, final=True)
 
     def drops(self) -> int:
-        return sum(read_ring_drops(self.hub.bpf[b"gp_coll_drops"])) if self.hub else 0
+        return sum(read_ring_drops(self.hub.bpf[b"gp_coll_drops"])) if self.hub else self.dropped_total
 
     def stop(self) -> None:
         if self.hub is not None:
+            # the counters go with the BPF program: keep their last value (as the fast path does)
+            self.dropped_total = self.drops()
             def detach(bpf: Any, path: bytes, sym: bytes) -> None:
                 bpf.detach_uretprobe(name=path, sym=sym)
                 bpf.detach_uprobe(name=path, sym=sym)

@@ -1,17 +1,28 @@
-"""Collector figures, one JSON object per line (issue 3). GPU values come from the NVML test double
-(tests/nvml_double), so every line says "emulated": true: they are costs, not GPU measurements.
+"""Collector figures, one JSON object per line (issues 3 and 11). GPU values come from the NVML test
+double (tests/nvml_double), so every line says "emulated": true: they are costs, not GPU measurements.
 
-    .venv/bin/python tests/bench/bench_collector.py            full run (>= 60 s of collection)
-    .venv/bin/python tests/bench/bench_collector.py --quick    smoke run (a few seconds)
+    .venv/bin/python tests/bench/bench_collector.py            full run (3 interleaved runs per mode)
+    .venv/bin/python tests/bench/bench_collector.py --quick    smoke run (one short run per mode)
     .venv/bin/python tests/bench/bench_collector.py --filters  also compare gzip/lzf/none on a
                                                                10-minute default-rate file
 
-collector_cpu: `gpuprof collect` with the default sources (metrics: host + NVML at 10 Hz, clock,
-process tracker), 8 emulated GPUs, 16 real job processes; CPU of the collector process from
-/proc/PID/stat, peak RSS from VmHWM. baseline: a process that makes only the same emulated NVML
-calls, done the same way (NvmlSource as the collector runs it: its native sampling thread at 10 Hz,
-collector/native/nvmltick.c, drained by NvmlSource.sample once a second, processes queried at
-1 Hz), for the same time, concurrently.
+collector_cpu: `gpuprof collect` as the prolog starts it (--job --node --uid, the config's nice
+value, a control socket; 8 emulated GPUs) on a busy job of 16 processes: `mpirun -n 16
+mpi_bench selfpaced` (tests/progs/mpi_bench.c), every process burning CPU and calling
+MPI_Allreduce on MPI_COMM_SELF every PERIOD_US, through the fast path's interposer (LD_PRELOAD,
+rings in the job's /dev/shm directory, as the TaskProlog sets up). The job's processes live in a
+cgroup of their own, /sys/fs/cgroup/freezer/slurm_<node>/uid_0/job_<id>, where Slurm puts a job on
+the local cluster, so the collector finds them as it does under Slurm. One line for the default
+modes (metrics, stacks, collectives: BPF compile and attach included) and one for metrics only,
+runs interleaved (default, metrics, default, ...), each figure the median with min and max:
+  cpu_percent_of_core  the collector's CPU (utime+stime of all its threads, /proc/PID/stat) over
+                       the measured window, which starts when every source is attached and the
+                       job has run for WARM_S, as a share of one core
+  startup_cpu_s        CPU until every source was attached (imports, BPF compile, attach)
+  peak_rss_mb          VmHWM of the collector over its whole life (BPF compile included)
+  rss_after_start_mb   VmRSS at the end of the window
+  drops                read back from the sealed node file (/diagnostics/drops, the last value of
+                       each counter: rings of ours, BPF ring buffers, the interposers' rings)
 """
 
 from __future__ import annotations
@@ -19,11 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,74 +51,256 @@ from gpuprof.collector import schema
 from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
 
 TICK = os.sysconf("SC_CLK_TCK")
-BASELINE = r"""
-import os, sys, time
-sys.path.insert(0, {root!r})
-from gpuprof.collector.sources.nvml import NvmlSource
-from gpuprof.collector.sources.base import SourceContext
-from gpuprof.collector.config import defaults
-pids = frozenset(int(p) for p in {pids!r})
-ctx = SourceContext("b", "n", ("metrics",), {{}}, lambda: pids, lambda: (), lambda s, m: None, lambda *a: None)
-src = NvmlSource(defaults()["sources.nvml"] | {{"gpus": "all"}}, threaded=True)
-src.start(ctx)
-end = time.monotonic() + {duration}
-nxt = time.monotonic()
-while time.monotonic() < end:
-    src.sample(time.monotonic_ns())
-    nxt += src.interval_s
-    time.sleep(max(0.0, nxt - time.monotonic()))
-src.stop()
-"""
+MPI_BENCH = ROOT / "tests" / "progs" / "build" / "mpi_bench"
+FREEZER = Path("/sys/fs/cgroup/freezer")
+BUSY = 16
+PERIOD_US = 10_000  # one collective per 10 ms of wall time per process, at most (oversubscribed: fewer)
+WARM_S = 3.0  # after the sources are attached and the job released: mpirun spawns its ranks
+GOAL_CPU_PERCENT = 1.0
+GOAL_RSS_MB = 100.0
+DEFAULT_MODES = "metrics,stacks,collectives"
 
 
 def cpu_s(pid: int) -> float:
+    """utime + stime of every thread of pid (and of its children it has waited for)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         rest = f.read().rsplit(b")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / TICK
+    return sum(int(x) for x in rest[11:15]) / TICK
 
 
-def hwm_mb(pid: int) -> float:
+def status_mb(pid: int, field: str) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    return float("nan")
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
 
 
-def bench_collector(duration: float, tmp: Path) -> None:
+def build() -> None:
+    MPI_BENCH.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mpicc", "-O2", "-o", str(MPI_BENCH), str(ROOT / "tests" / "progs" / "mpi_bench.c")], check=True)
+    subprocess.run(["make", "-s", "-C", str(ROOT / "bpf" / "fastpath")], check=True)
+
+
+class BusyJob:
+    """16 busy MPI processes in a job cgroup of their own, released on go()."""
+
+    def __init__(self, job: str, node: str, tmp: Path, seconds: float, fastpath_env: dict[str, str]) -> None:
+        if not FREEZER.is_dir():
+            raise RuntimeError(f"{FREEZER} missing: this bench needs the cgroup v1 freezer (as the local cluster)")
+        self.made: list[Path] = []
+        d = FREEZER
+        for part in (f"slurm_{node}", "uid_0", f"job_{job}"):
+            d = d / part
+            if not d.exists():
+                d.mkdir()
+                self.made.append(d)
+        self.cgroup = d
+        self.gate = tmp / f"go-{job}"
+        calls = int(seconds * 1e6 / PERIOD_US)
+        mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(BUSY), "--mca", "mpi_yield_when_idle",
+                  "1", *[a for k in fastpath_env for a in ("-x", k)], str(MPI_BENCH), "selfpaced", str(calls),
+                  str(PERIOD_US)]
+        script = (f'echo $$ > {d}/cgroup.procs; while [ ! -e {self.gate} ]; do sleep 0.05; done; '
+                  f'exec {" ".join(mpirun)}')
+        self.proc = subprocess.Popen(["sh", "-c", script], env=dict(os.environ, **fastpath_env),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while str(self.proc.pid) not in (d / "cgroup.procs").read_text().split():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job shell {self.proc.pid} never joined {d}")
+            time.sleep(0.02)
+
+    def go(self) -> None:
+        self.gate.touch()
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        deadline = time.monotonic() + 20
+        while (self.cgroup / "cgroup.procs").read_text().split():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.cgroup} still holds processes after the job was killed")
+            time.sleep(0.1)
+        for d in reversed(self.made):
+            d.rmdir()
+        self.gate.unlink(missing_ok=True)
+
+
+def wait_attached(sock: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
+    from gpuprof.collector.control import request
+    from gpuprof.collector.errors import GpuprofError
+
+    deadline = time.monotonic() + timeout_s
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"collector exited with {proc.returncode} before recording")
+        if sock.exists():
+            try:
+                st = request(str(sock), "status", timeout_s=1.0)
+            except GpuprofError:
+                st = {}
+            if st.get("state") == "recording" and st.get("attached"):
+                return st
+            if st.get("state") == "error":
+                raise RuntimeError(f"collector failed: {st.get('error')}")
+        time.sleep(0.05)
+    raise RuntimeError(f"collector not attached after {timeout_s} s: {st}")
+
+
+def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, str]) -> dict[str, Any]:
+    """Collector for one busy job; the figures of that run."""
+    from gpuprof.collector.config import defaults
+    from gpuprof.collector.control import request
+    from gpuprof.collector.reader import open_node_trace, summarize
+    from gpuprof.collector.sources.fastpath import fastpath_exports, job_ring_dir
+    from gpuprof.slurm_hooks.paths import make_job_dir, remove_job_dir
+
+    job, node = f"bench{os.getpid()}x{k}", "benchnode"
+    out, sock = tmp / f"{job}.h5", tmp / f"{job}.sock"
+    ring_dir = job_ring_dir(job, node)
+    fp_env: dict[str, str] = {}
+    if "collectives" in modes:
+        make_job_dir(ring_dir, 0, 0)  # as the prolog does
+        for line in fastpath_exports(tuple(modes.split(",")), defaults(), job_id=job, existing_ld_preload="",
+                                     node=node):
+            key, _, value = line.removeprefix("export ").partition("=")
+            fp_env[key] = value
+    busy = BusyJob(job, node, tmp, window_s + WARM_S + 120, fp_env)
+    with open(tmp / f"{job}.log", "wb") as log:
+        coll = subprocess.Popen(
+            [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--job", job, "--node", node, "--uid", "0",
+             "--modes", modes, "--gpus", "all", "--output", str(out), "--control-socket", str(sock)],
+            env=base_env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        t_start = time.monotonic()
+        wait_attached(sock, coll, 120)
+        startup_cpu, startup_s = cpu_s(coll.pid), time.monotonic() - t_start
+        busy.go()
+        t_go = time.monotonic()
+        time.sleep(WARM_S)
+        threads0 = request(str(sock), "status", timeout_s=5.0).get("thread_cpu_s", {})
+        c0, t0 = cpu_s(coll.pid), time.monotonic()
+        peak = 0.0
+        while time.monotonic() - t0 < window_s:
+            peak = max(peak, status_mb(coll.pid, "VmHWM"))
+            time.sleep(0.5)
+        c1, t1 = cpu_s(coll.pid), time.monotonic()
+        peak = max(peak, status_mb(coll.pid, "VmHWM"))
+        rss = status_mb(coll.pid, "VmRSS")
+        st1 = request(str(sock), "status", timeout_s=5.0)
+        pids = st1.get("pids", 0)
+        by_thread = {k: 100 * (v - threads0.get(k, 0.0)) / (t1 - t0) for k, v in st1.get("thread_cpu_s", {}).items()}
+        t_seal = time.monotonic()
+        reply = request(str(sock), "seal", timeout_s=60.0)
+        if not reply.get("sealed"):
+            raise RuntimeError(f"collector did not seal: {reply}")
+        _, status, usage = os.wait4(coll.pid, 0)
+        coll.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        if coll.returncode is None:
+            coll.kill()
+            coll.wait()
+        busy.stop()
+        if ring_dir.exists():
+            remove_job_dir(ring_dir)
+    s = summarize(open_node_trace(out))
+    size = out.stat().st_size
+    out.unlink()
+    calls = s["records"].get(schema.COLLECTIVE_CALLS.path, 0)
+    return {"cpu_percent": 100 * (c1 - c0) / (t1 - t0), "peak_rss_mb": peak, "rss_mb": rss,
+            "startup_cpu_s": startup_cpu, "startup_s": startup_s, "window_s": t1 - t0,
+            "total_cpu_s": usage.ru_utime + usage.ru_stime, "drops": s["drops"], "pids_seen": pids,
+            "collective_calls": calls, "calls_per_s": calls / (t_seal - t_go), "stack_samples": s["records"].get(schema.STACK_SAMPLES.path, 0),
+            "file_mb": size / 1e6, "by_thread": by_thread, "errors": [e["message"] for e in s["errors"]][:5]}
+
+
+def spread(values: list[float], nd: int = 3) -> dict[str, float]:
+    return {"median": round(statistics.median(values), nd), "min": round(min(values), nd),
+            "max": round(max(values), nd)}
+
+
+def bench_collector(window_s: float, runs: int, tmp: Path) -> None:
+    build()
+    lib = double.build()
+    conf = double.write_config(tmp / "fake.conf", gpus=8, pids=[])
+    base_env = {k: v for k, v in os.environ.items() if k != "GPUPROF_CONFIG"}
+    base_env.update(PYTHONPATH=str(ROOT), GPUPROF_NVML_LIBRARY=str(lib), GPUPROF_FAKE_NVML_CONFIG=str(conf))
+    from gpuprof.collector.config import defaults
+
+    nice = int(defaults()["hooks"]["collector_nice"])
+    results: dict[str, list[dict[str, Any]]] = {DEFAULT_MODES: [], "metrics": []}
+    for k in range(runs):  # interleaved: the machine's other load hits both alike
+        for i, (modes, rs) in enumerate(results.items()):
+            r = one_run(modes, window_s, tmp, len(results) * k + i, base_env)
+            print(json.dumps({"progress": "collector_cpu run", "modes": modes, **r}), file=sys.stderr, flush=True)
+            rs.append(r)
+    lines = []
+    for modes, rs in results.items():
+        drops_total = [sum(r["drops"].values()) for r in rs]
+        nonzero: dict[str, int] = {}
+        for r in rs:
+            for src, n in r["drops"].items():
+                if n:
+                    nonzero[src] = max(nonzero.get(src, 0), n)
+        cpu = spread([r["cpu_percent"] for r in rs])
+        rss = spread([r["peak_rss_mb"] for r in rs], 1)
+        line = {
+            "bench": "collector_cpu", "modes": modes, "busy_processes": BUSY,
+            "cpu_percent_of_core": cpu, "peak_rss_mb": rss,
+            "rss_after_start_mb": spread([r["rss_mb"] for r in rs], 1),
+            "startup_cpu_s": spread([r["startup_cpu_s"] for r in rs]),
+            "startup_s": spread([r["startup_s"] for r in rs]),
+            "drops_total": spread([float(d) for d in drops_total], 0), "drops_max_by_source": nonzero,
+            "drops_from": "sealed node file, /diagnostics/drops",
+            "collective_calls_recorded": spread([float(r["collective_calls"]) for r in rs], 0),
+            "collective_calls_per_s_recorded": spread([r["calls_per_s"] for r in rs], 0),
+            "collective_period_us": PERIOD_US,
+            "stack_samples": spread([float(r["stack_samples"]) for r in rs], 0),
+            "job_pids_seen": max(r["pids_seen"] for r in rs),
+            "file_mb": spread([r["file_mb"] for r in rs]),
+            "goal_cpu_percent": GOAL_CPU_PERCENT, "goal_peak_rss_mb": GOAL_RSS_MB,
+            "goal_met": cpu["median"] <= GOAL_CPU_PERCENT and rss["median"] <= GOAL_RSS_MB,
+            "runs": len(rs), "interleaved": True, "window_s": round(statistics.median(r["window_s"] for r in rs), 1),
+            "nice": nice, "cores": os.cpu_count(), "emulated": True, "gpus": 8,
+        }
+        threads = sorted({k for r in rs for k in r["by_thread"]})
+        by_thread = {k: round(statistics.median(r["by_thread"].get(k, 0.0) for r in rs), 3) for k in threads}
+        line["cpu_percent_by_thread_median"] = {k: v for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])
+                                                if v >= 0.05}
+        if rs[0]["errors"]:
+            line["node_file_errors_first_run"] = rs[0]["errors"]
+        lines.append(line)
+    lines[0]["metrics_only_cpu_percent_median"] = lines[1]["cpu_percent_of_core"]["median"]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+
+
+def bench_bytes(duration: float, tmp: Path) -> None:
+    """MB per minute of a metrics-only node file at the default rates (8 emulated GPUs, 16 processes)."""
     lib = double.build()
     jobs = [subprocess.Popen(["sleep", str(duration + 60)]) for _ in range(16)]
-    pids = [p.pid for p in jobs]
-    conf = double.write_config(tmp / "fake.conf", gpus=8, pids=pids[:4])
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GPUPROF_NVML_LIBRARY=str(lib),
-               GPUPROF_FAKE_NVML_CONFIG=str(conf))
-    # the job: a parent shell owning the 16 processes is what --pid would follow; here the
-    # 16 are children of this script, so --pid is this process and the tracker finds them
-    out = tmp / "node.h5"
-    coll = subprocess.Popen(
-        [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--pid", str(os.getpid()), "--modes", "metrics",
-         "--gpus", "all", "--output", str(out), "--duration", str(duration), "--nice", "0"],
-        env=env, stderr=subprocess.DEVNULL)
-    base = subprocess.Popen([sys.executable, "-c", BASELINE.format(root=str(ROOT), pids=pids, duration=duration)],
-                            env=env)
-    time.sleep(3.0)  # skip interpreter start-up and imports: the steady state is what a job pays
-    c0, b0, t0 = cpu_s(coll.pid), cpu_s(base.pid), time.monotonic()
-    peak = 0.0
-    while coll.poll() is None and time.monotonic() - t0 < duration - 3.5:
-        peak = max(peak, hwm_mb(coll.pid))
-        time.sleep(0.5)
-    c1, b1, t1 = cpu_s(coll.pid), cpu_s(base.pid), time.monotonic()
-    peak = max(peak, hwm_mb(coll.pid))
-    coll.wait()
-    base.wait()
-    for p in jobs:
-        p.kill()
-        p.wait()
-    wall = t1 - t0
-    print(json.dumps({"bench": "collector_cpu", "cpu_percent_of_core": round(100 * (c1 - c0) / wall, 3),
-                      "peak_rss_mb": round(peak, 1), "baseline_cpu_percent": round(100 * (b1 - b0) / wall, 3),
-                      "emulated": True, "gpus": 8, "job_processes": 16, "rate_hz": 10,
-                      "measured_s": round(wall, 1)}), flush=True)
+    conf = double.write_config(tmp / "fake-bytes.conf", gpus=8, pids=[p.pid for p in jobs[:4]])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPUPROF_NVML_LIBRARY=str(lib), GPUPROF_FAKE_NVML_CONFIG=str(conf))
+    env.pop("GPUPROF_CONFIG", None)
+    out = tmp / "bytes.h5"
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--pid", str(os.getpid()), "--modes",
+             "metrics", "--gpus", "all", "--output", str(out), "--duration", str(duration)],
+            env=env, stderr=subprocess.DEVNULL, check=True)
+    finally:
+        for p in jobs:
+            p.kill()
+            p.wait()
     size_mb = out.stat().st_size / 1e6
     print(json.dumps({"bench": "collector_bytes", "mb_per_min": round(size_mb / (duration / 60), 4),
                       "filter": "gzip", "file_mb": round(size_mb, 3), "duration_s": duration,
@@ -203,13 +400,19 @@ def bench_writer(tmp: Path, seconds: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short smoke run")
-    ap.add_argument("--duration", type=float, default=None, help="collection seconds (default 75, quick 8)")
+    ap.add_argument("--window", type=float, default=None, help="measured seconds per run (default 40, quick 8)")
+    ap.add_argument("--runs", type=int, default=None, help="runs per mode, interleaved (default 3, quick 1)")
     ap.add_argument("--filters", action="store_true", help="compare HDF5 filters on a 10-minute file")
     a = ap.parse_args()
-    duration = a.duration or (8.0 if a.quick else 75.0)
+    if os.geteuid() != 0 or shutil.which("mpirun") is None:
+        print(json.dumps({"bench": "collector_cpu", "modes": DEFAULT_MODES, "busy_processes": BUSY,
+                          "cpu_percent_of_core": None, "missing": "needs root (BPF, cgroups) and mpirun"}), flush=True)
+        return
+    window = a.window or (8.0 if a.quick else 40.0)
     with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
         tmp = Path(d)
-        bench_collector(duration, tmp)
+        bench_collector(window, a.runs or (1 if a.quick else 3), tmp)
+        bench_bytes(10.0 if a.quick else 60.0, tmp)
         bench_writer(tmp, 1.0 if a.quick else 5.0)
         if a.filters:
             bench_filters(tmp, 1.0 if a.quick else 10.0)

@@ -168,14 +168,13 @@ def sh5util_figure(quick: bool) -> dict[str, Any]:
     try:
         from sh5util_peer import sh5util_throughput
 
-        r = sh5util_throughput(20, 10)
+        r = sh5util_throughput()  # a job of our synthetic job's length (sh5util_peer.py)
     except Exception as e:  # noqa: BLE001 - a figure of a peer, never a reason to lose ours
         return {"sh5util_mb_per_s": None, "sh5util_input_mb": None, "sh5util_reason": f"{type(e).__name__}: {e}"}
     out = {"sh5util_mb_per_s": r.get("sh5util_mb_per_s"), "sh5util_input_mb": r.get("sh5util_input_mb")}
     if r.get("sh5util_mb_per_s") is None:
         out["sh5util_reason"] = r.get("reason", "unknown")
-    if "sh5util_files" in r:
-        out["sh5util_files"] = r["sh5util_files"]
+    out.update({k: v for k, v in r.items() if k.startswith("sh5util_")})  # the job's shape, min/max
     return out
 
 

@@ -78,7 +78,8 @@ def run(args: list[str], ranks: int, path: str | None) -> tuple[dict[str, Any], 
                 shutil.rmtree(ring_dir, ignore_errors=True)
         calls = collect(batches, schema.COLLECTIVE_CALLS)
         captured = int((calls["op"] == ALLREDUCE).sum())
-        dropped = src.dropped_total if isinstance(src, FastpathSource) else 0
+        # what the source itself counted (interposer rings full, BPF ring buffer full), read at its stop
+        dropped = src.dropped_total if isinstance(src, (FastpathSource, BpfCollectivesSource)) else 0
     if rc != 0:
         raise RuntimeError(f"mpi_bench {args} ({path}) failed: {err[-500:]}")
     return json.loads(out.strip().splitlines()[-1]), captured, dropped

@@ -4,6 +4,9 @@
  *                                 adds to the run time), like a tightly coupled code
  *   mpi_bench tight N           : N MPI_Allreduce on MPI_COMM_SELF back to back (the cost of the
  *                                 call itself, to measure what instrumentation adds per call)
+ *   mpi_bench selfpaced N PERIOD_US : as paced, on MPI_COMM_SELF: every rank busy and calling
+ *                                 collectives at its own pace, none waiting for another (the
+ *                                 busy job of tests/bench/bench_collector.py, oversubscribed)
  * Prints one JSON line from rank 0: {"calls": N, "seconds": wall time of the loop}.
  */
 #include <mpi.h>
@@ -25,13 +28,14 @@ int main(int argc, char **argv)
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (argc < 3) {
-        fprintf(stderr, "usage: mpi_bench paced N PERIOD_US | tight N\n");
+        fprintf(stderr, "usage: mpi_bench paced|selfpaced N PERIOD_US | tight N\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     long n = atol(argv[2]);
-    int paced = strcmp(argv[1], "paced") == 0;
+    int self_paced = strcmp(argv[1], "selfpaced") == 0;
+    int paced = self_paced || strcmp(argv[1], "paced") == 0;
     double period = paced && argc > 3 ? atof(argv[3]) * 1e-6 : 0;
-    MPI_Comm comm = paced ? MPI_COMM_WORLD : MPI_COMM_SELF;
+    MPI_Comm comm = paced && !self_paced ? MPI_COMM_WORLD : MPI_COMM_SELF;
     double in = 1, out = 0;
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = now();

@@ -1,0 +1,125 @@
+"""What profiling costs a real MPI job (issue 11): the applications of tests/realapps (real codes
+from Debian, and the training program) run as the test user through sbatch on the local cluster,
+each with and without `--profile-gpu` (the default modes: metrics, stacks, collectives), runs
+interleaved in pairs whose order alternates (plain, profiled; profiled, plain; ...) so that the
+machine's drift hits both alike. The time is the application's own: the batch script (realapps'
+job_script, fault "balanced") times its mpirun line, so queueing, the prolog's wait for the probes
+and the epilog are not in it (the bench of the hooks measures those), and the automatic merge job
+of a profiled run is waited for before the next run starts.
+
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3]
+
+One line per application:
+    {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
+     "pair_percent": {"median", "min", "max"}, "plain_s": [...], "profiled_s": [...], ...}
+Needs root, the local cluster and the applications (apt packages named in tests/realapps/apps.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from realapps import apps as apps_mod
+from realapps import faults as faults_mod
+from realapps import runner, slurm
+
+TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
+
+
+def timed_script(app: apps_mod.App) -> str:
+    """realapps' batch script for the app (no fault), its mpirun line timed."""
+    text = runner.job_script(runner.RunSpec(app, faults_mod.FAULTS["balanced"], 0))
+    lines = [f"#SBATCH --job-name=bench-slowdown-{app.name}" if line.startswith("#SBATCH --job-name=") else line
+             for line in text.splitlines()]
+    i = next(k for k, line in enumerate(lines) if line.startswith("mpirun "))
+    lines[i:i + 1] = ["t0=$(date +%s.%N)", lines[i], "t1=$(date +%s.%N)",
+                      'awk -v a="$t0" -v b="$t1" \'BEGIN { printf "bench_app_seconds %.3f\\n", b - a }\'']
+    return "\n".join(lines) + "\n"
+
+
+def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int) -> float:
+    pw = pwd.getpwnam(slurm.TEST_USER)
+    work = base / f"{app.name}-{k}-{'prof' if profiled else 'plain'}"
+    work.mkdir(mode=0o755)
+    app.prepare(work)
+    (work / "job.sh").write_text(timed_script(app))
+    for p in [work, *work.iterdir()]:
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    args = [f"-N{app.nodes}", f"--chdir={work}", *(["--profile-gpu"] if profiled else []), str(work / "job.sh")]
+    job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
+    info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
+    out = work / f"slurm-{job}.out"
+    text = out.read_text(errors="replace") if out.is_file() else ""
+    if info.get("JobState") != "COMPLETED":
+        raise RuntimeError(f"{app.name} job {job} ended {info.get('JobState')}: {text[-1500:]}")
+    m = TIMED.search(text)
+    if m is None:
+        raise RuntimeError(f"{out}: no bench_app_seconds line:\n{text[-1500:]}")
+    if profiled:
+        runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
+    shutil.rmtree(work, ignore_errors=True)
+    return float(m.group(1))
+
+
+def bench_app(app: apps_mod.App, pairs: int, base: Path) -> dict[str, Any]:
+    plain: list[float] = []
+    prof: list[float] = []
+    for k in range(pairs):
+        order = (False, True) if k % 2 == 0 else (True, False)
+        for profiled in order:
+            t = one_run(app, profiled, base, k)
+            (prof if profiled else plain).append(t)
+            print(json.dumps({"progress": "job_slowdown run", "app": app.name, "profiled": profiled, "seconds": t}),
+                  file=sys.stderr, flush=True)
+    per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
+    return {"bench": "job_slowdown", "app": app.name, "modes": "metrics,stacks,collectives",
+            "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
+            "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
+                             "max": round(max(per_pair), 2)},
+            "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
+            "nodes": app.nodes, "goal_percent": 1.0, "cores": os.cpu_count(),
+            "what": "the application's mpirun line, timed inside the batch script"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one pair of one application")
+    ap.add_argument("--apps", default=None, help="comma list (default train,hpcc; quick: train)")
+    ap.add_argument("--pairs", type=int, default=None, help="pairs of runs per application (default 3, quick 1)")
+    a = ap.parse_args()
+    names = (a.apps or ("train" if a.quick else "train,hpcc")).split(",")
+    pairs = a.pairs or (1 if a.quick else 3)
+    if os.geteuid() != 0:
+        print(json.dumps({"bench": "job_slowdown", "app": None, "median_percent": None, "missing": "needs root"}))
+        return 0
+    base = Path(tempfile.mkdtemp(prefix="gpuprof-slowdown-", dir="/var/tmp"))
+    base.chmod(0o755)
+    try:
+        for name in names:
+            app = apps_mod.get(name)
+            try:
+                app.check()
+                line = bench_app(app, pairs, base)
+            except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
+                line = {"bench": "job_slowdown", "app": name, "median_percent": None, "missing": str(e)[:500]}
+            print(json.dumps(line), flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
