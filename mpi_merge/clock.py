@@ -968,6 +968,7 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                               "any physical clock (the instances left out of order are counted)")
         elif not np.any(np.abs(m.seg_drift_ppm) > p.max_drift_ppm * (1 + 1e-9)):
             m.inconsistent = ""
+    _knot_intervals(rows, t, models, ref, p, spread)
     # what the final pieces say about each node: its error interval and where nothing constrained it
     for a, m in enumerate(models):
         if a == ref:
@@ -983,7 +984,9 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                             f"{p.max_drift_ppm:.0f} ppm slew limit) to keep every collective in order; the "
                             "collectives pin the node only loosely there (see its interval)")
         widths = [pc.hi[a] - pc.lo[a] for pc in pieces if np.isfinite(pc.hi[a] - pc.lo[a])]
-        m.uncertainty_ns = float(np.median(widths)) / 2 if widths else float("nan")
+        # the error bar is the model points' own intervals (_knot_intervals), not the pieces'
+        point_w = (m.point_hi - m.point_lo)[np.isfinite(m.point_hi - m.point_lo)]
+        m.uncertainty_ns = float(np.median(point_w)) / 2 if len(point_w) else float("nan")
         spans: list[tuple[float, float]] = []
         for pc in pieces:
             if pc.consistent and np.isinf(pc.lo[a]) and np.isinf(pc.hi[a]):
@@ -1202,3 +1205,40 @@ def _with_knots(m: NodeClockModel, T: np.ndarray, P: np.ndarray, max_drift_ppm: 
     lo, hi = m.interval_ns(T) if not m.is_reference else (np.zeros(len(T)), np.zeros(len(T)))
     return replace(m, seg_start=T, seg_offset=P, seg_drift_ppm=drift, point_lo=lo, point_hi=hi,
                    max_drift_ppm=max_drift_ppm)
+
+
+def _knot_intervals(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, p: ClockParams,
+                    spread: Spread) -> None:
+    """Each model point's interval (point_lo, point_hi), from the feasible set of the raw constraints
+    around it: the instances between the midpoints to its neighbour points, each constraint moved to
+    the point's time by the drift bound (d_a(T) - d_b(T) <= exit_a - enter_b + s |t - T|, with s the
+    bound the fit puts on each node's offset to the reference, whose offset is 0 at every time),
+    relaxed with the reference fixed. The truth lies inside whenever the timestamps are causal and the clocks
+    drift within the bound; the constant pieces' intervals above need not hold it where the clocks
+    drift inside a piece. Points whose instances contradict the bound keep the pieces' intervals."""
+    T = models[0].seg_start
+    if len(T) < 2:
+        return
+    s = p.max_drift_ppm * 1e-6
+    mid = (T[1:] + T[:-1]) / 2
+    edges = np.searchsorted(t, np.concatenate([[-np.inf], mid, [np.inf]]))
+
+    def one(k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        r0, r1 = int(edges[k]), int(edges[k + 1])
+        if r1 <= r0:
+            return None
+        E, X, _ = rows.take(_all(r0, r1))
+        widen = s * np.abs(t[r0:r1] - T[k])
+        return _interval(E, X + widen[:, None], *_ref_box(rows.n_cols, ref))
+
+    got = spread.map(one, len(T))
+    for a, m in enumerate(models):
+        if a == ref:
+            continue
+        lo, hi = m.point_lo.copy(), m.point_hi.copy()
+        for k, iv in enumerate(got):
+            if iv is None:
+                lo[k], hi[k] = -np.inf, np.inf  # no instance near this point: nothing bounds it here
+            else:
+                lo[k], hi[k] = iv[0][a], iv[1][a]
+        m.point_lo, m.point_hi = lo, hi

@@ -211,14 +211,16 @@ def _tight_instances(k: int, n: int, offsets_ns: np.ndarray, period_ns: float = 
 
 
 def test_tight_collectives_pin_the_offset() -> None:
-    """SYNTHETIC. Where every node is last now and then, the interval is a few us wide and the
-    injected offset is recovered within it."""
+    """SYNTHETIC. Where every node is last now and then, the offset is recovered within 10 us, and
+    the interval at each model point holds the truth and is tens of us wide: the instances of the
+    few ms around the point (a clock may drift by the 500 ppm bound between them, 5 us per 10 ms)."""
     off = np.array([0.0, 2e6, -1e6])
     f = fit_clocks(_tight_instances(2000, 3, off), ["a", "b", "c"], "a")
     for j, n in ((1, "b"), (2, "c")):
         m = f.model(n)
         assert abs(float(m.offset_ns(np.array([5e9]))[0]) - off[j]) < 10e3
-        assert m.uncertainty_ns < 10e3
+        assert np.all((m.point_lo <= off[j] + 1) & (off[j] - 1 <= m.point_hi))
+        assert m.uncertainty_ns < 20e3
     assert f.causality_violations == 0
 
 
