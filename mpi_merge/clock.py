@@ -1005,6 +1005,8 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
 REPAIR_ROUNDS = 4
 REPAIR_SUBKNOTS = 8  # each interval of the model that holds a violation gets this many pieces
 REPAIR_MIN_GAP_NS = 5e6  # intervals are not cut into pieces shorter than this
+REPAIR_MAX_CELLS = 16 << 16  # instance x node cells of one program at most (its temporaries: ~10 floats each)
+REPAIR_SLACK_NS = 10e3  # constraints with less slack than this (beyond 4x the worst violation) are kept
 REPAIR_PAD_NS = 50e6  # rows this close to a region are in its program too (their times straddle a knot)
 
 
@@ -1036,70 +1038,93 @@ def _knot_weights(T: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _solve_region(rows: InstanceRows, t: np.ndarray, T: np.ndarray, P: np.ndarray, ref: int, k0: int, k1: int,
-                  s: float, tol_ns: float) -> np.ndarray | None:
-    """New values of the knots k0 .. k1 (k0 and k1 stay, unless they are the model's first or last
-    knot, which nothing beyond them holds; the reference stays): the ones
-    nearest the current values P (L1) with which every row near the region is in causal order and
-    every node drifts by at most s between knots: a linear program (HiGHS through scipy). None when
-    there are none (with these end knots: the caller grows the region)."""
+                  s: float, movable: list[int]) -> np.ndarray | None:
+    """New values of the knots k0 .. k1 of the `movable` nodes (k0 and k1 stay, unless they are the
+    model's first or last knot, which nothing beyond them holds; every other node and the reference
+    stay): the ones nearest the current values P (L1) with which every instance near the region is
+    in causal order and every node drifts by at most s between knots: a linear program (HiGHS through
+    scipy). None when there are none (with these end knots and movable nodes: the caller grows the
+    region), or when the region holds more than REPAIR_MAX_CELLS cells (memory stays bounded).
+
+    Size: an instance gives each movable node one constraint against the nodes that stay (only the
+    tightest of them can bind: the latest aligned enter, the earliest aligned exit) and one per pair
+    of movable nodes, so thousands of nodes cost no more than the few that move."""
     from scipy.optimize import linprog
     from scipy.sparse import bmat, coo_matrix, csr_matrix, hstack, identity, vstack
 
     n = P.shape[1]
-    free_nodes = [a for a in range(n) if a != ref]
+    free = sorted({a for a in movable if a != ref})
     f0, f1 = (k0 if k0 == 0 else k0 + 1), (k1 + 1 if k1 == len(T) - 1 else k1)  # free knots f0 .. f1 - 1
     kf = np.arange(f0, f1)
-    if not len(kf) or not free_nodes:
+    if not len(kf) or not free:
         return P[k0:k1 + 1].copy()
+    r0, r1 = (int(x) for x in np.searchsorted(t, [T[k0] - REPAIR_PAD_NS, T[k1] + REPAIR_PAD_NS]))
+    if (r1 - r0) * n > REPAIR_MAX_CELLS:
+        return None
     col_of_node = np.full(n, -1)
-    col_of_node[free_nodes] = np.arange(len(free_nodes))
-    nv = len(kf) * len(free_nodes)
+    col_of_node[free] = np.arange(len(free))
+    nv = len(kf) * len(free)
 
     def var(k: np.ndarray, a: np.ndarray) -> np.ndarray:
         """Variable index of knot k of node a, -1 where that value is fixed."""
         ok = (k >= f0) & (k < f1) & (col_of_node[a] >= 0)
-        return np.where(ok, (k - f0) * len(free_nodes) + col_of_node[a], -1)
+        return np.where(ok, (k - f0) * len(free) + col_of_node[a], -1)
 
-    r0, r1 = np.searchsorted(t, [T[k0] - REPAIR_PAD_NS, T[k1] + REPAIR_PAD_NS])
-    idx = np.arange(r0, r1)
-    E, X, _ = rows.take(idx)
-    # every pair (a leaves, b entered) of a row: o_a(X_a) - o_b(E_b) <= X_a - E_b. A pair with more
-    # slack than both nodes can move inside the region (2 s per unit of its length, each) stays
-    # satisfied and is left out.
-    cap = 2 * s * float(T[k1] - T[k0]) * 2 + tol_ns
+    E, X, _ = rows.take(np.arange(r0, r1))
+    cols = np.arange(n)[None, :]
+
+    def weights(V: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        i, w0, w1 = _knot_weights(T, np.where(np.isfinite(V), V, T[0]))
+        return i, w0, w1, V - (w0 * P[i, cols] + w1 * P[i + 1, cols])  # aligned on the current model
+
+    iE, wE0, wE1, Ea = weights(E)
+    iX, wX0, wX1, Xa = weights(X)
+    stay = np.ones(n, bool)
+    stay[free] = False
+    with quiet_nan():
+        late_enter = np.nanmax(np.where(stay[None, :], Ea, np.nan), axis=1)  # of the nodes that stay
+        early_exit = np.nanmin(np.where(stay[None, :], Xa, np.nan), axis=1)
+    # Constraints with more slack than the nodes will move are left out: at most 2 s per unit of the
+    # region's length each, and in practice a few times the worst violation there (a cutting plane:
+    # what a move puts out of order anyway is found by the next round's check and added then).
+    with quiet_nan():
+        worst = float(np.nanmax(np.nanmax(Ea, axis=1) - np.nanmin(Xa, axis=1), initial=0.0))
+    cap = min(4 * s * float(T[k1] - T[k0]), 4 * max(worst, 0.0) + REPAIR_SLACK_NS)
     terms_r, terms_v, terms_w, rhs = [], [], [], []
     m = 0
-    for a in range(n):
-        xa = X[:, a]
-        ia, wa0, wa1 = _knot_weights(T, xa)
-        oa = wa0 * P[ia, a] + wa1 * P[ia + 1, a]
-        for b in range(n):
-            if b == a:
-                continue
-            eb = E[:, b]
-            ib, wb0, wb1 = _knot_weights(T, eb)
-            ob = wb0 * P[ib, b] + wb1 * P[ib + 1, b]
-            with quiet_nan():
-                slack = (xa - oa) - (eb - ob)
-            keep = np.flatnonzero(np.isfinite(slack) & (slack < cap))
-            if not len(keep):
-                continue
-            rid = m + np.arange(len(keep))
-            m += len(keep)
-            for kk, w, sign, node in ((ia, wa0, 1.0, a), (ia + 1, wa1, 1.0, a), (ib, wb0, -1.0, b),
-                                      (ib + 1, wb1, -1.0, b)):
+
+    def add(slack: np.ndarray, sides: list[tuple[np.ndarray, np.ndarray, np.ndarray, float, int]]) -> None:
+        """Constraints sum over sides of sign * (w0 change[i] + w1 change[i + 1]) <= slack, one per row
+        where the slack is finite and below the cap; a side: (i, w0, w1, sign, node)."""
+        nonlocal m
+        keep = np.flatnonzero(np.isfinite(slack) & (slack < cap))
+        if not len(keep):
+            return
+        rid = m + np.arange(len(keep))
+        m += len(keep)
+        for i, w0, w1, sign, node in sides:
+            for kk, w in ((i, w0), (i + 1, w1)):
                 v = var(kk[keep], np.full(len(keep), node))
                 use = (v >= 0) & (w[keep] != 0.0)
                 terms_r.append(rid[use])
                 terms_v.append(v[use])
                 terms_w.append(sign * w[keep][use])
-            rhs.append(slack[keep])
+        rhs.append(slack[keep])
+
+    for a in free:
+        # a leaves no earlier than the nodes that stay entered; a enters no later than they left
+        add(Xa[:, a] - late_enter, [(iX[:, a], wX0[:, a], wX1[:, a], 1.0, a)])
+        add(early_exit - Ea[:, a], [(iE[:, a], wE0[:, a], wE1[:, a], -1.0, a)])
+        for b in free:
+            if b != a:
+                add(Xa[:, a] - Ea[:, b], [(iX[:, a], wX0[:, a], wX1[:, a], 1.0, a),
+                                          (iE[:, b], wE0[:, b], wE1[:, b], -1.0, b)])
     if not m:
         return P[k0:k1 + 1].copy()
     A_c = coo_matrix((np.concatenate(terms_w), (np.concatenate(terms_r), np.concatenate(terms_v))), shape=(m, nv))
     b_c = np.concatenate(rhs)
     # drift between consecutive knots k, k + 1 of the region, each free node: |dP + change| <= s dT
-    kk, aa = (x.ravel() for x in np.meshgrid(np.arange(k0, k1), np.asarray(free_nodes), indexing="ij"))
+    kk, aa = (x.ravel() for x in np.meshgrid(np.arange(k0, k1), np.asarray(free), indexing="ij"))
     g = s * (T[kk + 1] - T[kk])
     d = P[kk + 1, aa] - P[kk, aa]
     v1, v0 = var(kk + 1, aa), var(kk, aa)
@@ -1122,7 +1147,7 @@ def _solve_region(rows: InstanceRows, t: np.ndarray, T: np.ndarray, P: np.ndarra
     res = linprog(c, A_ub=A, b_ub=np.concatenate([b_c, db, np.zeros(2 * nv)]), bounds=bounds, method="highs")
     if res.status == 0:
         out = P[k0:k1 + 1].copy()
-        out[f0 - k0:f1 - k0] += _unflatten(res.x[:nv], kf, free_nodes, n)
+        out[f0 - k0:f1 - k0] += _unflatten(res.x[:nv], kf, free, n)
         return out
     return None
 
@@ -1168,34 +1193,51 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
             else:
                 runs.append((a, b))
 
-        solve = functools.partial(_solve_region, rows, t, T_new, ref=ref, s=s, tol_ns=0.0)
-        first = functools.partial(_solve_run, solve, P, runs)
+        # the nodes that move in a run: those of its instances out of order that entered last or left
+        # first on the current model (the others keep their values and bound them)
+        culprits = _culprits(rows, bad, models)
+        movable = [sorted({int(c) for c in culprits[(t[bad] >= T_new[a]) & (t[bad] <= T_new[b])].ravel()})
+                   for a, b in runs]
+        solve = functools.partial(_solve_region, rows, t, T_new, ref=ref, s=s)
+        first = functools.partial(_solve_run, solve, P, runs, movable)
         failed = []
-        for run, got in zip(runs, spread.map(first, len(runs))):
+        for i, got in enumerate(spread.map(first, len(runs))):
             if got is None:
-                failed.append(run)
+                failed.append(i)
             else:
-                P[run[0]:run[1] + 1] = got
-        for a, b in failed:  # rare: grown one after the other, each on what the others left
-            last = len(T_new) - 1
+                P[runs[i][0]:runs[i][1] + 1] = got
+        for i in failed:  # rare: grown one after the other, each on what the others left
+            (a, b), last = runs[i], len(T_new) - 1
             while True:
                 width = b - a
                 a, b = max(0, a - width), min(last, b + width)
-                got = solve(P, k0=a, k1=b)
+                got = solve(P, k0=a, k1=b, movable=movable[i])
                 if got is not None:
                     P[a:b + 1] = got
                     break
                 if a == 0 and b == last:
-                    E, _, _ = rows.take(bad)
-                    unrepaired |= np.isfinite(E).any(axis=0)
+                    unrepaired[[c for c in movable[i] if c != ref]] = True
                     break
         models = [_with_knots(m, T_new, P[:, j], p.max_drift_ppm) for j, m in enumerate(models)]
     return models, unrepaired
 
 
 def _solve_run(solve: Callable[..., np.ndarray | None], P: np.ndarray, runs: list[tuple[int, int]],
-               i: int) -> np.ndarray | None:
-    return solve(P, k0=runs[i][0], k1=runs[i][1])
+               movable: list[list[int]], i: int) -> np.ndarray | None:
+    return solve(P, k0=runs[i][0], k1=runs[i][1], movable=movable[i])
+
+
+def _culprits(rows: InstanceRows, bad: np.ndarray, models: list[NodeClockModel]) -> np.ndarray:
+    """[len(bad), 2]: per instance out of order, the node that entered last and the one that left
+    first, on the models' clocks."""
+    clocks = RankClocks(list(models))
+    out = []
+    for i in range(0, len(bad), block_rows(rows.n_cols)):
+        E, X, _ = rows.take(bad[i:i + block_rows(rows.n_cols)])
+        Ea, Xa = clocks.align(E), clocks.align(X)
+        out.append(np.stack([np.argmax(np.where(np.isfinite(Ea), Ea, -np.inf), axis=1),
+                             np.argmin(np.where(np.isfinite(Xa), Xa, np.inf), axis=1)], axis=1))
+    return np.concatenate(out) if out else np.zeros((0, 2), np.int64)
 
 
 def _with_knots(m: NodeClockModel, T: np.ndarray, P: np.ndarray, max_drift_ppm: float) -> NodeClockModel:
