@@ -1,14 +1,21 @@
-"""The job-wide analysis on rank 0: node summaries and calls in, everything the job file and reports need out.
+"""The job-wide analysis, led by rank 0: node summaries and calls in, everything the job file and reports need out.
 
 No MPI and no paths: the calls arrive in a CommStore (matching.py), one node at a time, and the
 analysis reads the store back in passes over blocks of instances (common.BLOCK_CELLS cells each):
 
   1. scan (fit_clocks): completeness and mismatch flags per instance, and the clock fit's
      [instance x node] input appended to an InstanceTable; then the clock fit, which reads that
-     table by rows;
-  2. finish: per block, aligned times, wait states and their per-rank sums (CommSummary), the block
-     handed to a sink (the job file's /collectives in the merge, memory for library callers); then
-     mismatches, stragglers (reading aligned times by windows and by rank), the report.
+     table by rows (its windows dealt over the merge ranks by the driver);
+  2. finish: per block, aligned times, wait states and their per-rank sums (BlockWaits, added to a
+     CommSummary in block order), the block handed to a sink (the job file's /collectives in the
+     merge, memory for library callers); then mismatches, stragglers (reading aligned times by
+     ranges of the time order and by windows), the report.
+
+The heavy items of finish (the blocks of pass 2, the delay analysis's baselines and ranges, the
+straggler scores' windows) are common.Task objects run through a common.Pool: on one process by
+default, dealt over the merge ranks in the MPI driver (common.RankPool; every rank holds an
+AnalysisContext over the same tables). Rank 0 takes the results in item order and combines them,
+so the numbers do not depend on which rank computed what.
 
 With the store and the instance table in an HDF5 scratch file, what stays in memory is per node
 (summaries, clock models, per-window clock estimates), per instance (vectors) or per rank (sums),
@@ -19,6 +26,7 @@ blocks depend only on the tables' widths, so every rank count gives the same res
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +44,7 @@ from gpuprof.mpi_merge.clock import (
     RankClocks,
     fit_clocks,
 )
-from gpuprof.mpi_merge.common import Spread, row_blocks
+from gpuprof.mpi_merge.common import Pool, SerialPool, Spread, row_blocks
 from gpuprof.mpi_merge.loading import NodeSummary
 from gpuprof.mpi_merge.matching import (
     P2P_OPS,
@@ -65,6 +73,7 @@ from gpuprof.mpi_merge.stragglers import (
 )
 from gpuprof.mpi_merge.waitstates import (
     PATTERNS,
+    BlockWaits,
     CommSummary,
     CommWaits,
     P2PWaits,
@@ -226,16 +235,26 @@ def p2p_rows(calls: np.ndarray) -> np.ndarray:
     return calls[np.isin(calls["op"], list(P2P_OPS))]
 
 
+class BlockSink(Protocol):
+    """Where the merge rank that computed a block of pass 2 puts its [seq x rank] tables: rank 0's
+    CommSink takes them (returns None); another rank packs them for rank 0 (the payload travels with
+    the block's result and reaches CommSink.packed)."""
+
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> Any: ...
+
+
 class CommSink(Protocol):
-    """Where the [seq x rank] tables of each communicator go, block by block, in seq order."""
+    """Where the [seq x rank] tables of each communicator go, block by block, in seq order: blocks
+    computed on rank 0 through block(), those of the other ranks as their packed payload."""
 
     def begin(self, c: StoredComm) -> None: ...
     def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None: ...
+    def packed(self, seq0: int, payload: Any) -> None: ...
     def end(self, summary: CommSummary) -> None: ...
 
 
 class MemorySink:
-    """Keeps every communicator's full tables (library use: analyze())."""
+    """Keeps every communicator's full tables (library use: analyze(), one process)."""
 
     def __init__(self) -> None:
         self.tables: list[CommTable] = []
@@ -249,6 +268,9 @@ class MemorySink:
     def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None:
         self._blocks.append(blk)
         self._waits.append(w)
+
+    def packed(self, seq0: int, payload: Any) -> None:
+        raise RuntimeError("MemorySink keeps the blocks of one process: no other rank packs any")
 
     def end(self, summary: CommSummary) -> None:
         b = self._blocks
@@ -282,6 +304,76 @@ class StoreAligned:
 
     def exit(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
         return self._read("exit", seqs, ranks)
+
+
+class AnalysisContext:
+    """What a merge rank reads for the items of JobAnalyzer.finish (common.Task's context): the
+    job-wide tables, the clock models (every rank holds them after the fit), and where the blocks of
+    pass 2 it computes go."""
+
+    def __init__(self, store: CommStore, names: list[str], models: dict[str, NodeClockModel] | None = None,
+                 blocks: BlockSink | None = None):
+        self.store = store
+        self.names = names
+        self.models = models or {}  # none before the clock fit (the scan's items need none)
+        self.blocks = blocks
+        self._clocks: dict[int, RankClocks] = {}
+        self._times: list[StoreAligned] | None = None
+
+    def clocks(self, ci: int) -> RankClocks:
+        if ci not in self._clocks:
+            self._clocks[ci] = RankClocks(_models_of_rank(self.store.comms[ci], self.names, self.models))
+        return self._clocks[ci]
+
+    @property
+    def times(self) -> list[StoreAligned]:
+        """rootcause.TimesContext: every communicator's aligned times, read from the tables."""
+        if self._times is None:
+            self._times = [StoreAligned(self.store, ci, self.clocks(ci)) for ci in range(len(self.store.comms))]
+        return self._times
+
+
+@dataclass
+class BlockResult:
+    """One block of pass 2 as rank 0 receives it: the summary's part, the heat map's part (first
+    communicator), and the packed tables when another rank computed it (else None)."""
+
+    waits: BlockWaits
+    heat: list[tuple[int, np.ndarray, np.ndarray]]
+    packed: Any
+
+
+@dataclass
+class _ScanBlocks:
+    """Task: pass 1 on one block (item: blocks[i], (communicator, first seq, end seq)): its mismatch
+    flags, completeness, and rows of the clock fit's [instance x node] input."""
+
+    blocks: list[tuple[int, int, int]]
+    n_nodes: int
+
+    def __call__(self, ctx: AnalysisContext, i: int) -> tuple[MismatchRows, np.ndarray, NodeInstances]:
+        blk = ctx.store.block(*self.blocks[i])
+        return mismatch_rows(blk), blk.complete(), node_instances([blk], self.n_nodes)
+
+
+@dataclass
+class _WaitStates:
+    """Task: pass 2 on one block (item: blocks[i], (communicator, first seq, end seq)): aligned times
+    and wait states."""
+
+    blocks: list[tuple[int, int, int]]
+    heat_group_of: np.ndarray  # the heat map's group of each seq of the first communicator
+
+    def __call__(self, ctx: AnalysisContext, i: int) -> BlockResult:
+        ci, s0, s1 = self.blocks[i]
+        blk = ctx.store.block(ci, s0, s1)
+        rc = ctx.clocks(ci)
+        E, X = rc.align(blk.enter), rc.align(blk.exit)
+        w = compute_waits(blk, E, X)
+        heat = _HeatMap.block_sums(self.heat_group_of, s0, w) if ci == 0 else []
+        if ctx.blocks is None:
+            raise RuntimeError("pass 2 on a rank without a sink for its blocks")
+        return BlockResult(BlockWaits.of(s0, w, E), heat, ctx.blocks.block(blk, E, X, w))
 
 
 class JobAnalyzer:
@@ -321,10 +413,13 @@ class JobAnalyzer:
         self.clock: ClockFit | None = None
 
     def scan(self, reference: str = "", params: ClockParams = DEFAULT_CLOCK_PARAMS,
-             instances: h5py.Group | None = None) -> ClockInput:
+             instances: h5py.Group | None = None, pool: Pool | None = None,
+             on_block: Callable[[int], None] | None = None) -> ClockInput:
         """Pass 1 over the store: completeness and mismatch flags per instance, and the clock fit's
         [instance x node] input, into `instances` (an HDF5 group the other merge ranks can read once
-        its file is closed) or the scratch file. Returns what every rank needs to run the fit."""
+        its file is closed) or the scratch file. Returns what every rank needs to run the fit.
+        `pool`: the merge ranks the blocks are read on (by default this process); `on_block(n)`: n
+        more instances scanned (progress)."""
         nodes, names = self.sel.nodes, self.names
         # matched messages constrain the clocks too (method "minimal": no receive completes before its
         # send started); the other methods are exit-synchronous estimates that only collectives fit
@@ -333,14 +428,19 @@ class JobAnalyzer:
         n_msg = msg_rows.n_rows if msg_rows is not None else 0
         inst = InstanceTable(len(nodes), sum(c.n_seq for c in self.store.comms) + n_msg,
                              instances if instances is not None else self.scratch)
+        if pool is None:
+            pool = SerialPool(AnalysisContext(self.store, names))
+        blocks = [(ci, s0, s1) for ci in range(len(self.store.comms)) for s0, s1 in self.store.blocks(ci)]
+        results = pool.map(_ScanBlocks(blocks, len(nodes)), len(blocks))
         for ci, c in enumerate(self.store.comms):
             flags = []
             complete = np.zeros(c.n_seq, bool)
             for s0, s1 in self.store.blocks(ci):
-                blk = self.store.block(ci, s0, s1)
-                flags.append(mismatch_rows(blk))
-                complete[s0:s1] = blk.complete()
-                inst.append(node_instances([blk], len(nodes)))
+                block_flags, complete[s0:s1], rows = next(results)
+                flags.append(block_flags)
+                inst.append(rows)
+                if on_block is not None:
+                    on_block(s1 - s0)
             self.mismatch_flags.append(MismatchRows.concat(flags))
             self.complete.append(complete)
         if msg_rows is not None and n_msg:
@@ -370,31 +470,40 @@ class JobAnalyzer:
         assert self.clock is not None
         return self.clock
 
-    def finish(self, sink: CommSink, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS) -> JobAnalysis:
-        """Pass 2 (aligned times and wait states, to the sink), mismatches, stragglers, the report."""
+    def finish(self, sink: CommSink, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS, pool: Pool | None = None,
+               on_block: Callable[[int], None] | None = None) -> JobAnalysis:
+        """Pass 2 (aligned times and wait states, to the sink), mismatches, stragglers, the report.
+        `pool`: the merge ranks the blocks of pass 2 and the reads of the straggler analysis are dealt
+        over (common.RankPool, whose other ranks hold an AnalysisContext of the same tables); by
+        default this process. `on_block(n)`: n more instances through pass 2 (progress)."""
         if self.clock is None:
             raise RuntimeError("JobAnalyzer.finish before fit_clocks: no clock models to align with")
         sel, store, names, epoch = self.sel, self.store, self.names, self.store.epoch_rt
         models = {m.node: m for m in self.clock.models}
+        if pool is None:
+            pool = SerialPool(AnalysisContext(store, names, models, sink))
+        # one map over the blocks of every communicator (thousands of small ones are dealt like the
+        # blocks of a large one); rank 0 takes them in order, communicator after communicator
+        blocks = [(ci, s0, s1) for ci in range(len(store.comms)) for s0, s1 in store.blocks(ci)]
+        heat_acc = _HeatMap(self.complete[0], store.comms[0].size) if store.comms else None
+        task = _WaitStates(blocks, heat_acc.group_of if heat_acc is not None else np.zeros(0, np.int64))
         comms: list[CommSummary] = []
-        heat = None
+        results = pool.map(task, len(blocks))
         for ci, c in enumerate(store.comms):
-            rc = RankClocks(_models_of_rank(c, names, models))
             cs = CommSummary.empty(c.comm_id, c.size, c.n_seq, c.node_of_rank, c.pid_of_rank)
-            heat_acc = _HeatMap(self.complete[ci], c.size) if ci == 0 else None
             sink.begin(c)
             for s0, s1 in store.blocks(ci):
-                blk = store.block(ci, s0, s1)
-                E, X = rc.align(blk.enter), rc.align(blk.exit)
-                w = compute_waits(blk, E, X)
-                cs.add(s0, w, E)
-                if heat_acc is not None:
-                    heat_acc.add(s0, w)
-                sink.block(blk, E, X, w)
+                res = next(results)
+                cs.add_block(res.waits)
+                if ci == 0 and heat_acc is not None:
+                    heat_acc.add(res.heat)
+                if res.packed is not None:
+                    sink.packed(s0, res.packed)
+                if on_block is not None:
+                    on_block(s1 - s0)
             sink.end(cs)
             comms.append(cs)
-            if heat_acc is not None:
-                heat = heat_acc.result()
+        heat = heat_acc.result() if heat_acc is not None else None
         p2p = self._p2p if self._p2p is not None else match_p2p(self.p2p_calls, epoch)
         p2p_waits = None
         late = None
@@ -423,7 +532,7 @@ class JobAnalyzer:
         clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
                                              clock_error_ns=clock_err, p2p=late,
-                                             node_on_cpu=[s.on_cpu for s in sel.nodes])
+                                             node_on_cpu=[s.on_cpu for s in sel.nodes], pool=pool)
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
@@ -455,16 +564,23 @@ class _HeatMap:
         self.sums = np.zeros((n_cols, size))
         self.counts = np.zeros((n_cols, size), np.int64)
 
-    def add(self, s0: int, w: CommWaits) -> None:
-        g = self.group_of[s0:s0 + len(w.complete)]
+    @staticmethod
+    def block_sums(group_of: np.ndarray, s0: int, w: CommWaits) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(group, wait sums per rank, waits counted per rank) of each run of one group in a block."""
+        g = group_of[s0:s0 + len(w.complete)]
         rows = np.flatnonzero(g >= 0)
         if not len(rows):
-            return
+            return []
         gg, W = g[rows], w.waits[rows]
         starts = np.flatnonzero(np.diff(gg, prepend=-1))  # groups are runs of increasing seq
-        for a, b in zip(starts, np.append(starts[1:], len(gg))):
-            self.sums[gg[a]] += np.nansum(W[a:b], axis=0)
-            self.counts[gg[a]] += np.isfinite(W[a:b]).sum(axis=0)
+        return [(int(gg[a]), np.nansum(W[a:b], axis=0), np.isfinite(W[a:b]).sum(axis=0))
+                for a, b in zip(starts, np.append(starts[1:], len(gg)))]
+
+    def add(self, runs: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """A block's block_sums, blocks in seq order."""
+        for g, sums, counts in runs:
+            self.sums[g] += sums
+            self.counts[g] += counts
 
     def result(self) -> np.ndarray | None:
         """[size, columns], NaN where a rank has no wait in a group; None without complete instances."""

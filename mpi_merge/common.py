@@ -1,4 +1,4 @@
-"""Small helpers shared by the analyses."""
+"""Small helpers shared by the analyses, and the pools that deal their items over the merge ranks."""
 
 from __future__ import annotations
 
@@ -157,3 +157,83 @@ class CommSpread:
         for part in self.comm.allgather(mine):
             out.update(part)
         return [out[i] for i in range(n)]
+
+
+class _PointToPoint(Protocol):
+    def Get_rank(self) -> int: ...
+    def Get_size(self) -> int: ...
+    def bcast(self, obj: Any, root: int = 0) -> Any: ...
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
+    def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+
+
+C_contra = TypeVar("C_contra", contravariant=True)
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Task(Protocol[C_contra, R_co]):
+    """One step of rank 0's analysis cut into items: `task(context, i)` computes item i from what the
+    task carries (pickled to every rank once per map) and the rank's own context (the job-wide tables
+    it reads). An item's result must not depend on the rank that computes it."""
+
+    def __call__(self, context: C_contra, item: int, /) -> R_co: ...
+
+
+class Pool(Protocol):
+    """Rank 0's view of the merge ranks: `map(task, n)` yields task(context, 0 .. n-1) in item
+    order, each item computed on one rank."""
+
+    size: int
+
+    def map(self, task: Task[Any, T], n: int) -> Iterator[T]: ...
+
+
+class SerialPool:
+    """Every item on this process (one merge rank, library use). `size`: the number of ranks the work
+    is cut for, as a RankPool of that size would (tests check that the cuts change no number)."""
+
+    def __init__(self, context: Any, size: int = 1):
+        self.context = context
+        self.size = size
+
+    def map(self, task: Task[Any, T], n: int) -> Iterator[T]:
+        for i in range(n):
+            yield task(self.context, i)
+
+
+TAG_POOL_ITEM = 31  # a worker's result of one item, to rank 0
+
+
+class RankPool:
+    """Items dealt round robin over the ranks of an MPI communicator: rank 0 calls map (bcast of the
+    task), the other ranks run serve() until rank 0 calls close(). Rank 0 takes the results in item
+    order, one message per item as it needs it, so it never holds more than one result per rank
+    and a result may be as large as a block: a worker's next item waits until rank 0 took its last.
+    Rank 0 computes its own items (0, size, 2 size, ...) in between."""
+
+    def __init__(self, comm: _PointToPoint, context: Any):
+        self.comm = comm
+        self.context = context
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def map(self, task: Task[Any, T], n: int) -> Iterator[T]:
+        if self.rank != 0:
+            raise RuntimeError("RankPool.map runs on rank 0; the other ranks serve()")
+        self.comm.bcast((task, n), root=0)
+        for i in range(n):
+            owner = i % self.size
+            yield task(self.context, i) if owner == 0 else self.comm.recv(source=owner, tag=TAG_POOL_ITEM)
+
+    def serve(self) -> None:
+        """On the ranks other than 0: run the items of every map until close()."""
+        while True:
+            msg = self.comm.bcast(None, root=0)
+            if msg is None:
+                return
+            task, n = msg
+            for i in range(self.rank, n, self.size):
+                self.comm.send(task(self.context, i), dest=0, tag=TAG_POOL_ITEM)
+
+    def close(self) -> None:
+        if self.rank == 0 and self.size > 1:
+            self.comm.bcast(None, root=0)

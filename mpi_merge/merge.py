@@ -9,26 +9,35 @@
   3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies every
      selected node file's tables into /nodes, straight from the node file (HDF5 object copy).
      Meanwhile rank 0 loads the calls one node at a time in the job's node order into the job-wide
-     [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and reads them back by blocks
-     (analysis.JobAnalyzer.scan) into the clock fit's input, a file of its own; then every rank
-     fits the clocks, the windows dealt over the ranks (common.CommSpread), and all hold the models;
+     [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and closes it; every rank
+     opens it read-only from then on. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
+     over the ranks (common.RankPool), rank 0 writes the clock fit's input from their results into
+     a file of its own; then every rank fits the clocks, the windows dealt over the ranks
+     (common.CommSpread), and all hold the models;
   4. every rank writes the aligned call times of the nodes it read into files of their own, from
-     the saved calls; the writer adds them to the job file once every rank is done, and tells rank 0;
-  5. rank 0 reads the tables by blocks again for the wait states, writing /collectives into a part
-     file of its own one chunk per block, then mismatches, stragglers and the reports; once the
-     writer is done, rank 0 adds /collectives, /clock, /analysis and the root attributes to the job
-     file, renames it into place, then writes the reports the same way.
+     the saved calls; the writer adds them to the job file once every rank is done (after step 5's
+     items when it is not rank 0), and tells rank 0;
+  5. rank 0 leads the rest of the analysis (analysis.JobAnalyzer.finish) and every other rank
+     serves its items (common.RankPool: the blocks of the wait states, the delay analysis's
+     baselines and ranges of the time order, the straggler scores' windows). A block computed on
+     another rank comes back with its /collectives chunks already compressed (ChunkPacker), which
+     rank 0 writes as they are into a part file of its own; then mismatches, the tests of the
+     stragglers and the reports on rank 0. Rank 0 then adds /collectives, /clock, /analysis and the
+     root attributes to the job file, renames it into place, then writes the reports the same way.
 
 Rank 0's memory therefore holds the per-node summaries (bounded per node), per-instance vectors,
-per-rank sums and one block of the tables: not the calls, not the [instance x node] tables, not
-the bulk data (docs/merge.md, "Rank 0's memory"). Most of the copying runs on the writer, beside
-rank 0's analysis. An exception on any rank propagates to the CLI, which aborts the whole MPI job
-with the message (comm.Abort), so a failing rank never leaves the others waiting in a receive.
+per-rank sums and one block of the tables (or one result per rank): not the calls, not the
+[instance x node] tables, not the bulk data; the other ranks hold one block, per-instance vectors
+and a few numbers per process (docs/merge.md, "Rank 0's memory", "At scale"). Most of the copying
+runs on the writer, beside rank 0's analysis. An exception on any rank propagates to the CLI, which
+aborts the whole MPI job with the message (comm.Abort), so a failing rank never leaves the others
+waiting in a receive; a rank killed outright ends the job through mpirun.
 With GPUPROF_MERGE_TIMING=1 every rank prints its seconds per step to stderr (StepTimes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -45,10 +54,11 @@ import numpy as np
 
 from gpuprof.collector import environment
 from gpuprof.collector.errors import MergeError
-from gpuprof.mpi_merge.analysis import ClockInput, CommSink, JobAnalyzer, Selection, p2p_rows
+from gpuprof.mpi_merge.analysis import AnalysisContext, ClockInput, JobAnalyzer, Selection, p2p_rows
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from gpuprof.mpi_merge.common import CommSpread, SerialSpread
+from gpuprof.mpi_merge.common import CommSpread, RankPool, SerialSpread
 from gpuprof.mpi_merge.jobfile import (
+    COMM_MATRICES,
     CollectivesWriter,
     copy_aligned_times,
     copy_node_tables,
@@ -184,47 +194,61 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
-class ProgressStore(CommStore):
-    """A CommStore whose block reads are progress of `step` while one is set: the scan (pass 1)
-    reads every instance once, by blocks, through block()."""
+class RankZeroCollectives:
+    """Rank 0's analysis.CommSink: /collectives of its part file through a CollectivesWriter, the blocks
+    another rank computed as the chunks it packed (ChunkPacker), written as they are."""
 
-    def __init__(self, shapes: dict[int, tuple[int, int]], epoch_rt: int, scratch: h5py.Group | None,
-                 progress: Progress):
-        super().__init__(shapes, epoch_rt, scratch)
-        self.progress = progress
-        self.step: str | None = None
-        self.n_instances = sum(c.n_seq for c in self.comms)
-        self._done = 0
-
-    def block(self, ci: int, s0: int, s1: int) -> CommTable:
-        blk = super().block(ci, s0, s1)
-        if self.step is not None:
-            self._done += s1 - s0
-            self.progress(self.step, self._done, self.n_instances, "instances analysed")
-        return blk
-
-
-class ProgressSink:
-    """analysis.CommSink that hands every block on to `sink` and counts its instances as progress:
-    pass 2 (aligned times and wait states) gives the sink every instance once, by blocks."""
-
-    def __init__(self, sink: CommSink, progress: Progress, step: str, n_instances: int):
-        self.sink = sink
-        self.progress = progress
-        self.step = step
-        self.n_instances = n_instances
-        self.done = 0
+    def __init__(self, writer: CollectivesWriter):
+        self.writer = writer
 
     def begin(self, c: StoredComm) -> None:
-        self.sink.begin(c)
+        self.writer.begin(c)
 
     def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> None:
-        self.sink.block(blk, enter_al, exit_al, w)
-        self.done += blk.n_seq
-        self.progress(self.step, self.done, self.n_instances, "instances analysed")
+        self.writer.block(blk, enter_al, exit_al, w)
+
+    def packed(self, seq0: int, payload: Any) -> None:
+        assert self.writer.g is not None
+        for name, (mask, chunk) in payload.items():
+            self.writer.g[name].id.write_direct_chunk((seq0, 0), chunk, mask)
 
     def end(self, summary: CommSummary) -> None:
-        self.sink.end(summary)
+        self.writer.end(summary)
+
+
+class ChunkPacker:
+    """analysis.BlockSink of the ranks other than 0: each block of pass 2 written by a CollectivesWriter
+    into an in-memory HDF5 file of its own and its chunk of every table read back as stored
+    (compressed, with its filter mask), so rank 0 writes the bytes it would have made itself and the
+    compression runs where the block was computed. A block is one chunk (CollectivesWriter)."""
+
+    def __init__(self, store: CommStore, names: list[str], epoch_rt: int):
+        self.comm_of = {c.comm_id: c for c in store.comms}
+        self.names = names
+        self.epoch_rt = epoch_rt
+
+    def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> dict[str, Any]:
+        c = self.comm_of[blk.comm_id]
+        with h5py.File(f"block-{os.getpid()}.h5", "w", driver="core", backing_store=False) as mem:
+            writer = CollectivesWriter(mem, self.names, self.epoch_rt)
+            writer.begin(c)
+            writer.block(blk, enter_al, exit_al, w)
+            assert writer.g is not None
+            return {name: writer.g[name].id.read_direct_chunk((blk.seq0, 0)) for name, _ in COMM_MATRICES}
+
+
+def _store_layout(store: CommStore) -> list[tuple[StoredComm, dict[str, str]]]:
+    """What another rank needs to open the job-wide tables of `store` from its file: each
+    communicator without its tables, and the path of each table in the file."""
+    return [(replace(c, data={}), {name: d.name for name, d in c.data.items() if isinstance(d, h5py.Dataset)})
+            for c in store.comms]
+
+
+def _open_store(layout: list[tuple[StoredComm, dict[str, str]]], epoch_rt: int, f: h5py.File) -> CommStore:
+    """The store of _store_layout, its tables read from `f` (opened read-only: every rank reads them)."""
+    store = CommStore({}, epoch_rt)
+    store.comms = [replace(c, data={name: f[path] for name, path in paths.items()}) for c, paths in layout]
+    return store
 
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -288,14 +312,17 @@ def merge(
     files = plan["files"]
     parts_dir = Path(plan["parts_dir"])
     try:
-        return _merge(c, plan, files, parts_dir, t_start, reference, clock_params, straggler_params, show_progress)
+        with contextlib.ExitStack() as resources:
+            return _merge(c, plan, files, parts_dir, t_start, reference, clock_params, straggler_params,
+                          show_progress, resources)
     finally:
         if rank == 0:
             shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_start: float, reference: str,
-           clock_params: ClockParams, straggler_params: StragglerParams, show_progress: bool) -> MergeResult | None:
+           clock_params: ClockParams, straggler_params: StragglerParams, show_progress: bool,
+           resources: contextlib.ExitStack) -> MergeResult | None:
     rank, size = c.Get_rank(), c.Get_size()
     steps = StepTimes(rank)
     # the rank that assembles the job file from the node files while rank 0 analyzes
@@ -361,30 +388,51 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         copy_node_tables(job_tmp, [(node, Path(f)) for f, node in selected])
         steps.mark("copy_nodes")
     job: JobAnalyzer | None = None
-    scratch: h5py.File | None = None
     clock_in: ClockInput | None = None
+    layout: list[tuple[StoredComm, dict[str, str]]] | None = None
     instances_file = parts_dir / "instances.h5"
+    scratch_file = parts_dir / "scratch.h5"
     if rank == 0:
         assert sel is not None
-        scratch = h5py.File(parts_dir / "scratch.h5", "w")
-        store = ProgressStore(sel.comm_shapes(), sel.epoch_rt, scratch.create_group("store"), progress)
-        p2p = []
-        progress("loading calls into the job-wide tables", 0, len(selected), "nodes")
-        for ni, (f, _node) in enumerate(selected):
-            calls = _load_calls(calls_of[f])
-            store.add_node(ni, calls)
-            p2p.append(p2p_rows(calls))
-            progress("loading calls into the job-wide tables", ni + 1, len(selected), "nodes")
+        with h5py.File(scratch_file, "w") as scratch:
+            store = CommStore(sel.comm_shapes(), sel.epoch_rt, scratch.create_group("store"))
+            p2p = []
+            progress("loading calls into the job-wide tables", 0, len(selected), "nodes")
+            for ni, (f, _node) in enumerate(selected):
+                calls = _load_calls(calls_of[f])
+                store.add_node(ni, calls)
+                p2p.append(p2p_rows(calls))
+                progress("loading calls into the job-wide tables", ni + 1, len(selected), "nodes")
+            job = JobAnalyzer(sel, store, p2p)  # leaves the ranks of cut-off files out of the tables
+            layout = _store_layout(store)
+        # the tables are complete: closed here, and every rank reads them from now on
         steps.mark("load_calls")
-        job = JobAnalyzer(sel, store, p2p, scratch)
-        # the clock fit's input in a file of its own, closed before the others open it
-        store.step = SCAN_STEP
-        progress(SCAN_STEP, 0, store.n_instances, "instances analysed")
+    layout = c.bcast(layout, root=0)
+    assert layout is not None
+    names = decision["nodes"]
+    # closed by merge() when the merge ends
+    tables = _open_store(layout, decision["epoch"], resources.enter_context(h5py.File(scratch_file, "r")))
+    if rank == 0:
+        assert job is not None
+        job.store = tables
+        # pass 1 over the tables, its blocks dealt over the ranks; the clock fit's input in a file of
+        # its own, closed before the others open it
+        n_scan = sum(cc.n_seq for cc in tables.comms)
+        scanned = [0]
+
+        def on_scanned(n: int) -> None:
+            scanned[0] += n
+            progress(SCAN_STEP, scanned[0], n_scan, "instances analysed")
+
+        progress(SCAN_STEP, 0, n_scan, "instances analysed")
+        scan_pool = RankPool(c, AnalysisContext(tables, names))
         with h5py.File(instances_file, "w") as inst_f:
-            clock_in = job.scan(reference, clock_params, inst_f)
-        store.step = None
-        progress(SCAN_STEP, store.n_instances, store.n_instances, "instances analysed", force=True)
-        steps.mark("scan")
+            clock_in = job.scan(reference, clock_params, inst_f, scan_pool if size > 1 else None, on_scanned)
+        scan_pool.close()
+        progress(SCAN_STEP, n_scan, n_scan, "instances analysed", force=True)
+    else:
+        RankPool(c, AnalysisContext(tables, names)).serve()
+    steps.mark("scan")
     # every rank fits the clocks: the windows are dealt over the ranks (CommSpread), all get the models
     clock_in = c.bcast(clock_in.without_table() if clock_in is not None else None, root=0)
     assert clock_in is not None
@@ -394,43 +442,57 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         clock = clock_in.fit(table, spread)
     steps.mark("fit_clocks")
     progress("clock fit", clock_in.n_rows, clock_in.n_rows, f"instances on {size} rank(s)", force=True)
-    if job is not None:
-        job.set_clock(clock)
     models: dict[str, NodeClockModel] = {m.node: m for m in clock.models}
 
-    # 4. every rank aligns its nodes' calls; the writer copies them in when all are done
+    # 4. every rank aligns its nodes' calls; the writer copies them in when all are done (after the
+    #    analysis's items when it is not rank 0: the job file waits, the analysis does not)
     for f, node in selected:
         if f in mine:
             write_aligned_times(aligned_of[f], _load_calls(calls_of[f]), models[node], decision["epoch"])
     steps.mark("align")
     if rank != writer:
         c.send(True, dest=writer, tag=TAG_ALIGNED)
-    else:
+
+    def copy_aligned() -> None:
         for r in range(size):
             if r != writer:
                 c.recv(source=r, tag=TAG_ALIGNED)
         steps.mark("wait_aligned")
         copy_aligned_times(job_tmp, [(node, aligned_of[f]) for f, node in selected])
         steps.mark("copy_aligned")
-        if writer != 0:
-            c.send(True, dest=0, tag=TAG_NODES)
+
     if rank != 0:
+        # 5. the other ranks: the items of rank 0's analysis (blocks of pass 2, the sweep's ranges, the
+        #    straggler scores' windows) until rank 0 closes the pool
+        RankPool(c, AnalysisContext(tables, names, models, ChunkPacker(tables, names, decision["epoch"]))).serve()
+        steps.mark("analysis_items")
+        if rank == writer:
+            copy_aligned()
+            c.send(True, dest=0, tag=TAG_NODES)
         steps.report()
         return None
+    if writer == 0:
+        copy_aligned()
 
     # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
-    assert job is not None and scratch is not None
+    assert job is not None
+    job.set_clock(clock)
     collectives_part = parts_dir / "collectives.h5"
-    n_instances = sum(c.n_seq for c in job.store.comms)
-    try:
-        # no chunk cache: every chunk is written whole, once (CollectivesWriter)
-        with h5py.File(collectives_part, "w", libver="latest", rdcc_nbytes=0) as cf:
-            progress(WAITS_STEP, 0, n_instances, "instances analysed")
-            sink = ProgressSink(CollectivesWriter(cf, job.names, decision["epoch"]), progress, WAITS_STEP,
-                                n_instances)
-            analysis = job.finish(sink, straggler_params)
-    finally:
-        scratch.close()
+    n_instances = sum(cc.n_seq for cc in tables.comms)
+    done = [0]
+
+    def on_block(n: int) -> None:
+        done[0] += n
+        progress(WAITS_STEP, done[0], n_instances, "instances analysed")
+
+    # no chunk cache: every chunk is written whole, once (CollectivesWriter)
+    with h5py.File(collectives_part, "w", libver="latest", rdcc_nbytes=0) as cf:
+        progress(WAITS_STEP, 0, n_instances, "instances analysed")
+        sink = RankZeroCollectives(CollectivesWriter(cf, job.names, decision["epoch"]))
+        pool = RankPool(c, AnalysisContext(tables, names, models, sink)) if size > 1 else None
+        analysis = job.finish(sink, straggler_params, pool, on_block)
+        if pool is not None:
+            pool.close()
     steps.mark("finish_analysis")
     progress("wait states, stragglers", n_instances, n_instances,
              f"instances analysed in {len(job.store.comms)} communicator(s)", force=True)

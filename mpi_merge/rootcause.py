@@ -29,7 +29,15 @@ Memory and distribution: the sweep goes through all instances of all communicato
 spans of about common.BLOCK_CELLS / 4 cells (its temporaries hold RING entries per cell); it reads
 aligned times through AlignedRows (a few rows of each communicator per span), keeps per process its
 last RING collectives (a few numbers each, with running sums in whole ns, exact, so the spans'
-cuts change nothing), and produces per-instance vectors only. Each communicator's exit baselines are read once, from a sample.
+cuts change nothing), and produces per-instance vectors only. Each communicator's exit baselines are
+read once, from a sample. The time order is cut into one range per merge rank (sweep_cuts, equal
+cells), each swept on its own rank (a common.Task through a common.Pool) from a ring warmed up on
+the instances just before it (_warm_start: back until every process has its last RING instances;
+a few rows of each communicator where every process is in a communicator used all along). The
+running sums then start from another origin, but only their differences on one process are used,
+and they are exact: each range gives bit for bit what one sweep from the start gives, so rank 0
+concatenates the ranges' vectors and the result does not depend on the number of ranks.
+Propagation (Blame.propagate) runs on rank 0 over those vectors: per instance, log depth.
 The result depends only on the data (a deterministic order: time, communicator index, seq).
 """
 
@@ -43,7 +51,7 @@ from typing import Protocol
 import numpy as np
 
 from gpuprof.mpi_merge import common
-from gpuprof.mpi_merge.common import block_rows, nanquantile_cols, quiet_nan
+from gpuprof.mpi_merge.common import Pool, SerialPool, block_rows, nanquantile_cols, quiet_nan
 from gpuprof.mpi_merge.waitstates import CommSummary
 
 SYNC_PATTERNS = (0, 1)  # Wait at NxN, Wait at Barrier: every other rank waits for the last arrival
@@ -182,23 +190,68 @@ def comm_units(c: CommSummary) -> np.ndarray:
     return np.where(node >= 0, node, own)
 
 
-def exit_baselines(c: CommSummary, times: AlignedRows, sample: int = BASELINE_SAMPLE) -> np.ndarray:
-    """[size] each rank's usual exit offset: the BASELINE_QUANTILE of exit - median exit over up to
-    `sample` complete instances spread over the run (read a block of rows, then a few ranks at a time)."""
+class TimesContext(Protocol):
+    """What the delay analysis's tasks read on the rank that runs them: the aligned times of every
+    communicator (common.Task's context)."""
+
+    @property
+    def times(self) -> Sequence[AlignedRows]: ...
+
+
+@dataclass
+class GivenTimes:
+    """A TimesContext of aligned times at hand (library callers with arrays, one process)."""
+
+    times: Sequence[AlignedRows]
+
+
+def _baseline_picks(c: CommSummary, sample: int) -> np.ndarray:
+    """Up to `sample` complete instances spread over the run: what the exit baselines are read from."""
     comp = np.flatnonzero(c.complete)
     if c.size < 2 or not len(comp):
-        return np.zeros(c.size)
-    pick = comp[np.unique(np.linspace(0, len(comp) - 1, min(sample, len(comp))).round().astype(np.int64))]
-    med = np.empty(len(pick))
-    step = block_rows(c.size)
-    for a in range(0, len(pick), step):
-        med[a:a + step] = np.median(times.exit(pick[a:a + step]), axis=1)
-    out = np.zeros(c.size)
-    cols = block_rows(len(pick))
-    for r0 in range(0, c.size, cols):
-        ranks = slice(r0, min(c.size, r0 + cols))
-        out[ranks] = nanquantile_cols(times.exit(pick, ranks) - med[:, None], BASELINE_QUANTILE)
-    return np.nan_to_num(out)
+        return np.zeros(0, np.int64)
+    return comp[np.unique(np.linspace(0, len(comp) - 1, min(sample, len(comp))).round().astype(np.int64))]
+
+
+@dataclass
+class _PickMedians:
+    """Task: the median exit over all ranks of each of a few sampled instances (item: (ci, seqs))."""
+
+    items: list[tuple[int, np.ndarray]]
+
+    def __call__(self, ctx: TimesContext, i: int) -> np.ndarray:
+        ci, seqs = self.items[i]
+        return np.asarray(np.median(ctx.times[ci].exit(seqs), axis=1))
+
+
+@dataclass
+class _BaselineColumns:
+    """Task: the baselines of a few ranks (item: (ci, sampled seqs, their median exits, ranks))."""
+
+    items: list[tuple[int, np.ndarray, np.ndarray, slice]]
+
+    def __call__(self, ctx: TimesContext, i: int) -> np.ndarray:
+        ci, pick, med, ranks = self.items[i]
+        return nanquantile_cols(ctx.times[ci].exit(pick, ranks) - med[:, None], BASELINE_QUANTILE)
+
+
+def exit_baselines(comms: Sequence[CommSummary], pool: Pool, sample: int = BASELINE_SAMPLE) -> list[np.ndarray]:
+    """Per communicator, [size] each rank's usual exit offset: the BASELINE_QUANTILE of exit - median
+    exit over up to `sample` complete instances spread over the run (the medians a block of rows at a
+    time, then the quantiles a few ranks at a time; both dealt over the pool's ranks)."""
+    picks = [_baseline_picks(c, sample) for c in comms]
+    rows = [(ci, pick[a:a + block_rows(c.size)]) for ci, (c, pick) in enumerate(zip(comms, picks))
+            for a in range(0, len(pick), block_rows(c.size))]
+    meds: list[list[np.ndarray]] = [[] for _ in comms]
+    for (ci, _), med in zip(rows, pool.map(_PickMedians(rows), len(rows))):
+        meds[ci].append(med)
+    cols = [(ci, pick, np.concatenate(meds[ci]), slice(r0, min(c.size, r0 + block_rows(len(pick)))))
+            for ci, (c, pick) in enumerate(zip(comms, picks)) if len(pick)
+            for r0 in range(0, c.size, block_rows(len(pick)))]
+    out = [np.zeros(c.size) for c in comms]
+    for (ci, _, _, ranks), q in zip(cols, pool.map(_BaselineColumns(cols), len(cols))):
+        out[ci][ranks] = q
+    return [np.nan_to_num(b) for b in out]
 
 
 # --- the sweep -------------------------------------------------------------------------------------
@@ -291,32 +344,70 @@ F_GID, F_X, F_B, F_XD, F_W, F_CW, F_CXD, F_CXB = range(8)
 N_FIELDS = 8
 
 
-def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
-                   span_cells: int | None = None) -> Blame:
-    """The sweep over every communicator's complete instances in time order (module docstring).
-    span_cells: cells per span (default common.BLOCK_CELLS, read when called)."""
-    if span_cells is None:
-        span_cells = common.BLOCK_CELLS
-    procs, n_proc = process_ids(comms)
-    gcomm, gseq, gids, seqs = _instance_order(comms)
-    n = len(gcomm)
-    base = [exit_baselines(c, tm) for c, tm in zip(comms, times)]
-    units = [comm_units(c) for c in comms]
-    f = {name: np.zeros(n) for name in ("wait", "own", "exit", "asym", "prop", "late", "xd", "b", "cx", "px", "e", "held")}
+BLAME_FIELDS = ("wait", "own", "exit", "asym", "prop", "late", "xd", "b", "cx", "px", "e", "held")
+
+
+@dataclass
+class _Sweep:
+    """Task: the sweep over one range of the global time order (item i: instances cuts[i] ..
+    cuts[i + 1] - 1), from a ring warmed up on the instances just before the range (_warm_start)."""
+
+    comms: Sequence[CommSummary]
+    gcomm: np.ndarray
+    gseq: np.ndarray
+    gids: list[np.ndarray]
+    procs: list[np.ndarray]
+    n_proc: int
+    base: list[np.ndarray]
+    units: list[np.ndarray]
+    cuts: np.ndarray
+    span_cells: int
+
+    def __call__(self, ctx: TimesContext, i: int) -> dict[str, np.ndarray]:
+        return _sweep_range(self, ctx.times, int(self.cuts[i]), int(self.cuts[i + 1]))
+
+
+def _warm_start(gids: list[np.ndarray], procs: list[np.ndarray], n_proc: int, g0: int) -> int:
+    """Where a sweep that begins its output at instance g0 starts reading: early enough that every
+    process has its last RING instances before g0 in its ring (or all of them, if it has fewer), so
+    the ring at g0 holds what the sweep from the start would. A process takes part in every instance
+    of its communicators: its RING-th last instance is no earlier than the RING-th last of any of
+    them; with none of RING, it is no earlier than the first of all of them."""
+    strong = np.full(n_proc, -1, np.int64)
+    first = np.full(n_proc, g0, np.int64)
+    for g, pr in zip(gids, procs):
+        before = int(np.searchsorted(g, g0))
+        if before >= RING:
+            np.maximum.at(strong, pr, int(g[before - RING]))
+        if before:
+            np.minimum.at(first, pr, int(g[0]))
+    return int(np.where(strong >= 0, strong, first).min()) if n_proc else g0
+
+
+def _sweep_range(sw: _Sweep, times: Sequence[AlignedRows], g0: int, g1: int) -> dict[str, np.ndarray]:
+    """The per-instance vectors (BLAME_FIELDS, ptr, waitee, proc, attributed) of instances g0 .. g1-1.
+    The running sums in the ring are kept from the warm start on, not from the job's start: only their
+    differences on one process are used, and they are whole ns (exact), so they are the same."""
+    comms, gcomm, gseq = sw.comms, sw.gcomm, sw.gseq
+    n = g1 - g0
+    f = {name: np.zeros(n) for name in BLAME_FIELDS}
     ptr = np.full(n, -1, np.int64)
     waitee = np.full(n, -1, np.int64)
     proc_l = np.full(n, -1, np.int64)
     attributed = np.zeros(n, bool)
     # per process: its last RING instances, oldest first (gid -1: none)
-    ring = np.zeros((N_FIELDS, n_proc, RING))
+    ring = np.zeros((N_FIELDS, sw.n_proc, RING))
     ring[F_GID] = -1
-    sizes = np.array([c.size for c in comms], np.int64)[gcomm] if n else np.zeros(0, np.int64)
+    start = _warm_start(sw.gids, sw.procs, sw.n_proc, g0) if g0 else 0
+    sizes = np.array([c.size for c in comms], np.int64)[gcomm[start:g1]] if g1 > start else np.zeros(0, np.int64)
     cum = np.cumsum(sizes)
-    budget = max(span_cells // 4, int(sizes.max()) if n else 1)  # [cells x RING x fields] temporaries
-    s0 = 0
-    while s0 < n:
-        limit = (cum[s0 - 1] if s0 else 0) + budget
-        s1 = max(s0 + 1, int(np.searchsorted(cum, limit, side="right")))
+    budget = max(sw.span_cells // 4, int(sizes.max()) if len(sizes) else 1)  # [cells x RING x fields] temporaries
+    s0 = start
+    while s0 < g1:
+        done = cum[s0 - start - 1] if s0 > start else 0
+        s1 = max(s0 + 1, start + int(np.searchsorted(cum, done + budget, side="right")))
+        if s0 < g0:  # the warm-up ends where the output begins
+            s1 = min(s1, g0)
         blocks = []
         for ci in np.unique(gcomm[s0:s1]):
             sel = s0 + np.flatnonzero(gcomm[s0:s1] == ci)
@@ -324,23 +415,58 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows],
             E, X = tm.enter(gseq[sel]), tm.exit(gseq[sel])
             sync = np.isin(c.pattern[gseq[sel]], SYNC_PATTERNS)
             wait = np.where(sync[:, None], E.max(axis=1)[:, None] - E, 0.0)
-            b = np.broadcast_to(base[ci], E.shape)
+            b = np.broadcast_to(sw.base[ci], E.shape)
             xd = X - np.median(X, axis=1)[:, None] - b
             blocks.append((int(ci), sel, E, np.stack([np.broadcast_to(sel[:, None], E.shape), X, b, xd, wait])))
-        proc = np.concatenate([np.tile(procs[ci], len(sel)) for ci, sel, _, _ in blocks])
+        proc = np.concatenate([np.tile(sw.procs[ci], len(sel)) for ci, sel, _, _ in blocks])
         vals = np.concatenate([v.reshape(5, -1) for *_, v in blocks], axis=1)
         comb, back, before = _ring_lookup(proc, vals, ring)
         o = 0
-        for ci, sel, E, _ in blocks:
+        for ci, sel, E, _ in blocks if s0 >= g0 else ():
             nr, sz = E.shape
             cells = slice(o, o + nr * sz)
             o += nr * sz
-            _attribute_rows(comms[ci], gseq[sel], sel, E, comb, back[cells].reshape(nr, sz, RING),
-                            before[:, cells].reshape(3, nr, sz), procs[ci], units[ci], f, ptr, waitee, proc_l,
-                            attributed)
+            _attribute_rows(comms[ci], gseq[sel], sel - g0, E, comb, back[cells].reshape(nr, sz, RING),
+                            before[:, cells].reshape(3, nr, sz), sw.procs[ci], sw.units[ci], f, ptr, waitee,
+                            proc_l, attributed)
         s0 = s1
-    return Blame(gcomm, gseq, f["wait"], f["own"], f["exit"], f["asym"], f["prop"], ptr, waitee, proc_l, f["late"],
-                 f["xd"], f["b"], f["cx"], f["held"], f["px"], f["e"], attributed, gids, seqs, procs, base)
+    return {**f, "ptr": ptr, "waitee": waitee, "proc": proc_l, "attributed": attributed}
+
+
+def sweep_cuts(comms: Sequence[CommSummary], gcomm: np.ndarray, parts: int) -> np.ndarray:
+    """[parts + 1] boundaries of `parts` ranges of the global time order with about as many cells
+    (instances x ranks) each: the items of the sweep (which cuts changes no number)."""
+    sizes = np.array([c.size for c in comms], np.int64)[gcomm] if len(gcomm) else np.zeros(0, np.int64)
+    cum = np.cumsum(sizes)
+    total = int(cum[-1]) if len(cum) else 0
+    inner = np.searchsorted(cum, total * np.arange(1, parts) / parts, side="left")
+    return np.unique(np.concatenate([[0], inner, [len(gcomm)]])).astype(np.int64)
+
+
+def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows] | None = None,
+                   span_cells: int | None = None, pool: Pool | None = None) -> Blame:
+    """The sweep over every communicator's complete instances in time order (module docstring),
+    its ranges dealt over `pool` (default: this process, reading `times`).
+    span_cells: cells per span (default common.BLOCK_CELLS, read when called)."""
+    if pool is None:
+        if times is None:
+            raise ValueError("delay_analysis needs the aligned times or a pool whose ranks read them")
+        pool = SerialPool(GivenTimes(times))
+    if span_cells is None:
+        span_cells = common.BLOCK_CELLS
+    procs, n_proc = process_ids(comms)
+    gcomm, gseq, gids, seqs = _instance_order(comms)
+    base = exit_baselines(comms, pool)
+    units = [comm_units(c) for c in comms]
+    cuts = sweep_cuts(comms, gcomm, pool.size)
+    task = _Sweep(comms, gcomm, gseq, gids, procs, n_proc, base, units, cuts, span_cells)
+    parts = list(pool.map(task, len(cuts) - 1))
+    keys = (*BLAME_FIELDS, "ptr", "waitee", "proc", "attributed")
+    empty = _sweep_range(task, [], 0, 0)
+    v = {k: np.concatenate([p[k] for p in parts]) if parts else empty[k] for k in keys}
+    return Blame(gcomm, gseq, v["wait"], v["own"], v["exit"], v["asym"], v["prop"], v["ptr"], v["waitee"], v["proc"],
+                 v["late"], v["xd"], v["b"], v["cx"], v["held"], v["px"], v["e"], v["attributed"], gids, seqs, procs,
+                 base)
 
 
 def _ring_lookup(proc: np.ndarray, vals: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -362,8 +488,12 @@ def _ring_lookup(proc: np.ndarray, vals: np.ndarray, ring: np.ndarray) -> tuple[
     # running sums: the process's last ring entry's, plus its cells of the span so far
     carry = ring[[F_CW, F_CXD, F_CXB], :, RING - 1][:, uniq]  # [3, groups]
     # wait, exit delay, offset, rounded to whole ns: the running sums are then exact in float64 (up to
-    # 2**53 ns), so they do not depend on where the spans cut the sequence
-    inc = np.round(np.stack([v[4], v[3], v[2]]))
+    # 2**53 ns), so they do not depend on where the spans cut the sequence. A cell without a value (a
+    # rank left out of an instance, a row with such a rank: NaN) adds 0: its NaN would otherwise reach
+    # every later process's sums through the span's one cumulative sum, which made the result depend
+    # on the spans' cuts (and left a job with a cut-off node without any attributed instance)
+    inc = np.stack([v[4], v[3], v[2]])
+    inc = np.round(np.where(np.isfinite(inc), inc, 0.0))
     cs = np.cumsum(inc, axis=1)
     cs_before_group = np.where(first_of > 0, cs[:, np.maximum(first_of - 1, 0)], 0.0)
     after = carry[:, grp] + cs - cs_before_group[:, grp]
@@ -387,12 +517,13 @@ def _ring_lookup(proc: np.ndarray, vals: np.ndarray, ring: np.ndarray) -> tuple[
     return comb, back, before
 
 
-def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.ndarray, comb: np.ndarray,
+def _attribute_rows(c: CommSummary, seqs: np.ndarray, out: np.ndarray, E: np.ndarray, comb: np.ndarray,
                     back: np.ndarray, before: np.ndarray, procs: np.ndarray, units: np.ndarray,
                     f: dict[str, np.ndarray],
                     ptr: np.ndarray, waitee: np.ndarray, proc_l: np.ndarray, attributed: np.ndarray) -> None:
     """One communicator's rows of a span: each row's waits split, waiter by waiter, over the parts of
-    the waitee's and the waiter's time since the last instance both were in (module docstring)."""
+    the waitee's and the waiter's time since the last instance both were in (module docstring).
+    `out`: the rows' places in the range's vectors (f, ptr, waitee, proc_l, attributed)."""
     nr, sz = E.shape
     sync = np.isin(c.pattern[seqs], SYNC_PATTERNS) & (sz >= 2)
     if not sync.any():
@@ -401,6 +532,10 @@ def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.nda
     L = np.argmax(E, axis=1)
     eL = E[rows, L]
     W = sz * eL - E.sum(axis=1)
+    gap = ~np.isfinite(W)
+    if gap.any():  # ranks left out of the instance (a cut-off node file): not split, W of the ranks present
+        with quiet_nan():
+            W[gap] = np.nansum(np.nanmax(E[gap], axis=1)[:, None] - E[gap], axis=1)
     G = comb[F_GID][back]  # [nr, sz, RING]
     GL = G[rows, L]  # [nr, RING]
     # the newest instance each waiter shares with the waitee (both rings are newest first)
@@ -446,7 +581,7 @@ def _attribute_rows(c: CommSummary, seqs: np.ndarray, sel: np.ndarray, E: np.nda
         ok = sync & waiter.any(axis=1) & np.isfinite(tot) & (tot > 0) & (W > 0)
         safe = np.where(ok, tot, 1.0)
         nw = np.maximum(waiter.sum(axis=1), 1)
-        g = sel
+        g = out
         f["wait"][g] = np.where(sync, W, 0.0)
         f["own"][g] = np.where(ok, own / safe, 0.0)
         f["exit"][g] = np.where(ok, xd / safe, 0.0)

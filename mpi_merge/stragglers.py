@@ -42,7 +42,9 @@ used: they can be <= 0, and a ratio of them is meaningless.
 
 The aligned times are read through AlignedRows: by spans of instances in time order (the delay
 analysis), by windows a few ranks at a time (the scores), never as an [instances x ranks] table.
-The work is per communicator (baselines, scores, tests) and per span; the tests are combined once.
+Those reads are the tasks dealt over the merge ranks (`pool`: the delay analysis's ranges, the
+groups of windows of every communicator in one map); what they return is per instance or per
+window and rank, and the tests, on those, run once on the leading rank (one Benjamini-Hochberg).
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ from typing import Any
 
 import numpy as np
 
-from gpuprof.mpi_merge.common import block_rows, quiet_nan
+from gpuprof.mpi_merge.common import Pool, SerialPool, block_rows, quiet_nan
 from gpuprof.mpi_merge.loading import OnCpuBins, Series, bins_overlapping
 from gpuprof.mpi_merge.rootcause import (
     AlignedRows,
     Blame,
+    GivenTimes,
+    TimesContext,
     benjamini_hochberg,
     binom_sf_many,
     comm_units,
@@ -160,39 +164,76 @@ def stretched_window_s(tk: np.ndarray, window_s: float, min_instances: int) -> f
     return max(window_s, span_s * min_instances / len(tk) * 1.0001)
 
 
-def window_scores(c: CommSummary, times: AlignedRows, win_of_seq: np.ndarray, nw: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per window and rank, the median compute interval enter[k] - exit[k-1] (instances k complete
-    after a complete one) and the median-ratio score; windows read together up to a block, a window
-    longer than a block a few ranks at a time. Returns (score [nw, size] NaN where undefined,
-    typical interval [nw]: the median over ranks of the per-rank medians)."""
+@dataclass
+class _WindowMedians:
+    """Task: per rank, the median compute interval of each window of a group (item: the communicator,
+    its size, the instances k of the group's windows in window order, the windows' bounds among them)."""
+
+    items: list[tuple[int, int, np.ndarray, np.ndarray]]  # (ci, size, k, bounds)
+
+    def __call__(self, ctx: TimesContext, i: int) -> np.ndarray:
+        ci, size, k, bounds = self.items[i]
+        tm = ctx.times[ci]
+        med = np.full((len(bounds) - 1, size), np.nan)
+        step = block_rows(len(k))
+        for r0 in range(0, size, step):
+            ranks = slice(r0, min(size, r0 + step))
+            intervals = tm.enter(k, ranks) - tm.exit(k - 1, ranks)
+            for w in range(len(bounds) - 1):
+                if bounds[w + 1] > bounds[w]:
+                    med[w, ranks] = np.median(intervals[bounds[w]:bounds[w + 1]], axis=0)
+        return med
+
+
+def _window_groups(ci: int, c: CommSummary, win_of_seq: np.ndarray, nw: int
+                   ) -> list[tuple[tuple[int, int], tuple[int, int, np.ndarray, np.ndarray]]]:
+    """The reads of window_scores for one communicator: ((first window, end window), _WindowMedians
+    item) per group of windows read together (up to a block; a window longer than a block alone, its
+    ranks a few at a time)."""
     size = c.size
     prev_ok = np.concatenate([[False], c.complete[:-1]])
     k = np.flatnonzero(c.complete & prev_ok)
     win = win_of_seq[k]
-    med = np.full((nw, size), np.nan)
     order = np.argsort(win, kind="stable")
     bounds = np.searchsorted(win[order], np.arange(nw + 1))
-    n = np.diff(bounds)
+    out = []
     w0 = 0
     while w0 < nw:
         w1 = w0 + 1
         while w1 < nw and bounds[w1 + 1] - bounds[w0] <= block_rows(size):
             w1 += 1
-        pos = order[bounds[w0]:bounds[w1]]
-        if len(pos):
-            step = block_rows(len(pos))
-            for r0 in range(0, size, step):
-                ranks = slice(r0, min(size, r0 + step))
-                ci = times.enter(k[pos], ranks) - times.exit(k[pos] - 1, ranks)
-                for i in range(w0, w1):
-                    if n[i]:
-                        med[i, ranks] = np.median(ci[bounds[i] - bounds[w0]:bounds[i + 1] - bounds[w0]], axis=0)
+        if bounds[w1] > bounds[w0]:
+            out.append(((w0, w1), (ci, size, k[order[bounds[w0]:bounds[w1]]], bounds[w0:w1 + 1] - bounds[w0])))
         w0 = w1
+    return out
+
+
+def _scores_of_medians(med: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with quiet_nan(), np.errstate(divide="ignore", invalid="ignore"):
         fastest = np.nanmin(np.where(med > 0, med, np.nan), axis=1)
         score = np.where(med > 0, fastest[:, None] / med, np.nan)
         typical = np.nanmedian(med, axis=1)
     return np.clip(score, 0.0, 1.0), typical
+
+
+def _all_window_scores(comms: Sequence[CommSummary], windows: dict[int, tuple[np.ndarray, int]], pool: Pool
+                       ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """window_scores of every communicator in `windows` (ci -> (window of each seq, windows)), all
+    groups of windows of all communicators dealt over the pool's ranks at once."""
+    groups = [(ci, g) for ci, (win_of_seq, nw) in windows.items() for g in _window_groups(ci, comms[ci], win_of_seq, nw)]
+    meds = {ci: np.full((nw, comms[ci].size), np.nan) for ci, (_, nw) in windows.items()}
+    for (ci, ((w0, w1), _)), med in zip(groups, pool.map(_WindowMedians([item for _, (_, item) in groups]),
+                                                         len(groups))):
+        meds[ci][w0:w1] = med
+    return {ci: _scores_of_medians(med) for ci, med in meds.items()}
+
+
+def window_scores(c: CommSummary, times: AlignedRows, win_of_seq: np.ndarray, nw: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per window and rank, the median compute interval enter[k] - exit[k-1] (instances k complete
+    after a complete one) and the median-ratio score; windows read together up to a block, a window
+    longer than a block a few ranks at a time. Returns (score [nw, size] NaN where undefined,
+    typical interval [nw]: the median over ranks of the per-rank medians)."""
+    return _all_window_scores([c], {0: (win_of_seq, nw)}, SerialPool(GivenTimes([times])))[0]
 
 
 @dataclass
@@ -300,38 +341,50 @@ def find_stragglers(
     comms: list[CommSummary], times: Sequence[AlignedRows], node_names: list[str], node_series: list[dict[str, Series]],
     epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
     clock_error_ns: np.ndarray | Sequence[float] | None = None, p2p: P2PLateness | None = None,
-    node_on_cpu: Sequence[dict[int, OnCpuBins]] | None = None,
+    node_on_cpu: Sequence[dict[int, OnCpuBins]] | None = None, pool: Pool | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (root causes) and the per-communicator metrics. `clock_error_ns`: per node (index of
     node_names), the clock model's error; NaN or missing counts as 0. `p2p`: the matched messages'
     Late Sender waits, judged per sending node like one more communicator. `node_on_cpu`: per node,
-    where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence."""
+    where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence. `pool`: the merge
+    ranks the reads of the aligned times are dealt over (the delay analysis's ranges, the window
+    scores); by default this process reads `times`."""
     if params.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown straggler algorithm {params.algorithm!r}")
     err = np.zeros(len(node_names))
     if clock_error_ns is not None and len(node_names):
         e = np.asarray(clock_error_ns, np.float64)[:len(node_names)]
         err[:len(e)] = np.where(np.isfinite(e) & (e > 0), e, 0.0)
-    blame = delay_analysis(comms, times)
+    if pool is None:
+        pool = SerialPool(GivenTimes(times))
+    blame = delay_analysis(comms, times, pool=pool)
     stats: dict[int, _CommStats] = {}
     cands: list[_Test] = []
     m_total = 0
     per_comm: dict[str, Any] = {}
+    windows: dict[int, tuple[np.ndarray, int]] = {}
+    window_len: dict[int, float] = {}
     for ci, c in enumerate(comms):
-        seqs, gids = blame.seqs[ci], blame.gids[ci]
+        seqs = blame.seqs[ci]
         if c.size < 2 or len(seqs) < 2:
             continue
         tk = c.last_enter[seqs]
-        window_s = stretched_window_s(tk, params.window_s, params.min_instances)
+        window_len[ci] = stretched_window_s(tk, params.window_s, params.min_instances)
         win_of_seq = np.zeros(c.n_seq, np.int64)
-        win_of_seq[seqs] = np.floor((tk - t0) / (window_s * 1e9)).astype(np.int64)
+        win_of_seq[seqs] = np.floor((tk - t0) / (window_len[ci] * 1e9)).astype(np.int64)
         win_of_seq = np.maximum(win_of_seq, 0)
+        windows[ci] = (win_of_seq, int(win_of_seq[seqs].max()) + 1)
+    scores = _all_window_scores(comms, windows, pool)
+    for ci, (win_of_seq, nw) in windows.items():
+        c = comms[ci]
+        seqs, gids = blame.seqs[ci], blame.gids[ci]
+        tk = c.last_enter[seqs]
+        window_s = window_len[ci]
         win = win_of_seq[seqs]
-        nw = int(win.max()) + 1
         att = blame.attributed[gids]
         n_w = np.bincount(win[att], minlength=nw)
         judged = n_w >= params.min_instances
-        score, typical = window_scores(c, times[ci], win_of_seq, nw)
+        score, typical = scores[ci]
         node = np.asarray(c.node_of_rank, np.int64)
         e_rank = np.where(node >= 0, err[np.clip(node, 0, max(len(err) - 1, 0))] if len(err) else 0.0, 0.0)
         clock_floor = e_rank + float(np.median(e_rank))

@@ -4,8 +4,9 @@ Per collective instance: who arrived last, each rank's wait, and the collective'
 the last arrival. Per point-to-point pair: Late Sender (the receiver waited for the send) and Late
 Receiver (a blocking send waited for the receive to be posted).
 
-compute_waits works on any block of instances (rows are independent); CommSummary gathers what the
-reports need of a communicator block by block, so the [instance x rank] waits never have to be whole.
+compute_waits works on any block of instances (rows are independent); BlockWaits is what the reports
+need of a block (computed on the merge rank that read it), CommSummary gathers the blocks of a
+communicator in order, so the [instance x rank] waits never have to be whole.
 """
 
 from __future__ import annotations
@@ -115,10 +116,41 @@ def compute_p2p_waits(p: P2PPairs, send_enter: np.ndarray, send_exit: np.ndarray
 
 
 @dataclass
+class BlockWaits:
+    """What CommSummary keeps of one block of instances s0 .. s0 + n - 1: its per-instance vectors and
+    the block's sums (per pattern: instances, waits, waits per rank; waits per rank). Computed where
+    the block is read, added on rank 0 in block order, so every rank count gives the same sums."""
+
+    s0: int
+    complete: np.ndarray
+    pattern: np.ndarray
+    last_rank: np.ndarray
+    last_enter: np.ndarray
+    own_time: np.ndarray
+    first_enter: np.ndarray  # complete instances, else NaN
+    pattern_sums: list[tuple[int, int, float, np.ndarray]]  # (pattern, instances, wait total, wait per rank)
+    rank_wait_total_ns: np.ndarray
+
+    @classmethod
+    def of(cls, s0: int, w: CommWaits, enter: np.ndarray) -> BlockWaits:
+        """The waits of instances s0 .. s0 + len(w.complete) - 1 and their aligned enter times."""
+        first = np.full(len(w.complete), np.nan)
+        if w.complete.any():
+            first[w.complete] = np.nanmin(enter[w.complete], axis=1)
+        sums = []
+        for pi in range(len(PATTERNS)):
+            sel = w.pattern == pi
+            if sel.any():
+                sums.append((pi, int(sel.sum()), float(np.nansum(w.waits[sel])), np.nansum(w.waits[sel], axis=0)))
+        return cls(s0, w.complete, w.pattern, w.last_rank, w.last_enter, w.own_time, first, sums,
+                   np.nansum(w.waits, axis=0))
+
+
+@dataclass
 class CommSummary:
     """One communicator after the wait-state pass: per-instance vectors and per-rank sums, nothing of
-    size instances x ranks. Filled block by block (add), in block order, so the sums are the same
-    whichever rank count the merge ran with."""
+    size instances x ranks. Filled block by block (add, or add_block of a BlockWaits computed on
+    another rank), in block order, so the sums are the same whichever rank count the merge ran with."""
 
     comm_id: int
     size: int
@@ -148,21 +180,22 @@ class CommSummary:
 
     def add(self, s0: int, w: CommWaits, enter: np.ndarray) -> None:
         """The waits of instances s0 .. s0 + len(w.complete) - 1 and their aligned enter times."""
-        s1 = s0 + len(w.complete)
-        self.complete[s0:s1] = w.complete
-        self.pattern[s0:s1] = w.pattern
-        self.last_rank[s0:s1] = w.last_rank
-        self.last_enter[s0:s1] = w.last_enter
-        self.own_time[s0:s1] = w.own_time
-        if w.complete.any():
-            self.first_enter[s0:s1][w.complete] = np.nanmin(enter[w.complete], axis=1)
-        for pi in range(len(PATTERNS)):
-            sel = w.pattern == pi
-            if sel.any():
-                self.pattern_instances[pi] += int(sel.sum())
-                self.pattern_wait_ns[pi] += float(np.nansum(w.waits[sel]))
-                self.rank_wait_ns[pi] += np.nansum(w.waits[sel], axis=0)
-        self.rank_wait_total_ns += np.nansum(w.waits, axis=0)
+        self.add_block(BlockWaits.of(s0, w, enter))
+
+    def add_block(self, part: BlockWaits) -> None:
+        """One block's instances and sums (BlockWaits.of, wherever it was computed), in seq order."""
+        s0, s1 = part.s0, part.s0 + len(part.complete)
+        self.complete[s0:s1] = part.complete
+        self.pattern[s0:s1] = part.pattern
+        self.last_rank[s0:s1] = part.last_rank
+        self.last_enter[s0:s1] = part.last_enter
+        self.own_time[s0:s1] = part.own_time
+        self.first_enter[s0:s1] = part.first_enter
+        for pi, n, total, per_rank in part.pattern_sums:
+            self.pattern_instances[pi] += n
+            self.pattern_wait_ns[pi] += total
+            self.rank_wait_ns[pi] += per_rank
+        self.rank_wait_total_ns += part.rank_wait_total_ns
 
     def skew(self) -> np.ndarray:
         """Per complete instance: last arrival - first arrival (aligned ns)."""

@@ -1,5 +1,6 @@
-"""The merge under mpirun with 1, 2 and 4 ranks gives identical job files; one rank's error aborts
-the whole job with its message instead of hanging it."""
+"""The merge under mpirun with 1, 2, 3 and 4 ranks gives identical job files and reports (the analysis
+dealt over the ranks: blocks of the wait states, ranges of the delay analysis's sweep, the windows of
+the straggler scores); one rank's error aborts the whole job with its message instead of hanging it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.jobfile import compare_job_files
+from gpuprof.mpi_merge.matching import P2P_OPS
 
 ROOT = Path(__file__).resolve().parent.parent
+RECORDINGS = ROOT / "tests" / "recordings"
+SMALL_BLOCK = 2048  # cells: a few blocks per communicator even in these small jobs, dealt over the ranks
 MPIRUN = shutil.which("mpirun")
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (mpi marker)")]
 
@@ -49,6 +55,58 @@ def test_same_job_file_for_1_2_4_ranks(job: Path, tmp_path: Path) -> None:
     assert [s["node"] for s in reps[0]["stragglers"]] == ["node001"]
 
 
+def merge_with_small_blocks(n: int, src: Path, stem: Path) -> subprocess.CompletedProcess[str]:
+    """The merge on n ranks with blocks of SMALL_BLOCK cells (the same on every rank)."""
+    script = stem.parent / "small_blocks.py"
+    script.write_text(
+        "import sys\n"
+        "from gpuprof.mpi_merge import common\n"
+        f"common.BLOCK_CELLS = {SMALL_BLOCK}\n"
+        "from gpuprof.slurm_hooks.cli import main\n"
+        f"sys.argv = ['gpuprof', 'merge', {str(src)!r}, '--output-stem', {str(stem)!r}, '--quiet']\n"
+        "main()\n"
+    )
+    return mpirun(n, str(script))
+
+
+@pytest.fixture(scope="module")
+def cut_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A node whose collector died at 6 s (its ranks left out of the later instances), a slow host."""
+    d = tmp_path_factory.mktemp("mpi_cut") / "cut.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=10, ranks_per_node=2, seed=5, cutoff_nodes={3: 6.0},
+                                 stragglers=[syn.Straggler(0, "host", 1.0, 5.0)]), d)
+    return d
+
+
+@pytest.mark.parametrize("which", ["straggler", "sub_communicators", "cut_node"])
+def test_distributed_analysis_is_the_same_on_1_2_3_ranks(which: str, job: Path, cut_job: Path,
+                                                         tmp_path: Path) -> None:
+    """Findings, blame, metrics, wait states and every table of the job file, bit for bit, with the
+    blocks, the sweep's ranges and the score windows dealt over 1, 2 and 3 ranks. The real demo
+    recording has 2-rank sub-communicators beside the world and one slow rank (node3)."""
+    src = {"straggler": job, "cut_node": cut_job}.get(which)
+    if src is None:
+        src = tmp_path / "demo.gpuprof.d"
+        shutil.copytree(RECORDINGS / "demo-4nodes", src)
+    for n in (1, 2, 3):
+        p = merge_with_small_blocks(n, src, tmp_path / f"k{n}")
+        assert p.returncode in (0, 3), p.stderr[-3000:]
+    for n in (2, 3):
+        assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / f"k{n}.gpuprof.h5") == [], n
+        for ext in ("json", "txt", "html"):
+            assert (tmp_path / f"k{n}.gpuprof.{ext}").read_text() == (tmp_path / f"k1.gpuprof.{ext}").read_text(), (n, ext)
+    rep = json.loads((tmp_path / "k1.gpuprof.json").read_text())
+    summary = rep["straggler_summary"]
+    assert summary["tests"] > 0 and summary["wait_ns_by_split"]["own compute"] > 0
+    if which == "straggler":
+        assert [s["node"] for s in rep["stragglers"]] == ["node001"]
+    elif which == "sub_communicators":
+        assert len(rep["communicators"]) > 1
+        assert [(f["node"], f["ranks"]) for f in rep["stragglers"]] == [("node3", [2])]
+    else:
+        assert rep["status"] == "partial" and summary["windows_judged"] > 0
+
+
 def test_error_on_one_rank_aborts_all(job: Path, tmp_path: Path) -> None:
     script = tmp_path / "failing_rank.py"
     script.write_text(
@@ -68,3 +126,58 @@ def test_error_on_one_rank_aborts_all(job: Path, tmp_path: Path) -> None:
     assert p.returncode != 0
     assert "injected read failure on rank 1" in p.stderr
     assert not (tmp_path / "x.gpuprof.h5").exists()
+
+
+@pytest.fixture(scope="module")
+def p2p_only_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real HPCC recording with every collective call removed: point to point only."""
+    d = tmp_path_factory.mktemp("mpi_p2p") / "p2p.gpuprof.d"
+    shutil.copytree(RECORDINGS / "hpcc-4nodes", d)
+    for node_file in sorted(d.glob("*.h5")):
+        with h5py.File(node_file, "a") as f:
+            old = f["collectives/calls"]
+            rows = old[()]
+            attrs = dict(old.attrs)
+            chunks, compression = old.chunks, old.compression
+            del f["collectives/calls"]
+            new = f.create_dataset("collectives/calls", data=rows[np.isin(rows["op"], list(P2P_OPS))],
+                                   chunks=chunks, compression=compression, maxshape=(None,))
+            for k, v in attrs.items():
+                new.attrs[k] = v
+    return d
+
+
+def test_point_to_point_only_is_the_same_on_1_2_3_ranks(p2p_only_job: Path, tmp_path: Path) -> None:
+    for n in (1, 2, 3):
+        p = merge_with_small_blocks(n, p2p_only_job, tmp_path / f"k{n}")
+        assert p.returncode in (0, 3), p.stderr[-3000:]
+    for n in (2, 3):
+        assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / f"k{n}.gpuprof.h5") == [], n
+        assert (tmp_path / f"k{n}.gpuprof.json").read_text() == (tmp_path / "k1.gpuprof.json").read_text(), n
+    rep = json.loads((tmp_path / "k1.gpuprof.json").read_text())
+    assert rep["communicators"] == [] and rep["p2p"]["pairs"] > 0
+
+
+def test_rank_killed_mid_analysis_aborts_without_a_job_file(job: Path, tmp_path: Path) -> None:
+    """A merge rank that dies (SIGKILL: no exception, no message of its own) while it sweeps its range
+    of the delay analysis: mpirun ends the whole job with a message naming the rank and the signal,
+    nothing hangs, and no job file or report appears under the final name."""
+    script = tmp_path / "killed_rank.py"
+    script.write_text(
+        "import os, signal\n"
+        "from mpi4py import MPI\n"
+        "from gpuprof.mpi_merge import rootcause\n"
+        "real = rootcause._Sweep.__call__\n"
+        "def dying(self, ctx, i):\n"
+        "    if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(self, ctx, i)\n"
+        "rootcause._Sweep.__call__ = dying\n"
+        "from gpuprof.slurm_hooks.cli import main\n"
+        f"import sys; sys.argv = ['gpuprof', 'merge', {str(job)!r}, '--output-stem', {str(tmp_path / 'x')!r}]\n"
+        "main()\n"
+    )
+    p = mpirun(2, str(script), timeout=120)
+    assert p.returncode != 0
+    assert "signal 9" in p.stderr or "Killed" in p.stderr, p.stderr[-2000:]
+    assert not list(tmp_path.glob("x.gpuprof.*"))

@@ -221,6 +221,25 @@ def test_blocks_and_spans_do_not_change_the_result() -> None:
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 
+def test_ranges_dealt_over_ranks_do_not_change_the_result() -> None:
+    """The sweep's ranges (one per merge rank, each from a ring warmed up just before it) give the
+    same numbers bit for bit as one sweep from the start, whatever the number of ranges and spans."""
+    from dataclasses import fields
+
+    from gpuprof.mpi_merge.common import SerialPool
+
+    sim = simjob.simulate(_propagation_job({3: 1.3}))
+    a = rc.delay_analysis(sim.comms, sim.times)
+    for size, span in ((2, None), (3, 8), (7, 64), (40, None)):
+        b = rc.delay_analysis(sim.comms, span_cells=span, pool=SerialPool(rc.GivenTimes(sim.times), size))
+        for fl in fields(rc.Blame):
+            x, y = getattr(a, fl.name), getattr(b, fl.name)
+            if isinstance(x, list):
+                assert all(np.array_equal(u, v) for u, v in zip(x, y)), (size, fl.name)
+            else:
+                assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), (size, fl.name)
+
+
 def test_scores_are_in_the_unit_interval_or_none() -> None:
     job = simjob.balanced_job(8)
     job.slow = {2: 1.3}

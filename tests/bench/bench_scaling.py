@@ -3,10 +3,13 @@ on 2 merge ranks, interleaved, median with min and max; the largest peak RSS of 
 seconds per (job rank x instance) of each step (GPUPROF_MERGE_TIMING), for the cost model in
 docs/merge.md.
 
-    .venv/bin/python tests/bench/bench_scaling.py [--quick] [--jobs 256x4,1024x4] [--repeats 3]
+    .venv/bin/python tests/bench/bench_scaling.py [--quick] [--jobs 256x4,1024x4] [--repeats 3] [--cache DIR]
 
 A job `NxR` is N nodes of R ranks each, 120 s with a collective every 10 ms on each communicator
-(--quick: 64x4 for 30 s, one run each). One JSON line per job size:
+(--quick: 64x4 for 30 s, one run each); --cache keeps the generated jobs in DIR and reuses them (the
+same configuration gives the same files). The 1-minute load average before and after is printed with
+the figures: the machine is shared, and a 2-rank run loses more to other work than a 1-rank one.
+One JSON line per job size:
 {"bench": "merge_scaling", "ranks_in_job": ..., "seconds_1rank": ..., "seconds_2ranks": ...,
  "speedup_2ranks": ..., "max_rss_mb_any_rank": ..., "seconds_per_rank_instance": {...}, "synthetic": true}
 """
@@ -63,16 +66,21 @@ def run_merge(n: int, src: Path, stem: Path) -> dict[str, Any]:
     return {"seconds": seconds, "rss_mb": rss / 1024, "steps": steps}
 
 
-def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, repeats: int) -> None:
+def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, repeats: int, cache: Path | None) -> None:
     from gpuprof.mpi_merge import synthetic as syn
 
-    d = tmp / f"job{nodes}x{ranks_per_node}.gpuprof.d"
+    name = f"job{nodes}x{ranks_per_node}-{duration_s:g}s.gpuprof.d"
+    d = (cache or tmp) / name
     t0 = time.monotonic()
     cfg = syn.SynthConfig(nodes=nodes, ranks_per_node=ranks_per_node, duration_s=duration_s, period_ms=10.0,
                           write_bulk=False, seed=3)
-    syn.generate(cfg, d)
+    if not (d / ".complete").exists():
+        shutil.rmtree(d, ignore_errors=True)
+        syn.generate(cfg, d)
+        (d / ".complete").touch()
     gen_s = time.monotonic() - t0
     mb = sum(f.stat().st_size for f in d.glob("*.h5")) / 1e6
+    load_start = os.getloadavg()[0]
     runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
     for i in range(repeats):  # interleaved: the machine's other load hits both alike
         for n in (1, 2):
@@ -81,20 +89,27 @@ def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, rep
     job_ranks = nodes * ranks_per_node
     s1 = [r["seconds"] for r in runs[1]]
     s2 = [r["seconds"] for r in runs[2]]
-    step_names = sorted({k for r in runs[1] for k in r["steps"]})
-    per_cell = {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[1]) / (job_ranks * instances)
-                for k in step_names}
+
+    def steps(n: int) -> dict[str, float]:
+        return {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[n])
+                for k in sorted({k for r in runs[n] for k in r["steps"]})}
+
+    def per_cell(n: int) -> dict[str, float]:
+        return {k: v / (job_ranks * instances) for k, v in steps(n).items()}
+
     emit({"bench": "merge_scaling", "ranks_in_job": job_ranks, "nodes": nodes, "duration_s": duration_s,
           "instances_per_communicator": instances, "node_files_mb": round(mb, 1), "generate_s": round(gen_s, 1),
           "seconds_1rank": statistics.median(s1), "seconds_1rank_min_max": [min(s1), max(s1)],
           "seconds_2ranks": statistics.median(s2), "seconds_2ranks_min_max": [min(s2), max(s2)],
           "speedup_2ranks": statistics.median(s1) / statistics.median(s2),
           "max_rss_mb_any_rank": max(r["rss_mb"] for r in runs[1] + runs[2]),
-          "steps_rank0_1rank_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[1]) for k in step_names},
-          "steps_rank0_2ranks_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in runs[2])
-                                   for k in sorted({k for r in runs[2] for k in r["steps"]})},
-          "seconds_per_rank_instance": per_cell, "runs": repeats, "synthetic": True})
-    shutil.rmtree(d)
+          "steps_rank0_1rank_s": steps(1), "steps_rank0_2ranks_s": steps(2),
+          "seconds_per_rank_instance": per_cell(1), "seconds_per_rank_instance_2ranks": per_cell(2),
+          "seconds_1rank_all": s1, "seconds_2ranks_all": s2,
+          "load1_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
+          "runs": repeats, "synthetic": True})
+    if cache is None:
+        shutil.rmtree(d)
 
 
 def main() -> None:
@@ -103,6 +118,7 @@ def main() -> None:
     ap.add_argument("--jobs", default=None, help="comma list of NODESxRANKS (default 256x4)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--duration-s", type=float, default=None)
+    ap.add_argument("--cache", type=Path, default=None, help="keep the generated jobs here and reuse them")
     a = ap.parse_args()
     jobs = a.jobs or ("64x4" if a.quick else "256x4")
     repeats = a.repeats or (1 if a.quick else 3)
@@ -110,7 +126,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_scaling-", dir="/var/tmp") as t:
         for spec in jobs.split(","):
             nodes, rpn = (int(x) for x in spec.lower().split("x"))
-            bench_job(Path(t), nodes, rpn, duration, repeats)
+            bench_job(Path(t), nodes, rpn, duration, repeats, a.cache)
 
 
 if __name__ == "__main__":
