@@ -315,7 +315,8 @@ def test_output_dir_removed_mid_job(cluster: Cluster, test_user: str, user_tmpdi
 def test_clock_stepped_on_one_node() -> None:
     pytest.skip("not feasible here: node1..node4 are virtual nodes of one host sharing one kernel clock, and a "
                 "time namespace cannot move CLOCK_REALTIME; stepping it would step every node and this VM. "
-                "The merge's handling of a stepped node clock is tested on synthetic node files (mpi_merge).")
+                "The merge's handling of a stepped node clock is tested on a real recording whose clock pairs "
+                "are stepped (tests/test_real_recordings.py::test_wall_clock_stepped_on_one_node_mid_job).")
 
 
 def test_node_crash_through_slurm() -> None:

@@ -110,3 +110,29 @@ def test_exit_delay_behind_a_stopped_peer_is_not_the_network(tmp_path: Path) -> 
     assert any("stopped" in e or "not runnable" in e for e in report["stragglers"][0]["evidence"])
     explained = [i for i in report["straggler_summary"]["imbalance_without_straggler"] if i.get("node") == "node4"]
     assert explained and "rank 2 (node3) was not running" in explained[0]["why"]
+
+
+def test_wall_clock_stepped_on_one_node_mid_job(tmp_path: Path) -> None:
+    """The real HPCC recording with node3's wall clock stepped by +5 ms at t = 20 s (its clock pairs
+    rewritten, as an NTP step would leave them; the nodes cannot be stepped for real here: they
+    share one kernel clock). No clock within the 500 ppm slew bound follows a step: the merge
+    completes, says so on node3 (and on the nodes whose instances it cannot tell apart from it),
+    counts the instances left out of order instead of hiding them, and still names the injected
+    straggler (node4, a co-runner beside its rank)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from realapps import retime
+
+    errors = {f"node{i}": retime.ClockError(0.0, 0.0) for i in range(1, 5)}
+    errors["node3"] = retime.ClockError(0.0, 0.0, [retime.Slew(20.0, 0.001, 5e6)])  # 5 ms in 1 ms
+    d = tmp_path / "stepped.gpuprof.d"
+    retime.retime_recording(RECORDINGS / "hpcc-4nodes", d, errors=errors)
+    res = merge(str(d), output_stem=str(tmp_path / "stepped"))
+    assert res is not None and res.exit_code == EXIT_COMPLETE, res and res.partial_reasons
+    report = json.loads(res.reports["json"].read_text())
+    clocks = {n["node"]: n["clock"] for n in report["nodes"]}
+    assert "500 ppm" in clocks["node3"]["inconsistent"]
+    assert not clocks["node1"]["inconsistent"]  # the reference
+    assert report["clock"]["causality_violations"] > 0
+    assert [(f["node"], f["cause"]) for f in report["stragglers"]] == [("node4", "host")]
