@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,3 +190,18 @@ def user_tmpdir(test_user: str) -> Iterator[Path]:
     d.chmod(0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def hook_config(cluster: Cluster) -> Iterator[Callable[[str], None]]:
+    """Rewrite the cluster's gpuprof.toml for one test (the hooks read it at every run); restore after."""
+    path = cluster.dir / "gpuprof.toml"
+    original = path.read_bytes()
+
+    def write(text: str) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    yield write
+    path.write_bytes(original)

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,20 +36,10 @@ def _config(cluster: Cluster, state_dir: Path, extra: str = "") -> str:
             f'[dcgm]\ndcgmi = "{FAKE_DCGMI}"\n[merge]\nauto = false\n' + extra)
 
 
-@pytest.fixture
-def hook_config(cluster: Cluster) -> Iterator[Callable[[str], None]]:
-    """Rewrite the cluster's gpuprof.toml for one test (the hooks read it at every run); restore after."""
-    path = cluster.dir / "gpuprof.toml"
-    original = path.read_bytes()
-
-    def write(text: str) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
+@pytest.fixture(autouse=True)
+def no_dcgmi_calls_left() -> None:
+    """Each case counts the dcgmi calls of its own run."""
     CALLS.unlink(missing_ok=True)
-    yield write
-    path.write_bytes(original)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import os
 import pwd
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -20,21 +19,6 @@ from gpuprof.collector.reader import open_node_trace
 
 pytestmark = pytest.mark.slurm
 FAKE_DCGMI = Path(__file__).parent / "doubles" / "fake_dcgmi"
-
-
-@pytest.fixture
-def hook_config(cluster: Cluster, tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
-    """Rewrite the cluster's gpuprof.toml for one test (the hooks read it at every run); restore after."""
-    path = cluster.dir / "gpuprof.toml"
-    original = path.read_bytes()
-
-    def write(text: str) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
-    yield write
-    path.write_bytes(original)
 
 
 def base_config(cluster: Cluster, calls: Path, extra: str = "") -> str:
