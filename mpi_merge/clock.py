@@ -21,7 +21,10 @@ clocks drift within it):
      no correction satisfies: its data are inconsistent, it keeps the prior and the report says so;
   2. per node, its error interval: the range of corrections the constraints allow with the
      reference fixed (relaxation from -inf and +inf), not a statistic of the estimate; a node with no
-     constraint in a piece keeps the prior there and its model says so (unconstrained spans);
+     constraint in a piece keeps the prior there and its model says so (unconstrained spans). The
+     intervals reported with the final model are its points' own (_knot_intervals: the instances
+     around each point moved to its time by the drift bound), which hold the truth also where a
+     clock drifts inside a piece;
   3. the pieces' corrections joined as a piecewise-linear model whose drift is bounded by the
      kernel's slew limit (|drift| <= 500 ppm): the points are clipped into the tube that the bound
      leaves around the intervals; when no such tube exists the data ask for more than 500 ppm and
