@@ -665,16 +665,7 @@ def segment_fit(
 def _violations(inst: InstanceRows, models: list[NodeClockModel], tol_ns: float = 1000.0,
                 spread: Spread | None = None) -> int:
     """Instances where, after alignment, some node left before the last node entered (beyond tol)."""
-    blocks = row_blocks(inst.n_rows, inst.n_cols)
-    clocks = RankClocks(list(models))
-
-    def count(b: int) -> int:
-        E, Xmin, _ = inst.take(_all(*blocks[b]))
-        Ea, Xa = clocks.align(E), clocks.align(Xmin)
-        with quiet_nan():
-            return int((np.nanmin(Xa, axis=1) < np.nanmax(Ea, axis=1) - tol_ns).sum())
-
-    return sum((spread or SerialSpread()).map(count, len(blocks)))
+    return len(_violation_rows(inst, models, tol_ns, spread or SerialSpread()))
 
 
 # --- method "minimal": the prior moved only as far as the constraints require --------------------

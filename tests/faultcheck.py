@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,3 +97,17 @@ def node_result(node_dir: Path, node: str) -> str:
         return "complete"
     reasons = "; ".join(t.partial_reasons) if not t.sealed else ""
     return f"partial: {'; '.join(x for x in (reasons, why) if x)}"
+
+
+def mount_tmpfs(path: Path, size: str, owner: pwd.struct_passwd | None = None) -> None:
+    """A small file system at path (disk-full cases), owned by `owner` when given."""
+    path.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "gpuprof-fault", str(path)], check=True)
+    if owner is not None:
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+        path.chmod(0o755)
+
+
+def fill(path: Path) -> None:
+    """Fill the file system of path to its last byte."""
+    subprocess.run(["dd", "if=/dev/zero", f"of={path / '.filler'}", "bs=4k"], capture_output=True, check=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NODES, Cluster
-from faultcheck import FaultOutcome, collectors_left, dcgm_left, digest, node_result
+from faultcheck import FaultOutcome, collectors_left, dcgm_left, digest, fill, mount_tmpfs, node_result
 
 from gpuprof.slurm_hooks.hooks import collector_pids
 
@@ -212,26 +212,14 @@ def _share_a_node(cluster: Cluster, test_user: str, user_tmpdir: Path, state_dir
     o.check()
 
 
-def _mount_tmpfs(path: Path, size: str, owner: pwd.struct_passwd | None = None) -> None:
-    path.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "gpuprof-fault", str(path)], check=True)
-    if owner is not None:
-        os.chown(path, owner.pw_uid, owner.pw_gid)
-        path.chmod(0o755)
-
-
-def _fill(path: Path) -> None:
-    subprocess.run(["dd", "if=/dev/zero", f"of={path / '.filler'}", "bs=4k"], capture_output=True, check=False)
-
-
 def test_state_dir_full(cluster: Cluster, test_user: str, user_tmpdir: Path, hook_config, tmp_path: Path) -> None:
     """The hand-tried case of issue 11 through Slurm: the state directory on a full 64 kB file
     system. The job runs and completes unprofiled, no collector is left, DCGM is not left paused,
     and next to the job's output a note per node says why."""
     state = Path("/run") / f"gpuprof-fault-state-{os.getpid()}"
-    _mount_tmpfs(state, "64k")
+    mount_tmpfs(state, "64k")
     try:
-        _fill(state)
+        fill(state)
         hook_config(_config(cluster, state))
         job = cluster.sbatch(["-N2", "--profile-gpu", "--wrap", "echo out; sleep 3"], user=test_user, cwd=user_tmpdir)
         assert cluster.wait_job(job)["JobState"] == "COMPLETED"
@@ -253,7 +241,7 @@ def test_output_dir_full(cluster: Cluster, test_user: str, hook_config, state_di
     are kept for root (state_dir/undelivered), nothing is left running or paused."""
     pw = pwd.getpwnam(test_user)
     disk = Path("/tmp") / f"gpuprof-fault-out-{os.getpid()}"
-    _mount_tmpfs(disk, "512k", owner=pw)
+    mount_tmpfs(disk, "512k", owner=pw)
     try:
         hook_config(_config(cluster, state_dir))
         job = cluster.sbatch(["-N1", "--profile-gpu=metrics", "--wrap", "echo out; sleep 8"], user=test_user,
@@ -261,7 +249,7 @@ def test_output_dir_full(cluster: Cluster, test_user: str, hook_config, state_di
         wait_collector(state_dir, job, "node1")
         time.sleep(1)
         out = disk / f"slurm-{job}.out"
-        _fill(disk)
+        fill(disk)
         assert cluster.wait_job(job)["JobState"] == "COMPLETED"
         kept = state_dir / "undelivered" / f"{job}@node1.h5"
         deadline = time.monotonic() + 30

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultcheck import FaultOutcome, collectors_left, dcgm_left, digest, node_result
+from faultcheck import FaultOutcome, collectors_left, dcgm_left, digest, fill, mount_tmpfs, node_result
 
 from gpuprof.collector.control import request
 from gpuprof.collector.errors import GpuprofError
@@ -156,19 +156,6 @@ class Node:
             for node in ("nodeA", "nodeB", self.name):
                 for pid in collector_pids(job, node):
                     os.kill(pid, signal.SIGKILL)
-
-
-def mount_tmpfs(path: Path, size: str, owner: pwd.struct_passwd | None = None) -> None:
-    path.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "gpuprof-fault", str(path)], check=True)
-    if owner is not None:
-        os.chown(path, owner.pw_uid, owner.pw_gid)
-        path.chmod(0o755)
-
-
-def fill(path: Path) -> None:
-    """Fill the file system of path to its last byte."""
-    subprocess.run(["dd", "if=/dev/zero", f"of={path / '.filler'}", "bs=4k"], capture_output=True, check=False)
 
 
 @pytest.fixture
