@@ -295,7 +295,38 @@ COLLECTIVE_CALLS = Table(
         C("path", "u1", "", "how it was captured"),
         C("handle", "<u8", "", "communicator handle in the process (pointer or MPI_Comm value)"),
     ),
-    enums={"library": ("mpi", "nccl"), "op": COLLECTIVE_OPS, "path": ("uprobe", "fastpath")},
+    # nccl_profiler: recorded by NCCL's profiler plugin interface (bpf/fastpath/); t_enter/t_exit are
+    # then the host times of the plugin's event start and stop (enqueue), its device-side times are
+    # in /collectives/device_times
+    enums={"library": ("mpi", "nccl"), "op": COLLECTIVE_OPS, "path": ("uprobe", "fastpath", "nccl_profiler")},
+)
+# NCCL runs a collective on the GPU after the call returned: the device-side times are what the
+# merge aligns and judges NCCL on (docs/merge.md, "NCCL on device times"). Joined to
+# /collectives/calls rows of path nccl_profiler on (pid, comm_id, seq).
+DEVICE_TIMES = Table(
+    "collectives",
+    "device_times",
+    "device-side start and end of NCCL collectives and point to point recorded by the profiler plugin",
+    (
+        C("pid", "<u4", "", "process id"),
+        C("comm_id", "<u8", "", "job-wide communicator id (as in /collectives/calls)"),
+        C("seq", "<u8", "", "sequence number on comm_id (as in /collectives/calls)"),
+        C("t_dev_start_ns", "<u8", "ns", "device-side start mapped to CLOCK_MONOTONIC, 0 = not known"),
+        C("t_dev_end_ns", "<u8", "ns", "device-side end mapped to CLOCK_MONOTONIC, 0 = not known"),
+        C("timing", "u1", "", "which plugin events gave the device-side times"),
+        C("algorithm", "u1", "", "NCCL's algorithm"),
+        C("protocol", "u1", "", "NCCL's protocol"),
+        C("n_channels", "<u2", "", "channels the operation ran on"),
+        C("count", "<u8", "", "element count"),
+        C("datatype", "u1", "", "NCCL datatype"),
+    ),
+    enums={
+        "timing": ("none", "kernel_channel_gpu_timer", "kernel_channel_host", "proxy_step_host"),
+        "algorithm": ("unknown", "tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat"),
+        "protocol": ("unknown", "ll", "ll128", "simple"),
+        "datatype": ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64",
+                     "bfloat16", "float8e4m3", "float8e5m2", "unknown"),
+    },
 )
 COMMUNICATORS = Table(
     "collectives",
@@ -427,6 +458,7 @@ ALL_TABLES: tuple[Table, ...] = (
     GPU_EVENTS,
     COLLECTIVE_CALLS,
     COMMUNICATORS,
+    DEVICE_TIMES,
 ) + BPF_TABLES
 
 TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
@@ -435,7 +467,7 @@ TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
 ALWAYS = (CLOCK_PAIRS, DIAG_ERRORS, DIAG_MISSING, DIAG_DROPS, PROCESS_EVENTS)
 MODE_TABLES: dict[str, tuple[Table, ...]] = {
     "metrics": (HOST_NODE, HOST_PROCS, GPU_DEVICES, GPU_SAMPLES, GPU_GPM, GPU_PROCESSES, GPU_EVENTS),
-    "collectives": (COLLECTIVE_CALLS, COMMUNICATORS),
+    "collectives": (COLLECTIVE_CALLS, COMMUNICATORS, DEVICE_TIMES),
     "stacks": (STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS),
     "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS),
 }

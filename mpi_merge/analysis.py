@@ -305,6 +305,13 @@ class StoreAligned:
     def exit(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
         return self._read("exit", seqs, ranks)
 
+    def host_enter(self, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray | None:
+        """The host's enqueue of device-timed NCCL calls (NaN elsewhere); None when the communicator
+        has none (its enter and exit are the host's own)."""
+        if not self.store.comms[self.ci].device_timed:
+            return None
+        return self._read("host_enter", seqs, ranks)
+
 
 class AnalysisContext:
     """What a merge rank reads for the items of JobAnalyzer.finish (common.Task's context): the

@@ -31,13 +31,16 @@ CALL_DTYPE = np.dtype(
         ("comm_id", "<u8"), ("seq", "<u8"), ("comm_rank", "<i4"), ("comm_size", "<i4"), ("op", "u1"),
         ("bytes", "<u8"), ("root_or_peer", "<i4"), ("tag", "<i4"), ("pid", "<u4"),
         ("enter_rt", "<i8"), ("exit_rt", "<i8"), ("returned", "?"),
+        # NCCL calls with device-side times (/collectives/device_times): enter/exit are then the
+        # kernel's start and end on the GPU, and host_enter_rt the host's enqueue (else 0)
+        ("device_timed", "?"), ("host_enter_rt", "<i8"),
     ]
 )
 # Tables a summary needs; the eBPF tables are added when the schema defines them.
 SUMMARY_TABLES = (
     schema.CLOCK_PAIRS.path, schema.COLLECTIVE_CALLS.path, schema.GPU_DEVICES.path, schema.GPU_SAMPLES.path,
     schema.GPU_GPM.path, schema.HOST_PROCS.path, schema.HOST_NODE.path, schema.DIAG_ERRORS.path,
-    schema.DIAG_MISSING.path, schema.DIAG_DROPS.path, schema.COMMUNICATORS.path,
+    schema.DIAG_MISSING.path, schema.DIAG_DROPS.path, schema.COMMUNICATORS.path, schema.DEVICE_TIMES.path,
 )
 MAX_BINS = 2000  # per series: enough for the HTML timelines and the straggler evidence
 # The series the job-wide analysis reads (name suffixes): GPU activity for the straggler cause and
@@ -216,7 +219,7 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
         keep, s.late_probe_notes = _numbered_correctly(calls, trace.tables.get(schema.COMMUNICATORS.path), a)
         calls = calls[keep]
     if calls is not None and len(calls):
-        s.calls = call_rows(calls, cm)
+        s.calls = call_rows(calls, cm, trace.tables.get(schema.DEVICE_TIMES.path))
         s.n_calls = len(s.calls)
         s.comm_shapes = comm_shapes(s.calls)
 
@@ -280,8 +283,10 @@ def _numbered_correctly(calls: np.ndarray, comms: np.ndarray | None, attrs: Any)
     return keep, notes
 
 
-def call_rows(calls: np.ndarray, cm: ClockMap) -> np.ndarray:
-    """Rows of /collectives/calls -> CALL_DTYPE, times on the node's realtime clock."""
+def call_rows(calls: np.ndarray, cm: ClockMap, device: np.ndarray | None = None) -> np.ndarray:
+    """Rows of /collectives/calls -> CALL_DTYPE, times on the node's realtime clock. `device`: the
+    node's /collectives/device_times; an NCCL call recorded by the profiler plugin that has both
+    device-side times takes them as its enter and exit (docs/merge.md, "NCCL on device times")."""
     c = np.zeros(len(calls), CALL_DTYPE)
     for f in ("comm_id", "seq", "comm_rank", "comm_size", "op", "bytes", "root_or_peer", "tag", "pid"):
         c[f] = calls[f]
@@ -289,7 +294,40 @@ def call_rows(calls: np.ndarray, cm: ClockMap) -> np.ndarray:
     # t_exit_ns == 0: the call was entered and never returned (the job hung or was killed in it)
     c["returned"] = calls["t_exit_ns"] != 0
     c["exit_rt"] = np.where(c["returned"], cm.to_realtime(calls["t_exit_ns"]), -1)
+    if device is not None and len(device):
+        _apply_device_times(c, calls, device, cm)
     return c
+
+
+def _apply_device_times(c: np.ndarray, calls: np.ndarray, device: np.ndarray, cm: ClockMap) -> None:
+    """Give the plugin's calls their kernels' start and end (both known), keeping the host's
+    enqueue in host_enter_rt. A device row without a call row, or with one time unknown, changes
+    nothing: the call keeps its host times and stays out of the clock fit, as NCCL calls do."""
+    plugin = calls["path"] == schema.COLLECTIVE_CALLS.enums["path"].index("nccl_profiler")
+    known = device[(device["t_dev_start_ns"] != 0) & (device["t_dev_end_ns"] >= device["t_dev_start_ns"])]
+    if not plugin.any() or not len(known):
+        return
+    key = np.dtype([("pid", "<u8"), ("comm_id", "<u8"), ("seq", "<u8")])
+
+    def keys(rows: np.ndarray) -> np.ndarray:
+        k = np.zeros(len(rows), key)
+        for f in ("pid", "comm_id", "seq"):
+            k[f] = rows[f]
+        return k
+
+    dk = keys(known)
+    order = np.argsort(dk, kind="stable")
+    dk, known = dk[order], known[order]
+    idx = np.flatnonzero(plugin)
+    ck = keys(calls[idx])
+    pos = np.clip(np.searchsorted(dk, ck), 0, len(dk) - 1)
+    hit = dk[pos] == ck
+    rows, pos = idx[hit], pos[hit]
+    c["host_enter_rt"][rows] = c["enter_rt"][rows]
+    c["enter_rt"][rows] = cm.to_realtime(known["t_dev_start_ns"][pos])
+    c["exit_rt"][rows] = cm.to_realtime(known["t_dev_end_ns"][pos])
+    c["returned"][rows] = True
+    c["device_timed"][rows] = True
 
 
 def comm_shapes(calls: np.ndarray) -> dict[int, tuple[int, int]]:

@@ -52,6 +52,10 @@ SAME_SIZE_OPS = frozenset(_I[n] for n in (
 # NCCL calls return once the work is queued on the stream: host-side exit is not completion, so the
 # causality bound does not hold for them. The clock fit uses blocking MPI N-to-N calls by default.
 CLOCK_OPS_DEFAULT = frozenset((NXN_OPS | BARRIER_OPS) - NCCL_OPS)
+# ... but on the GPU an N-to-N NCCL kernel cannot end on any rank before every rank's kernel began
+# (each needs every other's data), so where the profiler plugin gave device-side times for every rank
+# of an instance, the instance joins the fit like a blocking MPI one.
+DEVICE_CLOCK_OPS = frozenset(NXN_OPS & NCCL_OPS)
 
 
 @dataclass
@@ -70,6 +74,10 @@ class CommTable:
     # all): the instances it misses are judged on the other ranks instead of being lost for all.
     # None: every rank takes part in every instance.
     excluded_from: np.ndarray | None = None
+    # [n_seq, size] float64 ns: the host's enqueue of an NCCL call whose enter/exit are its kernel's
+    # device-side start and end; NaN where the times are the host's (every MPI call). None: no
+    # device-timed call in the table.
+    host_enter: np.ndarray | None = None
 
     @property
     def n_seq(self) -> int:
@@ -173,6 +181,11 @@ def build_comms(calls_by_node: list[np.ndarray], epoch_rt: int) -> list[CommTabl
             t.op[s, r] = p["op"]
             t.nbytes[s, r] = p["bytes"].astype(np.int64)
             t.root[s, r] = p["root_or_peer"]
+            if p["device_timed"].any():
+                if t.host_enter is None:
+                    t.host_enter = np.full((n_seq, size), np.nan)
+                dev = p["device_timed"]
+                t.host_enter[s[dev], r[dev]] = (p["host_enter_rt"][dev] - epoch_rt).astype(np.float64)
         tables.append(t)
     return tables
 
@@ -180,6 +193,7 @@ def build_comms(calls_by_node: list[np.ndarray], epoch_rt: int) -> list[CommTabl
 # The fields of a communicator's [seq x rank] table: name, dtype, value where a rank made no call.
 STORE_FIELDS: tuple[tuple[str, str, float], ...] = (
     ("enter", "<f8", np.nan), ("exit", "<f8", np.nan), ("op", "<i2", -1), ("nbytes", "<i8", 0), ("root", "<i4", -1),
+    ("host_enter", "<f8", np.nan),
 )
 
 
@@ -208,6 +222,7 @@ class StoredComm:
     written: np.ndarray  # [size] bool: a node has filled this rank's row
     last_seq: np.ndarray  # [size] the last seq a rank called, -1 when none
     excluded_from: np.ndarray  # [size] CommTable.excluded_from (n_seq: never excluded)
+    device_timed: bool = False  # some call has device-side times (its host_enter field is filled)
 
 
 class CommStore:
@@ -251,12 +266,18 @@ class CommStore:
                 "enter": (p["enter_rt"] - self.epoch_rt).astype(np.float64),
                 "exit": np.where(p["returned"], (p["exit_rt"] - self.epoch_rt).astype(np.float64), np.nan),
                 "op": p["op"], "nbytes": p["bytes"].astype(np.int64), "root": p["root_or_peer"],
+                "host_enter": np.where(p["device_timed"], (p["host_enter_rt"] - self.epoch_rt).astype(np.float64),
+                                       np.nan),
             }
+            if p["device_timed"].any():
+                c.device_timed = True
             for rr in np.unique(r):
                 mine = r == rr
                 c.pid_of_rank[rr] = int(p["pid"][mine][0])
                 c.last_seq[rr] = max(int(c.last_seq[rr]), int(s[mine].max()))
                 for name, dtype, fill in STORE_FIELDS:
+                    if name == "host_enter" and not c.device_timed:
+                        continue  # all NaN, the fill value: an MPI communicator never writes it
                     row = c.data[name][rr] if c.written[rr] else np.full(c.n_seq, fill, dtype)
                     row[s[mine]] = values[name][mine]
                     c.data[name][rr] = row
@@ -294,7 +315,8 @@ class CommStore:
         d = {name: np.ascontiguousarray(c.data[name][:, s0:s1].T) for name, _, _ in STORE_FIELDS}
         return CommTable(c.comm_id, c.size, c.node_of_rank, c.pid_of_rank, d["enter"], d["exit"], d["op"],
                          d["nbytes"], d["root"], seq0=s0,
-                         excluded_from=c.excluded_from if (c.excluded_from < c.n_seq).any() else None)
+                         excluded_from=c.excluded_from if (c.excluded_from < c.n_seq).any() else None,
+                         host_enter=d["host_enter"] if c.device_timed else None)
 
     def read(self, ci: int, name: str, seqs: np.ndarray, ranks: slice = slice(None)) -> np.ndarray:
         """One field at the given seqs (any order) and ranks: [len(seqs), ranks]."""
@@ -714,6 +736,10 @@ def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = C
     for t in comms:
         maj = _row_mode(t.op)
         rows = np.isin(maj, list(ops))
+        if t.host_enter is not None:
+            called = t.op >= 0
+            on_device = np.where(called, np.isfinite(t.host_enter), True).all(axis=1) & called.any(axis=1)
+            rows |= np.isin(maj, list(DEVICE_CLOCK_OPS)) & on_device
         if not rows.any():
             continue
         ok = (t.op[rows] == maj[rows][:, None]) & np.isfinite(t.exit[rows])

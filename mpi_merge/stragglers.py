@@ -104,6 +104,8 @@ class StragglerParams:
     p2p_min_wait_ns: float = 20_000.0  # a Late Sender wait shorter than this is no event
     offcpu_min_ns_per_s: float = 50e6  # ... and at least this much more per second (5 % of the time)
     peer_on_cpu_ratio: float = 0.6  # a peer on CPU at most this share of the others' time was held off it
+    # NCCL on device times: an enqueue at least this share as late as the kernel start = host
+    enqueue_share: float = 0.5
     # "rootcause": the rank was the origin (own compute or exit delay) of the waits it ended;
     # "last_share": the rank arrived last (no root-cause split; for comparison);
     # "score": arrived last and median-ratio score below score_threshold
@@ -143,10 +145,14 @@ class Finding:
     metrics: dict[str, float] = field(default_factory=dict)
     # an exit delay that a peer not running at the time explains: why it is no finding ('' otherwise)
     explained_by_peer: str = ""
+    # global instance ids (Blame order) of its late arrivals in the flagged windows: where the
+    # device-time evidence of NCCL is read (not reported)
+    evidence_gids: np.ndarray | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("explained_by_peer")
+        d.pop("evidence_gids")
         d["comm_id"] = "point to point" if self.kind == "late sender" else f"{self.comm_id:#x}"
         d["propagated"] = [dict(p) for p in self.propagated]
         return d
@@ -459,6 +465,8 @@ def find_stragglers(
     if node_on_cpu is not None:
         for f, (_, tests) in zip(findings, sorted(by_node.items())):
             _on_cpu_evidence(f, tests, comms, stats, node_on_cpu, epoch_rt)
+    for f in findings:
+        _device_time_evidence(f, blame, times, params)
     for f in findings:
         if f.explained_by_peer:
             imbalance.append({"comm_id": f"{f.comm_id:#x}", "node": f.node, "ranks": f.ranks,
@@ -822,11 +830,60 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
         cost_share=cost / total_wait if total_wait > 0 else 0.0,
         held_ns=float(sum(t.held_ns for t in on_main)), held_share=most.held_share,
         next_held_share=most.held_share * (most.next_held_ns / most.held_ns) if most.held_ns > 0 else 0.0,
-        propagated=propagated,
+        propagated=propagated, evidence_gids=g_ev,
     )
     _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_names, node_series, float(st.clock_floor[main.r]),
               epoch_rt, p)
     return f
+
+
+DEVICE_EVIDENCE_MAX_INSTANCES = 512  # instances read for it: [instances x ranks] of one communicator
+
+
+def _device_time_evidence(f: Finding, blame: Blame, times: Sequence[AlignedRows], p: StragglerParams) -> None:
+    """NCCL on device times: a late kernel start whose host enqueue was late as well means the host
+    reached the collective late (the GPU waited for work: host); an enqueue on time with the kernel
+    starting late means the rank's GPU was still busy with its earlier work (GPU). This is the most
+    direct evidence there is for an own-compute lateness, so it decides the cause of one; an exit
+    delay (the kernel ended late) keeps its own rule."""
+    g = f.evidence_gids
+    if g is None or not len(g):
+        return
+    ci = int(blame.comm[g[0]])
+    read_host = getattr(times[ci], "host_enter", None) if ci < len(times) else None
+    if read_host is None:
+        return
+    if len(g) > DEVICE_EVIDENCE_MAX_INSTANCES:  # evenly spread, the same whatever the rank count
+        g = g[np.linspace(0, len(g) - 1, DEVICE_EVIDENCE_MAX_INSTANCES).round().astype(np.int64)]
+    H = read_host(blame.seq[g])
+    if H is None:
+        return
+    L = blame.waitee[g]
+    with quiet_nan():
+        mine = H[np.arange(len(g)), L]
+        enq = mine - np.nanmedian(H, axis=1)
+    ok = np.isfinite(enq)
+    if not ok.any():
+        return
+    ms = 1e6
+    enq_late = float(np.median(enq[ok]))
+    dev_late = float(np.median(blame.late_ns[g][ok]))
+    f.metrics.update({"enqueue_late_ns": enq_late, "kernel_start_late_ns": dev_late,
+                      "device_timed_instances": float(ok.sum())})
+    if f.kind != "own compute":
+        f.evidence.append(f"NCCL device times: its kernels started {dev_late / ms:.3f} ms after the median rank's, "
+                          f"its host enqueued {enq_late / ms:+.3f} ms vs the median rank ({int(ok.sum())} instances)")
+        return
+    if dev_late > 0 and enq_late >= p.enqueue_share * dev_late:
+        f.cause = "host"
+        f.evidence.append(f"NCCL device times: the host enqueued the collective {enq_late / ms:.3f} ms after the median "
+                          f"rank and its kernel started {dev_late / ms:.3f} ms late ({int(ok.sum())} instances): the "
+                          "host reached the collective late, the GPU waited for it")
+    else:
+        f.cause = "gpu"
+        f.evidence.append(f"NCCL device times: the host enqueued the collective on time ({enq_late / ms:+.3f} ms vs the "
+                          f"median rank) but its kernel started {dev_late / ms:.3f} ms late ({int(ok.sum())} "
+                          "instances): the rank's GPU was still busy with its earlier work")
 
 
 def _on_cpu_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats],

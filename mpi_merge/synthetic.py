@@ -107,6 +107,13 @@ class SynthConfig:
     cutoff_nodes: dict[int, float] = field(default_factory=dict)  # node -> time its collector died
     idle_gpus: list[tuple[int, int]] = field(default_factory=list)  # (node, gpu) left idle
     write_bulk: bool = True  # write GPU/host tables (benchmarks of the clock fit skip them)
+    # NCCL-only job as NCCL's profiler plugin records it: each call's host enqueue in
+    # /collectives/calls (path nccl_profiler) and its kernel's device-side start and end (the
+    # simulated arrival and completion) in /collectives/device_times, mapped to the host clock with
+    # a Gaussian error of device_map_error_us. The host runs ahead of its GPU by 30-70 % of the
+    # compute interval, except a "host" straggler's in its episode, which enqueues just in time.
+    nccl: bool = False
+    device_map_error_us: float = 1.0
 
 
 def node_name(i: int, nodes: int = 0) -> str:
@@ -361,6 +368,13 @@ def write_node(
     ranks = np.arange(i * cfg.ranks_per_node, (i + 1) * cfg.ranks_per_node)
     node_enter, node_exit = tl.ranks(int(ranks[0]), len(ranks))
     rows = []
+    dev: list[np.ndarray] = []
+
+    def prev_exit_of(lr: int, ks: np.ndarray) -> np.ndarray:
+        """When local rank lr left the instance before each of ks (true s; the first: its arrival)."""
+        x = node_exit[:, lr]
+        return np.where(ks > 0, x[np.maximum(ks - 1, 0)], node_enter[ks, lr])
+
     for lr, r in enumerate(ranks):
         ks = np.arange(K)
         enter, exit_ = node_enter[:, lr].copy(), node_exit[:, lr].copy()
@@ -397,9 +411,13 @@ def write_node(
         c["tag"] = -1
         c["path"] = 1
         c["handle"] = 0x84000000 + comm
+        if cfg.nccl:
+            dev.append(_as_nccl(cfg, c, enter, exit_, returned, clock, i, r, prev_exit_of(lr, ks)))
         rows.append(c)
     calls = np.concatenate(rows) if rows else schema.COLLECTIVE_CALLS.empty()
     w.append(schema.COLLECTIVE_CALLS.path, np.sort(calls, order="t_enter_ns"))
+    if cfg.nccl:
+        w.append(schema.DEVICE_TIMES.path, np.concatenate(dev) if dev else schema.DEVICE_TIMES.empty())
     comms = schema.COMMUNICATORS.empty(len(ranks))
     comms["t_ns"] = clock.to_monotonic_ns(np.full(len(ranks), -0.5))
     comms["pid"] = 10_000 + np.arange(len(ranks))
@@ -423,6 +441,51 @@ def write_node(
             f.attrs["end_monotonic_ns"] = np.uint64(clock.to_monotonic_ns(np.array([end_s]))[0])
             f.attrs["end_realtime_ns"] = np.int64(_realtime_of(clock, end_s))
     return path
+
+
+NCCL_OP_OF = {OP_ALLREDUCE: schema.COLLECTIVE_OPS.index("ncclAllReduce"),
+              OP_BCAST: schema.COLLECTIVE_OPS.index("ncclBroadcast"),
+              OP_BARRIER: schema.COLLECTIVE_OPS.index("ncclAllReduce")}  # NCCL has no barrier: a 1-element allreduce
+ENQUEUE_US = 8.0  # host time of an NCCL call (it returns once the work is queued)
+LAUNCH_US = 10.0  # from enqueue to the kernel's start on an idle GPU
+
+
+def _as_nccl(cfg: SynthConfig, c: np.ndarray, enter: np.ndarray, exit_: np.ndarray, returned: np.ndarray,
+             clock: NodeClock, node: int, rank: int, prev_exit: np.ndarray) -> np.ndarray:
+    """Turn one rank's calls `c` (MPI-shaped, in place) into what the NCCL profiler plugin records;
+    returns its /collectives/device_times rows. enter/exit: the kernel's true start and end (s)."""
+    rng = np.random.default_rng([cfg.seed, node, rank, 7])  # its own draws: the MPI mode's stay as they were
+    n = len(c)
+    launch = LAUNCH_US * 1e-6
+    # the host's own work per iteration is the same on every rank (a "gpu" straggler's longer GPU
+    # work does not delay its host); it enqueues as soon as it is done, at the latest one launch
+    # before the kernel starts
+    host_work = cfg.period_ms * 1e-3 * rng.uniform(0.3, 0.7, n)
+    host = np.minimum(prev_exit + host_work, enter - launch)
+    for s in cfg.stragglers:
+        if s.node == node and s.cause == "host":  # the host is the bottleneck: the GPU waits for each enqueue
+            ep = (enter >= s.start_s) & (enter < s.end_s)
+            host[ep] = enter[ep] - launch * rng.uniform(1.0, 1.5, int(ep.sum()))
+    c["t_enter_ns"] = clock.to_monotonic_ns(host)
+    c["t_exit_ns"] = clock.to_monotonic_ns(host + ENQUEUE_US * 1e-6 * rng.uniform(0.8, 1.5, n))
+    c["op"] = [NCCL_OP_OF.get(int(o), int(o)) for o in c["op"]]
+    c["library"] = schema.COLLECTIVE_CALLS.enums["library"].index("nccl")
+    c["path"] = schema.COLLECTIVE_CALLS.enums["path"].index("nccl_profiler")
+    c["bytes"] = np.where(c["bytes"] == 0, 4, c["bytes"])
+    d = schema.DEVICE_TIMES.empty(n)
+    for f in ("pid", "comm_id", "seq"):
+        d[f] = c[f]
+    err = cfg.device_map_error_us * 1e-6
+    d["t_dev_start_ns"] = clock.to_monotonic_ns(enter + err * rng.standard_normal(n))
+    d["t_dev_end_ns"] = np.where(returned, clock.to_monotonic_ns(exit_ + err * rng.standard_normal(n)), 0)
+    en = schema.DEVICE_TIMES.enums
+    d["timing"] = en["timing"].index("kernel_channel_gpu_timer")
+    d["algorithm"] = en["algorithm"].index("ring")
+    d["protocol"] = en["protocol"].index("simple")
+    d["n_channels"] = 4
+    d["count"] = c["bytes"] // 4
+    d["datatype"] = en["datatype"].index("float32")
+    return d
 
 
 def _realtime_of(clock: NodeClock, t_s: float) -> int:
@@ -601,10 +664,11 @@ def parse_straggler(spec: str) -> Straggler:
 @click.option("--idle-gpu", "idle", multiple=True, help="NODE:GPU left idle")
 @click.option("--bulk/--no-bulk", default=True, show_default=True,
               help="GPU and host tables (--no-bulk: clocks and collectives only, as the merge benchmarks at scale)")
+@click.option("--nccl", is_flag=True, help="an NCCL-only job with device-side times, as NCCL's profiler plugin records it")
 def main(
     nodes: int, out: str, duration_s: float, period_ms: float, ranks_per_node: int, gpus_per_node: int,
     seed: int, job_id: str, stragglers: tuple[str, ...], same_host: bool, hang_at_seq: int | None,
-    missing: tuple[int, ...], cutoff: tuple[str, ...], idle: tuple[str, ...], bulk: bool,
+    missing: tuple[int, ...], cutoff: tuple[str, ...], idle: tuple[str, ...], bulk: bool, nccl: bool,
 ) -> None:
     """Write synthetic node files (synthetic=True) and ground_truth.json into OUT."""
     cfg = SynthConfig(
@@ -613,7 +677,7 @@ def main(
         stragglers=[parse_straggler(s) for s in stragglers], same_host=same_host, hang_at_seq=hang_at_seq,
         missing_nodes=list(missing),
         cutoff_nodes={int(c.split(":")[0]): float(c.split(":")[1]) for c in cutoff},
-        idle_gpus=[(int(x.split(":")[0]), int(x.split(":")[1])) for x in idle], write_bulk=bulk,
+        idle_gpus=[(int(x.split(":")[0]), int(x.split(":")[1])) for x in idle], write_bulk=bulk, nccl=nccl,
     )
     try:
         generate(cfg, out)

@@ -78,13 +78,22 @@ def cut_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.mark.parametrize("which", ["straggler", "sub_communicators", "cut_node"])
-def test_distributed_analysis_is_the_same_on_1_2_3_ranks(which: str, job: Path, cut_job: Path,
+@pytest.fixture(scope="module")
+def nccl_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An NCCL-only job on device times whose node001 enqueues on time and starts its kernels late."""
+    d = tmp_path_factory.mktemp("mpi_nccl") / "nccl.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=10, ranks_per_node=2, seed=9, nccl=True,
+                                 stragglers=[syn.Straggler(1, "gpu", 2.0, 8.0)]), d)
+    return d
+
+
+@pytest.mark.parametrize("which", ["straggler", "sub_communicators", "cut_node", "nccl_device_times"])
+def test_distributed_analysis_is_the_same_on_1_2_3_ranks(which: str, job: Path, cut_job: Path, nccl_job: Path,
                                                          tmp_path: Path) -> None:
     """Findings, blame, metrics, wait states and every table of the job file, bit for bit, with the
     blocks, the sweep's ranges and the score windows dealt over 1, 2 and 3 ranks. The real demo
     recording has 2-rank sub-communicators beside the world and one slow rank (node3)."""
-    src = {"straggler": job, "cut_node": cut_job}.get(which)
+    src = {"straggler": job, "cut_node": cut_job, "nccl_device_times": nccl_job}.get(which)
     if src is None:
         src = tmp_path / "demo.gpuprof.d"
         shutil.copytree(RECORDINGS / "demo-4nodes", src)
@@ -100,6 +109,10 @@ def test_distributed_analysis_is_the_same_on_1_2_3_ranks(which: str, job: Path, 
     assert summary["tests"] > 0 and summary["wait_ns_by_split"]["own compute"] > 0
     if which == "straggler":
         assert [s["node"] for s in rep["stragglers"]] == ["node001"]
+    elif which == "nccl_device_times":
+        assert [(f["node"], f["cause"]) for f in rep["stragglers"]] == [("node001", "gpu")]
+        assert rep["stragglers"][0]["metrics"]["device_timed_instances"] > 0
+        assert rep["clock"]["instances_used"] > 0 and rep["clock"]["causality_violations"] == 0
     elif which == "sub_communicators":
         assert len(rep["communicators"]) > 1
         assert [(f["node"], f["ranks"]) for f in rep["stragglers"]] == [("node3", [2])]

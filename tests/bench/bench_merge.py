@@ -93,6 +93,37 @@ def bench_clock(tmp: Path, quick: bool) -> None:
           "synthetic": True})
 
 
+def bench_nccl_clock(tmp: Path, quick: bool) -> None:
+    """NCCL-only jobs aligned on their kernels' device-side times (the profiler plugin's records, with
+    a 1 us error mapping the GPU timer to the host clock), against the same job as blocking MPI
+    calls (the host times of the same instants) in the same run, and the cause of a GPU and a host
+    straggler from the enqueue against the kernel start."""
+    dur = 120.0 if quick else 600.0
+    base = {"nodes": 16, "duration_s": dur, "period_ms": 10.0, "offset_ms": 10.0, "drift_ppm": 20.0, "ntp_rate_ppm": 2.0,
+            "ntp_interval_s": 200.0, "exit_jitter_us": 5.0, "write_bulk": False, "seed": 2025}
+    d = tmp / "nccl_clock"
+    r = {}
+    for nccl in (True, False):
+        syn.generate(syn.SynthConfig(**base, nccl=nccl), d)  # type: ignore[arg-type]
+        r[nccl] = clock_rms(d, ["minimal", "bounds", "none"])
+        shutil.rmtree(d)
+    causes_ok, cases = 0, 0
+    for i, cause in enumerate(("gpu", "host") * (1 if quick else 3)):
+        syn.generate(syn.SynthConfig(nodes=8, duration_s=45, seed=300 + i, nccl=True,
+                                     stragglers=[syn.Straggler(2 + i % 5, cause, 10.0, 30.0, 0.3)]), d)
+        a = analyze([summarize_node(p) for p in discover(d)])
+        shutil.rmtree(d)
+        cases += 1
+        causes_ok += int([(f.node, f.cause) for f in a.findings] == [(syn.node_name(2 + i % 5, 8), cause)])
+    mn = r[True]["minimal"]
+    emit({"bench": "nccl_alignment", "rms_error_us": mn["rms_us"], "interval_coverage": mn["coverage"],
+          "interval_half_width_us": mn["half_width_us"], "causality_violations": int(mn["violations"]),
+          "mpi_host_times_same_job_us": r[False]["minimal"]["rms_us"],
+          "exit_sync_bounds_us": r[True]["bounds"]["rms_us"], "no_correction_us": r[True]["none"]["rms_us"],
+          "straggler_named_with_cause": f"{causes_ok}/{cases}", "nodes": 16, "duration_s": dur,
+          "device_map_error_us": 1.0, "synthetic": True})
+
+
 # --- straggler detection --------------------------------------------------------------------------
 def bench_stragglers(tmp: Path, quick: bool) -> None:
     per = 3 if quick else 8
@@ -219,7 +250,7 @@ def bench_throughput(tmp: Path, quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["clock", "stragglers", "throughput"])
+    ap.add_argument("--only", choices=["clock", "nccl", "stragglers", "throughput"])
     ap.add_argument("--driver", nargs=2, metavar=("SRC", "STEM"))
     a = ap.parse_args()
     if a.driver:
@@ -229,6 +260,8 @@ def main() -> None:
         tmp = Path(t)
         if a.only in (None, "clock"):
             bench_clock(tmp, a.quick)
+        if a.only in (None, "nccl"):
+            bench_nccl_clock(tmp, a.quick)
         if a.only in (None, "stragglers"):
             bench_stragglers(tmp, a.quick)
         if a.only in (None, "throughput"):

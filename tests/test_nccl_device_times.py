@@ -1,0 +1,117 @@
+"""NCCL on device times in the merge (docs/merge.md, "NCCL on device times"): the profiler plugin's
+rows take their kernels' device-side start and end, join the clock fit, and the host's enqueue
+decides between a late host and a busy GPU. Inputs: the SYNTHETIC generator's NCCL-only jobs
+(gpuprof.mpi_merge.synthetic, nccl=True) and hand-made tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpuprof.collector import schema
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.analysis import analyze
+from gpuprof.mpi_merge.loading import ClockMap, call_rows, discover, summarize_node
+from gpuprof.mpi_merge.matching import build_comms, node_instances
+
+PLUGIN = schema.COLLECTIVE_CALLS.enums["path"].index("nccl_profiler")
+FASTPATH = schema.COLLECTIVE_CALLS.enums["path"].index("fastpath")
+
+
+def identity_clock() -> ClockMap:
+    return ClockMap(np.array([0, 10**12], np.int64), np.zeros(2, np.int64), "pairs")  # realtime = monotonic
+
+
+def plugin_calls(n: int, path: int = PLUGIN) -> np.ndarray:
+    c = schema.COLLECTIVE_CALLS.empty(n)
+    c["t_enter_ns"] = 1000 + 100 * np.arange(n)
+    c["t_exit_ns"] = c["t_enter_ns"] + 8
+    c["pid"], c["comm_id"], c["seq"] = 7, 0xABC, np.arange(n)
+    c["op"] = schema.COLLECTIVE_OPS.index("ncclAllReduce")
+    c["library"], c["path"] = 1, path
+    c["comm_rank"], c["comm_size"] = 0, 2
+    return c
+
+
+def device_rows(calls: np.ndarray, start_offset: int = 30, length: int = 20) -> np.ndarray:
+    d = schema.DEVICE_TIMES.empty(len(calls))
+    for f in ("pid", "comm_id", "seq"):
+        d[f] = calls[f]
+    d["t_dev_start_ns"] = calls["t_enter_ns"] + start_offset
+    d["t_dev_end_ns"] = d["t_dev_start_ns"] + length
+    return d
+
+
+def test_plugin_rows_take_their_kernel_times_and_keep_the_enqueue() -> None:
+    calls = plugin_calls(4)
+    dev = device_rows(calls)[::-1]  # the join does not depend on the table's order
+    rows = call_rows(calls, identity_clock(), dev)
+    assert rows["device_timed"].all()
+    assert (rows["enter_rt"] == calls["t_enter_ns"].astype(np.int64) + 30).all()
+    assert (rows["exit_rt"] == calls["t_enter_ns"].astype(np.int64) + 50).all()
+    assert (rows["host_enter_rt"] == calls["t_enter_ns"].astype(np.int64)).all()
+
+
+def test_unknown_or_unmatched_device_times_leave_the_host_times() -> None:
+    calls = plugin_calls(4)
+    dev = device_rows(calls)
+    dev["t_dev_start_ns"][1] = 0  # the plugin did not get this kernel's start
+    dev = dev[[0, 1, 3]]  # and no row at all for seq 2
+    other = plugin_calls(2, path=FASTPATH)  # the interposer's rows never take device times
+    other["comm_id"] = 0xDEF  # its own communicator, with device rows of its own
+    rows = call_rows(np.concatenate([calls, other]), identity_clock(), np.concatenate([dev, device_rows(other)]))
+    assert rows["device_timed"].tolist() == [True, False, False, True, False, False]
+    host = np.concatenate([calls, other])["t_enter_ns"].astype(np.int64)
+    assert (rows["enter_rt"][~rows["device_timed"]] == host[~rows["device_timed"]]).all()
+
+
+def nccl_job(tmp: Path, **kw: object) -> list:
+    syn.generate(syn.SynthConfig(**{"nodes": 6, "duration_s": 30, "write_bulk": False, "seed": 3, "nccl": True,
+                                    **kw}), tmp)  # type: ignore[arg-type]
+    return [summarize_node(p) for p in discover(tmp)]
+
+
+def test_an_nccl_only_job_is_aligned_from_device_times(tmp_path: Path) -> None:
+    S = nccl_job(tmp_path / "j")
+    assert all(s.calls["device_timed"].all() for s in S)
+    epoch = min(s.span_rt[0] for s in S)
+    inst = node_instances(build_comms([s.calls for s in S], epoch), len(S))
+    # 3000 instances (30 s, one every 10 ms); all but the Broadcasts (every 10th, where not a
+    # barrier: every 50th) are N-to-N on the device and rows of the fit; 1-to-N gives no such bound
+    assert len(inst.comm_id) == 3000 - (300 - 60)
+    a = analyze(S)
+    assert a.clock.instances_used > 0 and a.clock.causality_violations == 0
+    truth = json.loads((tmp_path / "j" / "ground_truth.json").read_text())
+    for m in a.clock.models:
+        if not m.is_reference:
+            x = np.linspace(5e9, 25e9, 9)
+            tru = syn.true_relative_offset_ns(truth, m.node, (x + epoch - syn.EPOCH_NS) / 1e9)
+            assert np.abs(m.offset_ns(x) - tru).max() < 200e3, m.node  # 10 ms offsets, drift, to < 0.2 ms
+
+
+def test_nccl_on_host_times_alone_is_not_aligned(tmp_path: Path) -> None:
+    """Without device times (the interposer or uprobes) NCCL calls return at enqueue: no bound holds,
+    so they stay out of the fit and the nodes are said to be not aligned."""
+    S = nccl_job(tmp_path / "j")
+    for s in S:
+        s.calls["enter_rt"] = s.calls["host_enter_rt"]
+        s.calls["device_timed"] = False
+    a = analyze(S)
+    assert a.clock.instances_used == 0
+    assert not any(m.aligned for m in a.clock.models if not m.is_reference)
+
+
+@pytest.mark.parametrize("cause", ["gpu", "host"])
+def test_the_enqueue_tells_a_late_host_from_a_busy_gpu(cause: str, tmp_path: Path) -> None:
+    S = nccl_job(tmp_path / cause, nodes=8, duration_s=45, stragglers=[syn.Straggler(3, cause, 10.0, 30.0, 0.3)],
+                 write_bulk=True)
+    a = analyze(S)
+    assert [(f.node, f.cause) for f in a.findings] == [(syn.node_name(3, 8), cause)]
+    f = a.findings[0]
+    assert f.metrics["kernel_start_late_ns"] > 0.5e6
+    late_enqueue = f.metrics["enqueue_late_ns"] >= 0.5 * f.metrics["kernel_start_late_ns"]
+    assert late_enqueue == (cause == "host")
+    assert any(e.startswith("NCCL device times") for e in f.evidence)
