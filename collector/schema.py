@@ -346,6 +346,36 @@ COMMUNICATORS = Table(
     enums={"library": ("mpi", "nccl"), "op": COMMUNICATOR_OPS},
 )
 
+# --- NVTX ranges (NVTX's injection interface; docs/probes.md) -------------------------------------
+NVTX_RANGES = Table(
+    "nvtx",
+    "ranges",
+    "NVTX ranges of job threads (push/pop and start/end), received through NVTX's injection interface",
+    (
+        C("t_start_ns", "<u8", "ns", "CLOCK_MONOTONIC at the push or start"),
+        C("t_end_ns", "<u8", "ns", "CLOCK_MONOTONIC at the pop or end, 0 = still open when recorded"),
+        C("pid", "<u4", "", "process id"),
+        C("tid", "<u4", "", "thread id (of the push; of the start for start/end ranges)"),
+        C("domain_id", "<u4", "", "string id in /nvtx/strings of the domain's name, 0 = the default domain"),
+        C("name_id", "<u4", "", "string id in /nvtx/strings of the range's message"),
+        C("category", "<u4", "", "NVTX category, 0 = none"),
+        C("kind", "u1", "", "push/pop (nested per thread) or start/end (any thread, may overlap)"),
+        C("depth", "<u2", "", "nesting level of a push/pop range on its thread, 0 = outermost"),
+    ),
+    enums={"kind": ("push_pop", "start_end")},
+)
+NVTX_STRINGS = Table(
+    "nvtx",
+    "strings",
+    "the texts of /nvtx/ranges' domains and messages",
+    (
+        C("pid", "<u4", "", "process id (string ids are per process)"),
+        C("string_id", "<u4", "", "as in /nvtx/ranges"),
+        C("text", "S128", "", "utf-8, cut at 127 bytes (then ending in '...')"),
+    ),
+)
+
+
 # --- CPU stacks, off-CPU time, CUDA launches (eBPF; docs/probes.md) ------------------------------
 _STACK_COLS = (
     C("user_stack", "<u4", "", "stack id in /stacks/frames (0 = none, 4294967295 = not captured)"),
@@ -459,6 +489,8 @@ ALL_TABLES: tuple[Table, ...] = (
     COLLECTIVE_CALLS,
     COMMUNICATORS,
     DEVICE_TIMES,
+    NVTX_RANGES,
+    NVTX_STRINGS,
 ) + BPF_TABLES
 
 TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
@@ -467,7 +499,8 @@ TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
 ALWAYS = (CLOCK_PAIRS, DIAG_ERRORS, DIAG_MISSING, DIAG_DROPS, PROCESS_EVENTS)
 MODE_TABLES: dict[str, tuple[Table, ...]] = {
     "metrics": (HOST_NODE, HOST_PROCS, GPU_DEVICES, GPU_SAMPLES, GPU_GPM, GPU_PROCESSES, GPU_EVENTS),
-    "collectives": (COLLECTIVE_CALLS, COMMUNICATORS, DEVICE_TIMES),
+    # NVTX ranges cross the fast path's rings with the collectives
+    "collectives": (COLLECTIVE_CALLS, COMMUNICATORS, DEVICE_TIMES, NVTX_RANGES, NVTX_STRINGS),
     "stacks": (STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS),
     "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS),
 }

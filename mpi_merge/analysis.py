@@ -539,7 +539,8 @@ class JobAnalyzer:
         clock_err = [float(getattr(models.get(n), "uncertainty_ns", float("nan"))) for n in names]
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
                                              clock_error_ns=clock_err, p2p=late,
-                                             node_on_cpu=[s.on_cpu for s in sel.nodes], pool=pool)
+                                             node_on_cpu=[s.on_cpu for s in sel.nodes], pool=pool,
+                                             node_phases=[s.phases for s in sel.nodes])
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
@@ -674,6 +675,10 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0,
                 **_clock_interval(m, a.epoch_rt),
             },
             "gpus": s.gpus,
+            # per process with NVTX ranges: seconds in each range (exclusive of nested ranges), the
+            # longest PHASE_TOP names
+            "nvtx_phases_s": {str(pid): {k: round(v, 6) for k, v in ph.totals_s().items()}
+                              for pid, ph in sorted(s.phases.items())},
         })
     idle = []
     for s in a.nodes:

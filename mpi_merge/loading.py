@@ -120,6 +120,65 @@ ON_CPU_TOP = 8
 
 
 @dataclass
+class PhaseBins:
+    """NVTX ranges of one process, binned like the node's series: per (bin, range name) the time its
+    threads spent in that range exclusively (a push/pop range less the ranges nested in it, so a
+    `step` around `forward` and `backward` holds only what is in neither); start/end ranges (which
+    may overlap anything) count whole. A range over several bins is shared among them by overlap.
+    At most PHASE_TOP names per process, the longest; the rest under "(other ranges)"."""
+
+    t_rt: np.ndarray  # int64 bin starts, realtime ns
+    bin_ns: int
+    bin: np.ndarray  # [k] bin of each entry
+    label: np.ndarray  # [k] index into labels
+    ns: np.ndarray  # [k] time in the range
+    labels: list[str]
+    open_ranges: int = 0  # ranges never closed (left out)
+
+    def rates(self, a: np.ndarray, b: np.ndarray, epoch_rt: int) -> dict[str, float]:
+        """ns per second of each range name over the bins overlapping any range [a, b) (aligned ns)."""
+        sel = bins_overlapping(self.t_rt, self.bin_ns, a, b, epoch_rt)
+        n_bins = int(sel.sum())
+        if not n_bins:
+            return {}
+        keep = sel[self.bin]
+        per = np.bincount(self.label[keep], weights=self.ns[keep], minlength=len(self.labels))
+        return {self.labels[i]: float(per[i]) / (n_bins * self.bin_ns / 1e9) for i in np.flatnonzero(per)}
+
+    def totals_s(self) -> dict[str, float]:
+        per = np.bincount(self.label, weights=self.ns, minlength=len(self.labels))
+        return {self.labels[i]: float(per[i]) / 1e9 for i in np.flatnonzero(per)}
+
+
+PHASE_TOP = 12
+
+
+def exclusive_ns(r: np.ndarray) -> np.ndarray:
+    """Per NVTX range row: its duration less its direct children's (push/pop ranges one level
+    deeper on the same thread that start inside it); start/end ranges keep their duration."""
+    dur = (r["t_end_ns"].astype(np.int64) - r["t_start_ns"].astype(np.int64)).clip(0)
+    ex = dur.astype(np.float64)
+    pp = np.flatnonzero(r["kind"] == schema.NVTX_RANGES.enums["kind"].index("push_pop"))
+    if not len(pp):
+        return ex
+    key = (r["pid"][pp].astype(np.int64) << 32) | r["tid"][pp].astype(np.int64)
+    for k in np.unique(key):
+        rows = pp[key == k]
+        depth = r["depth"][rows].astype(np.int64)
+        for d in np.unique(depth[depth > 0]):
+            parents = rows[depth == d - 1]
+            kids = rows[depth == d]
+            if not len(parents):
+                continue
+            order = np.argsort(r["t_start_ns"][parents], kind="stable")
+            parents = parents[order]
+            at = np.searchsorted(r["t_start_ns"][parents], r["t_start_ns"][kids], side="right") - 1
+            ok = at >= 0
+            np.subtract.at(ex, parents[at[ok]], dur[kids[ok]].astype(np.float64))
+    return ex.clip(0)
+
+
+@dataclass
 class NodeSummary:
     file: str
     file_bytes: int
@@ -149,6 +208,8 @@ class NodeSummary:
     # evidence quotes the functions of the straggler's intervals against its peers')
     on_cpu: dict[int, OnCpuBins] = field(default_factory=dict)
     on_cpu_note: str = ""  # why there are none (no stacks mode, file not sealed: no frames)
+    # per process with NVTX ranges: its time per range name, per bin of the series (phases)
+    phases: dict[int, PhaseBins] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS
     errors_total: int = 0
@@ -195,7 +256,8 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     # binned here on the rank that reads the node); kernel launches can be large and go to the job
     # file through the node tables' copy, not through here.
     wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES if t.group == "offcpu") + (
-        schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path)
+        schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path, schema.NVTX_RANGES.path,
+        schema.NVTX_STRINGS.path)
     try:
         trace = open_node_trace(p, tables=wanted)
     except TraceFormatError as e:
@@ -416,6 +478,56 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
                 s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
     _rank_thread_offcpu(trace, s, cm, tb, bin_ns, nb)
     _on_cpu(trace, s, cm, tb, bin_ns, nb)
+    _nvtx_phases(trace, s, cm, tb, bin_ns, nb)
+
+
+def _nvtx_phases(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
+    """PhaseBins of every process with NVTX ranges on this node."""
+    ranges = trace.tables.get(schema.NVTX_RANGES.path)
+    if ranges is None or not len(ranges):
+        return
+    strings = trace.tables.get(schema.NVTX_STRINGS.path)
+    text = {} if strings is None else {(int(p), int(i)): t.decode(errors="replace")
+                                        for p, i, t in zip(strings["pid"], strings["string_id"], strings["text"])}
+    closed = ranges["t_end_ns"] != 0
+    ex = exclusive_ns(ranges)
+    for pid in np.unique(ranges["pid"]):
+        mine = ranges["pid"] == pid
+        r, e = ranges[mine & closed], ex[mine & closed]
+        if not len(r):
+            continue
+        names = [text.get((int(pid), int(i)), f"[range {int(i)}]") for i in r["name_id"]]
+        labels, label = np.unique(np.array(names, dtype=object), return_inverse=True)
+        label = label.ravel().astype(np.int64)
+        tot = np.bincount(label, weights=e, minlength=len(labels))
+        top = np.argsort(-tot, kind="stable")[:PHASE_TOP]
+        remap = np.full(len(labels), len(top), np.int64)
+        remap[top] = np.arange(len(top))
+        label = remap[label]
+        names_out = [str(labels[i]) for i in top] + ["(other ranges)"]
+        # each range's exclusive time shared among the bins it overlaps
+        t0 = (cm.to_realtime(r["t_start_ns"]) - tb[0]).astype(np.float64)
+        t1 = (cm.to_realtime(r["t_end_ns"]) - tb[0]).astype(np.float64)
+        b0 = np.floor(t0 / bin_ns).astype(np.int64)
+        b1 = np.floor(np.maximum(t1 - 1, t0) / bin_ns).astype(np.int64)
+        span = np.maximum(t1 - t0, 1.0)
+        cells_b, cells_l, cells_ns = [b0], [label], [e * (np.minimum(t1, (b0 + 1) * bin_ns) - t0).clip(0) / span]
+        for k in range(1, int((b1 - b0).max()) + 1 if len(b0) else 0):
+            more = b1 - b0 >= k
+            bk = b0[more] + k
+            lo = np.maximum(t0[more], bk * bin_ns)
+            hi = np.minimum(t1[more], (bk + 1) * bin_ns)
+            cells_b.append(bk)
+            cells_l.append(label[more])
+            cells_ns.append(e[more] * (hi - lo).clip(0) / span[more])
+        bb, ll, ns = np.concatenate(cells_b), np.concatenate(cells_l), np.concatenate(cells_ns)
+        ok = (bb >= 0) & (bb < nb)
+        cell = bb[ok] * (len(names_out)) + ll[ok]
+        u = np.unique(cell)
+        tot_c = np.bincount(np.searchsorted(u, cell), weights=ns[ok], minlength=len(u))
+        s.phases[int(pid)] = PhaseBins(tb, bin_ns, (u // len(names_out)).astype(np.int64),
+                                       (u % len(names_out)).astype(np.int64), tot_c, names_out,
+                                       open_ranges=int((mine & ~closed).sum()))
 
 
 def _on_cpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:

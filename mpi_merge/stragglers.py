@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.mpi_merge.common import Pool, SerialPool, block_rows, quiet_nan
-from gpuprof.mpi_merge.loading import OnCpuBins, Series, bins_overlapping
+from gpuprof.mpi_merge.loading import OnCpuBins, PhaseBins, Series, bins_overlapping
 from gpuprof.mpi_merge.rootcause import (
     AlignedRows,
     Blame,
@@ -148,6 +148,8 @@ class Finding:
     # global instance ids (Blame order) of its late arrivals in the flagged windows: where the
     # device-time evidence of NCCL is read (not reported)
     evidence_gids: np.ndarray | None = field(default=None, repr=False)
+    # the NVTX range (phase) its processes spent the most extra time in, against the other ranks ('' = none)
+    phase: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -348,11 +350,13 @@ def find_stragglers(
     epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
     clock_error_ns: np.ndarray | Sequence[float] | None = None, p2p: P2PLateness | None = None,
     node_on_cpu: Sequence[dict[int, OnCpuBins]] | None = None, pool: Pool | None = None,
+    node_phases: Sequence[dict[int, PhaseBins]] | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (root causes) and the per-communicator metrics. `clock_error_ns`: per node (index of
     node_names), the clock model's error; NaN or missing counts as 0. `p2p`: the matched messages'
     Late Sender waits, judged per sending node like one more communicator. `node_on_cpu`: per node,
-    where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence. `pool`: the merge
+    where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence; `node_phases`: per
+    node, each process's time in its NVTX ranges (loading.PhaseBins), the phase named. `pool`: the merge
     ranks the reads of the aligned times are dealt over (the delay analysis's ranges, the window
     scores); by default this process reads `times`."""
     if params.algorithm not in ALGORITHMS:
@@ -465,6 +469,9 @@ def find_stragglers(
     if node_on_cpu is not None:
         for f, (_, tests) in zip(findings, sorted(by_node.items())):
             _on_cpu_evidence(f, tests, comms, stats, node_on_cpu, epoch_rt)
+    if node_phases is not None:
+        for f, (_, tests) in zip(findings, sorted(by_node.items())):
+            _phase_evidence(f, tests, comms, stats, node_phases, epoch_rt)
     for f in findings:
         _device_time_evidence(f, blame, times, params)
     for f in findings:
@@ -925,6 +932,51 @@ def _on_cpu_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], s
     f.evidence.append(f"on CPU in the flagged windows ({n_me} samples, innermost frame): {fmt(top_me)}"
                       + (f"; the other ranks ({n_peer} samples): {fmt(top_peer)}" if n_peer else ""))
     f.metrics["cpu_samples"] = float(n_me)
+
+
+PHASE_MIN_NS_PER_S = 10e6  # an excess in an NVTX range below this (1 % of the time) names no phase
+
+
+def _phase_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats],
+                    node_phases: Sequence[dict[int, PhaseBins]], epoch_rt: int) -> None:
+    """The NVTX ranges (the phases users mark: forward, backward, optimizer...) of the straggler's
+    processes in the flagged windows against the other ranks' (median over ranks, per second): the
+    one with the largest excess is the phase where its extra time went."""
+    main = min(tests, key=lambda t: (-comms[t.ci].size, t.p, t.ci, t.w, t.r))
+    c, st = comms[main.ci], stats[main.ci]
+    windows = flagged_windows(tests, main)
+    a = np.array([st.span_lo[w] for w in windows])
+    b = np.array([st.span_hi[w] for w in windows])
+
+    def rates(r: int) -> dict[str, float] | None:
+        ni, pid = int(c.node_of_rank[r]), int(c.pid_of_rank[r])
+        ph = node_phases[ni].get(pid) if 0 <= ni < len(node_phases) else None
+        return None if ph is None else ph.rates(a, b, epoch_rt)
+
+    mine = [x for x in (rates(r) for r in f.ranks) if x is not None]
+    peers = [x for x in (rates(r) for r in range(c.size) if r not in set(f.ranks)) if x is not None]
+    if not mine or not peers:
+        return
+    names = sorted({k for d in mine + peers for k in d} - {"(other ranges)"})
+    excess = []
+    for name in names:
+        me = float(np.mean([d.get(name, 0.0) for d in mine]))
+        peer = float(np.median([d.get(name, 0.0) for d in peers]))
+        excess.append((me - peer, name, me, peer))
+    if not excess:
+        return
+    excess.sort(key=lambda e: (-e[0], e[1]))
+    ms = 1e6
+    top = ", ".join(f"{name} {me / ms:.0f} ms/s vs {peer / ms:.0f}" for _, name, me, peer in excess[:3])
+    d, name, me, peer = excess[0]
+    if d >= PHASE_MIN_NS_PER_S:
+        f.phase = name
+        f.metrics.update({"phase_ns_per_s": me, "phase_ns_per_s_peers": peer})
+        f.evidence.append(f"NVTX phases in the flagged windows: the extra time went into {name!r} ({me / ms:.0f} ms/s "
+                          f"vs the other ranks' median {peer / ms:.0f} ms/s); by range: {top}")
+    else:
+        f.evidence.append(f"NVTX phases in the flagged windows: no range took its processes >= "
+                          f"{PHASE_MIN_NS_PER_S / ms:.0f} ms/s more than the other ranks ({top})")
 
 
 def flagged_windows(tests: list[_Test], main: _Test) -> list[int]:

@@ -114,6 +114,9 @@ class SynthConfig:
     # compute interval, except a "host" straggler's in its episode, which enqueues just in time.
     nccl: bool = False
     device_map_error_us: float = 1.0
+    # NVTX ranges on every rank's compute interval: "step" around "forward" (40 % of the nominal
+    # interval), "backward" (what is left: a slow rank's extra time) and "optimizer" (10 %)
+    nvtx: bool = False
 
 
 def node_name(i: int, nodes: int = 0) -> str:
@@ -412,10 +415,15 @@ def write_node(
         c["path"] = 1
         c["handle"] = 0x84000000 + comm
         if cfg.nccl:
-            dev.append(_as_nccl(cfg, c, enter, exit_, returned, clock, i, r, prev_exit_of(lr, ks)))
+            dev.append(_as_nccl(cfg, c, enter, exit_, returned, clock, i, int(r), prev_exit_of(lr, ks)))
         rows.append(c)
     calls = np.concatenate(rows) if rows else schema.COLLECTIVE_CALLS.empty()
     w.append(schema.COLLECTIVE_CALLS.path, np.sort(calls, order="t_enter_ns"))
+    if cfg.nvtx:
+        nv = [_nvtx_ranges(cfg, 10_000 + lr, node_enter[:, lr], prev_exit_of(lr, np.arange(K)), clock)
+              for lr in range(len(ranks))]
+        w.append(schema.NVTX_RANGES.path, np.sort(np.concatenate([r for r, _ in nv]), order="t_start_ns"))
+        w.append(schema.NVTX_STRINGS.path, np.concatenate([t for _, t in nv]))
     if cfg.nccl:
         w.append(schema.DEVICE_TIMES.path, np.concatenate(dev) if dev else schema.DEVICE_TIMES.empty())
     comms = schema.COMMUNICATORS.empty(len(ranks))
@@ -441,6 +449,35 @@ def write_node(
             f.attrs["end_monotonic_ns"] = np.uint64(clock.to_monotonic_ns(np.array([end_s]))[0])
             f.attrs["end_realtime_ns"] = np.int64(_realtime_of(clock, end_s))
     return path
+
+
+NVTX_PHASES = ("step", "forward", "backward", "optimizer")
+
+
+def _nvtx_ranges(cfg: SynthConfig, pid: int, enter: np.ndarray, prev_exit: np.ndarray,
+                 clock: NodeClock) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's NVTX ranges and strings: per compute interval a "step" with its three phases."""
+    nominal = cfg.period_ms * 1e-3
+    k = len(enter)
+    fwd0 = prev_exit
+    bwd0 = fwd0 + 0.4 * nominal
+    opt0 = np.maximum(enter - 0.1 * nominal, bwd0)
+    bounds = [(prev_exit, enter, 1, 0), (fwd0, bwd0, 2, 1), (bwd0, opt0, 3, 1), (opt0, enter, 4, 1)]
+    r = schema.NVTX_RANGES.empty(4 * k)
+    for j, (a, b, name, depth) in enumerate(bounds):
+        sl = slice(j * k, (j + 1) * k)
+        r["t_start_ns"][sl] = clock.to_monotonic_ns(a)
+        r["t_end_ns"][sl] = clock.to_monotonic_ns(np.maximum(a, b))
+        r["name_id"][sl] = name
+        r["depth"][sl] = depth
+    r["pid"] = pid
+    r["tid"] = pid
+    r["kind"] = schema.NVTX_RANGES.enums["kind"].index("push_pop")
+    t = schema.NVTX_STRINGS.empty(len(NVTX_PHASES))
+    t["pid"] = pid
+    t["string_id"] = np.arange(1, len(NVTX_PHASES) + 1)
+    t["text"] = [n.encode() for n in NVTX_PHASES]
+    return r, t
 
 
 NCCL_OP_OF = {OP_ALLREDUCE: schema.COLLECTIVE_OPS.index("ncclAllReduce"),

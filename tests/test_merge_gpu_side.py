@@ -1,7 +1,8 @@
-"""NCCL on device times in the merge (docs/merge.md, "NCCL on device times"): the profiler plugin's
-rows take their kernels' device-side start and end, join the clock fit, and the host's enqueue
-decides between a late host and a busy GPU. Inputs: the SYNTHETIC generator's NCCL-only jobs
-(gpuprof.mpi_merge.synthetic, nccl=True) and hand-made tables."""
+"""The GPU side in the merge. NCCL on device times (docs/merge.md, "NCCL on device times"): the
+profiler plugin's rows take their kernels' device-side start and end, join the clock fit, and the
+host's enqueue decides between a late host and a busy GPU. NVTX phases: time per range and rank,
+and the phase a straggler's extra time went into. Inputs: the SYNTHETIC generator's jobs
+(gpuprof.mpi_merge.synthetic, nccl=True, nvtx=True) and hand-made tables."""
 
 from __future__ import annotations
 
@@ -115,3 +116,33 @@ def test_the_enqueue_tells_a_late_host_from_a_busy_gpu(cause: str, tmp_path: Pat
     late_enqueue = f.metrics["enqueue_late_ns"] >= 0.5 * f.metrics["kernel_start_late_ns"]
     assert late_enqueue == (cause == "host")
     assert any(e.startswith("NCCL device times") for e in f.evidence)
+
+
+def test_nvtx_phases_name_where_the_extra_time_went(tmp_path: Path) -> None:
+    """NVTX ranges (exclusive of nested ones) per rank and phase, and the straggler's phase: the
+    generator's slow rank spends its extra compute in "backward"."""
+    syn.generate(syn.SynthConfig(nodes=6, duration_s=40, seed=4, nvtx=True,
+                                 stragglers=[syn.Straggler(2, "gpu", 10.0, 30.0, 0.4)]), tmp_path / "j")
+    S = [summarize_node(p) for p in discover(tmp_path / "j")]
+    totals = S[0].phases[10_000].totals_s()
+    # 4000 steps of ~10 ms: forward 40 %, optimizer 10 %, backward the rest; "step" holds only what
+    # its nested ranges do not (nothing here)
+    assert totals["forward"] == pytest.approx(0.4 * 40, rel=0.02)
+    assert totals["optimizer"] == pytest.approx(0.1 * 40, rel=0.05)
+    assert totals["backward"] == pytest.approx(0.5 * 40, rel=0.05)
+    assert totals.get("step", 0.0) < 0.01 * 40
+    a = analyze(S)
+    assert [(f.node, f.phase) for f in a.findings] == [(syn.node_name(2, 6), "backward")]
+    assert any("NVTX phases" in e and "'backward'" in e for e in a.findings[0].evidence)
+
+
+def test_exclusive_time_of_nested_ranges() -> None:
+    from gpuprof.mpi_merge.loading import exclusive_ns
+
+    r = schema.NVTX_RANGES.empty(5)
+    # thread 1: [0, 100) holds [10, 30) and [40, 90), which holds [50, 60); thread 2: [0, 50) alone
+    r["t_start_ns"] = [0, 10, 40, 50, 0]
+    r["t_end_ns"] = [100, 30, 90, 60, 50]
+    r["depth"] = [0, 1, 1, 2, 0]
+    r["tid"] = [1, 1, 1, 1, 2]
+    assert exclusive_ns(r).tolist() == [30, 20, 40, 10, 50]
