@@ -45,6 +45,7 @@ from gpuprof.mpi_merge.clock import (
     fit_clocks,
 )
 from gpuprof.mpi_merge.common import Pool, SerialPool, Spread, row_blocks
+from gpuprof.mpi_merge.flames import stack_evidence
 from gpuprof.mpi_merge.loading import NodeSummary
 from gpuprof.mpi_merge.matching import (
     P2P_OPS,
@@ -124,6 +125,9 @@ class JobAnalysis:
     heat: np.ndarray | None = None  # [size, columns] mean wait per rank and group of instances, first communicator
     partial_reasons: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    # per finding index: per stack table ("cpu", "offcpu") the top folded stacks as (stack, late
+    # processes' mean, peers' mean) over its flagged windows (flames.stack_evidence): /analysis/flames
+    flames: dict[int, dict[str, list[tuple[str, float, float]]]] = field(default_factory=dict)
     # Full [seq x rank] tables per communicator: kept by analyze() for library callers only. The
     # merge streams them into the job file block by block and leaves these empty.
     tables: list[CommTable] = field(default_factory=list)
@@ -541,11 +545,13 @@ class JobAnalyzer:
                                              clock_error_ns=clock_err, p2p=late,
                                              node_on_cpu=[s.on_cpu for s in sel.nodes], pool=pool,
                                              node_phases=[s.phases for s in sel.nodes])
+        flames = stack_evidence(findings, comms, [s.file for s in sel.nodes], names, epoch, pool)
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
             mismatches=mism, findings=findings, straggler_metrics=smetrics,
             lanes=_lanes(comms[0], times[0]) if comms else None, heat=heat, partial_reasons=self.partial,
+            flames=flames,
         )
         lost = {n: d for n, d in lossy.items() if d}
         if lost:

@@ -245,6 +245,16 @@ def finish_job_file(job_tmp: Path, a: JobAnalysis, collectives_part: Path, *, me
                                    "metrics": json.dumps(s["metrics"])} for s in a.report["stragglers"]],
                "straggler findings with their cause and evidence")
         _table(an, "excluded", a.report["excluded"], "node files left out of the merge, and why")
+        fl = an.create_group("flames")
+        fl.attrs["doc"] = ("per finding (index in stragglers) and stack table (cpu: samples, offcpu: blocked ns), "
+                           "the folded stacks of its flagged windows: stack (root first, ';'), late (mean over "
+                           "its processes), peers (mean over the peer processes read)")
+        for fi, tables in sorted(a.flames.items()):
+            for name, rows in sorted(tables.items()):
+                arr = np.zeros(len(rows), np.dtype([("stack", h5py.string_dtype()), ("late", "<f8"), ("peers", "<f8")]))
+                for i, (stack, late, peers) in enumerate(rows):
+                    arr[i] = (stack, late, peers)
+                fl.create_dataset(f"finding_{fi}/{name}", data=arr)
         an.attrs["report_json"] = json.dumps(a.report, sort_keys=True, default=_json_default)
 
 

@@ -150,11 +150,16 @@ class Finding:
     evidence_gids: np.ndarray | None = field(default=None, repr=False)
     # the NVTX range (phase) its processes spent the most extra time in, against the other ranks ('' = none)
     phase: str = ""
+    # its flagged windows on its widest communicator, [k, 2] aligned ns (where flames.py reads stacks)
+    evidence_spans: np.ndarray | None = field(default=None, repr=False)
+    # per stack table ("cpu", "offcpu"): where its processes' extra time went (flames.summarize)
+    stacks: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("explained_by_peer")
         d.pop("evidence_gids")
+        d.pop("evidence_spans")
         d["comm_id"] = "point to point" if self.kind == "late sender" else f"{self.comm_id:#x}"
         d["propagated"] = [dict(p) for p in self.propagated]
         return d
@@ -838,6 +843,7 @@ def _finding(tests: list[_Test], comms: list[CommSummary], blame: Blame, stats: 
         held_ns=float(sum(t.held_ns for t in on_main)), held_share=most.held_share,
         next_held_share=most.held_share * (most.next_held_ns / most.held_ns) if most.held_ns > 0 else 0.0,
         propagated=propagated, evidence_gids=g_ev,
+        evidence_spans=np.array([[st.span_lo[w], st.span_hi[w]] for w in flagged], np.float64).reshape(-1, 2),
     )
     _evidence(f, tests, main, comms, blame, st, g_ev, ni, node_names, node_series, float(st.clock_floor[main.r]),
               epoch_rt, p)

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from gpuprof.mpi_merge.merge import EXIT_COMPLETE, merge
@@ -110,6 +111,15 @@ def test_exit_delay_behind_a_stopped_peer_is_not_the_network(tmp_path: Path) -> 
     assert any("stopped" in e or "not runnable" in e for e in report["stragglers"][0]["evidence"])
     explained = [i for i in report["straggler_summary"]["imbalance_without_straggler"] if i.get("node") == "node4"]
     assert explained and "rank 2 (node3) was not running" in explained[0]["why"]
+    # the stacks behind it: its process was blocked (stopped) where the peers were not, and the
+    # differential flame graph of the flagged windows is in the job file
+    st = report["stragglers"][0]["stacks"]
+    assert st["offcpu"]["late_processes"] == 1 and st["offcpu"]["peer_processes"] == 3
+    assert st["offcpu"]["late_per_s"] > 1e8 > st["offcpu"]["peers_per_s"]  # ns/s: stopped ~30 % of the time
+    assert st["offcpu"]["share_of_extra"] > 0.9 and st["offcpu"]["path"]
+    with h5py.File(res.job_file, "r") as f:
+        rows = f["analysis/flames/finding_0/offcpu"][()]
+        assert len(rows) and rows["late"].sum() > 10 * rows["peers"].sum()
 
 
 def test_wall_clock_stepped_on_one_node_mid_job(tmp_path: Path) -> None:

@@ -1,0 +1,228 @@
+"""The stacks behind a finding: where a straggler's processes spent their extra time, from CPU
+samples and off-CPU intervals of its flagged windows against its peers' (docs/merge.md, "Stacks
+behind a finding").
+
+Per finding, the node files of its node and of up to PEER_NODES other nodes of its communicator
+are read (their stack tables only, the flagged windows only), each read an item dealt over the merge
+ranks (common.Task), so no rank holds more than one node's stack tables at a time. Per table
+(`stacks/samples` weighted by samples, `offcpu/intervals` by blocked ns) the folded stacks are
+averaged per process: the late processes' mean against the peers' mean, in the same windows. The
+differential is walked from the root, always into the child with the largest excess, while that
+child holds at least half of the whole excess: the path it stops at is where the extra time went
+("71 % of the extra samples in train_step -> load_batch -> read"). Takes paths; no MPI.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+
+from gpuprof.collector import schema
+from gpuprof.collector.symbolize import stack_names
+from gpuprof.mpi_merge.clock import NodeClockModel
+from gpuprof.mpi_merge.loading import ClockMap
+
+PEER_NODES = 8  # peer nodes read per finding (evenly spread over the communicator's other nodes)
+FLAME_TOP = 2000  # folded stacks kept per finding and table, the largest by late + peer weight
+PATH_SHOWN = 4  # frames of the path named in the evidence (the innermost)
+WINDOW_NS = 1_000_000_000  # a row of either table counts a window this long from its t_ns (docs/probes.md)
+TABLES = (("cpu", schema.STACK_SAMPLES, "count"), ("offcpu", schema.OFFCPU_INTERVALS, "blocked_ns"))
+
+
+@dataclass
+class NodeRead:
+    """One node file's part of a finding: which processes, in which aligned spans."""
+
+    path: str
+    node: str
+    pids: list[int]
+    spans: np.ndarray  # [k, 2] aligned ns from the epoch
+
+
+def _clock_map(f: h5py.File) -> ClockMap:
+    pairs = f[schema.CLOCK_PAIRS.path][()] if schema.CLOCK_PAIRS.path in f else np.zeros(0, schema.CLOCK_PAIRS.dtype)
+    if len(pairs):
+        order = np.argsort(pairs["monotonic_ns"], kind="stable")
+        mono = pairs["monotonic_ns"][order].astype(np.int64)
+        return ClockMap(mono, pairs["realtime_ns"][order].astype(np.int64) - mono, "pairs")
+    m, r = int(f.attrs["start_monotonic_ns"]), int(f.attrs["start_realtime_ns"])
+    return ClockMap(np.array([m], np.int64), np.array([r - m], np.int64), "start attributes")
+
+
+def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> dict[str, dict[int, Counter[str]]]:
+    """table name -> pid -> folded stacks (root first; user frames, then kernel frames) weighted as
+    the table says, of the rows of `item.pids` whose window overlaps one of `item.spans`."""
+    out: dict[str, dict[int, Counter[str]]] = {name: {} for name, _, _ in TABLES}
+    with h5py.File(item.path, "r") as f:
+        names = stack_names(f)
+        cm = _clock_map(f)
+        for name, table, weight in TABLES:
+            if table.path not in f:
+                continue
+            rows = f[table.path][()]
+            rows = rows[np.isin(rows["pid"], item.pids)]
+            if not len(rows):
+                continue
+            t = (cm.to_realtime(rows["t_ns"]) - epoch_rt).astype(np.float64)
+            if model is not None and model.aligned:
+                t = model.align(t)
+            inside = np.zeros(len(rows), bool)
+            for lo, hi in item.spans:
+                inside |= (t < hi) & (t + WINDOW_NS > lo)
+            per = out[name]
+            for r in rows[inside]:
+                user = names.get(int(r["user_stack"]), [])
+                kern = names.get(int(r["kernel_stack"]), [])
+                key = ";".join([*reversed(user), *reversed(kern)]) or "[no stack]"
+                per.setdefault(int(r["pid"]), Counter())[key] += int(r[weight])
+    return out
+
+
+@dataclass
+class FlameReads:
+    """Task: one NodeRead per item; the clock models come from the rank's context (every rank holds
+    them after the fit)."""
+
+    items: list[NodeRead]
+    epoch_rt: int
+
+    def __call__(self, ctx: Any, i: int) -> dict[str, dict[int, Counter[str]]]:
+        it = self.items[i]
+        return read_folded(it, ctx.models.get(it.node), self.epoch_rt)
+
+
+def mean_per_process(parts: Sequence[dict[int, Counter[str]]], pids: Sequence[tuple[int, int]],
+                     which: Sequence[int]) -> tuple[Counter[str], int]:
+    """The folded stacks of the processes (read index, pid) averaged over them; how many there were."""
+    total: Counter[str] = Counter()
+    n = 0
+    for ri, pid in pids:
+        if ri not in which:
+            continue
+        n += 1
+        total.update(parts[ri].get(pid, Counter()))
+    return Counter({k: v / n for k, v in total.items()}) if n else Counter(), n
+
+
+def excess_path(late: Counter[str], peers: Counter[str]) -> tuple[list[str], float, float]:
+    """(path from the root, its share of the extra, the extra) of the walk down the differential
+    (module docstring). The extra is what the late processes have more than the peers, stack by
+    stack (the positive part of the difference): busy-polling ranks take as many samples as a
+    computing one, so a late rank's extra time shows as samples moved from the peers' polling into
+    its own functions, not as more samples. ([], 0, 0) when it has no stack more than the peers."""
+    incl: dict[tuple[str, ...], float] = {}
+    for key in set(late) | set(peers):
+        extra = late.get(key, 0.0) - peers.get(key, 0.0)
+        if extra <= 0:
+            continue
+        frames = tuple(key.split(";"))
+        for d in range(1, len(frames) + 1):
+            incl[frames[:d]] = incl.get(frames[:d], 0.0) + extra
+    total = float(sum(v for k, v in incl.items() if len(k) == 1))
+    if total <= 0:
+        return [], 0.0, 0.0
+    children: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+    for p in incl:
+        children.setdefault(p[:-1], []).append(p)
+    node: tuple[str, ...] = ()
+    while True:
+        kids = children.get(node, [])
+        if not kids:
+            break
+        best = max(kids, key=lambda k: (incl[k], k))
+        if incl[best] < 0.5 * total:
+            break
+        node = best
+    share = incl[node] / total if node else 1.0
+    return list(node), share, total
+
+
+def summarize(late: Counter[str], peers: Counter[str], n_late: int, n_peers: int, seconds: float) -> dict[str, Any]:
+    """The walk's result and the per-process rates (per second of the flagged windows)."""
+    path, share, total = excess_path(late, peers)
+    per_s = 1.0 / seconds if seconds > 0 else float("nan")
+    return {"path": path[-PATH_SHOWN:], "depth": len(path), "share_of_extra": round(share, 4),
+            "extra_per_s": round(total * per_s, 3), "late_per_s": round(float(sum(late.values())) * per_s, 3),
+            "peers_per_s": round(float(sum(peers.values())) * per_s, 3), "late_processes": n_late,
+            "peer_processes": n_peers, "seconds": round(seconds, 3)}
+
+
+def top_stacks(late: Counter[str], peers: Counter[str]) -> list[tuple[str, float, float]]:
+    """The FLAME_TOP folded stacks of the largest late + peer weight: (stack, late, peers), for the job file."""
+    keys = sorted(set(late) | set(peers), key=lambda k: (-(late.get(k, 0.0) + peers.get(k, 0.0)), k))[:FLAME_TOP]
+    return [(k, float(late.get(k, 0.0)), float(peers.get(k, 0.0))) for k in keys]
+
+
+def evidence_line(name: str, s: dict[str, Any]) -> str:
+    unit, scale = ("samples/s", 1.0) if name == "cpu" else ("ms/s blocked", 1e-6)
+    what = "CPU stacks" if name == "cpu" else "off-CPU stacks"
+    head = (f"{what} in the flagged windows ({s['seconds']:.1f} s): {s['late_per_s'] * scale:.1f} {unit} per late "
+            f"process vs {s['peers_per_s'] * scale:.1f} per peer process ({s['peer_processes']} processes)")
+    if not s["path"]:
+        return head + ": no stack where it has more than the peers"
+    return (head + f"; of what it has more than the peers ({s['extra_per_s'] * scale:.1f} {unit}), "
+            f"{s['share_of_extra']:.0%} in " + " → ".join(s["path"]))
+
+
+def peer_nodes(nodes: Sequence[int], own: set[int]) -> list[int]:
+    """Up to PEER_NODES of the communicator's other nodes, evenly spread (the same on every rank count)."""
+    others = sorted(set(nodes) - own)
+    if len(others) <= PEER_NODES:
+        return others
+    return [others[i] for i in np.linspace(0, len(others) - 1, PEER_NODES).round().astype(int)]
+
+
+def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Sequence[str], node_names: Sequence[str],
+                   epoch_rt: int, pool: Any) -> dict[int, dict[str, list[tuple[str, float, float]]]]:
+    """For each finding (stragglers.Finding) on a communicator (comms: waitstates.CommSummary): the
+    reads of its node and its peer nodes dealt over `pool`, its `stacks` summaries and an evidence
+    line per table; returns, per finding index, the top folded stacks (late, peers) per table for
+    the job file. A point-to-point finding (no communicator) has its spans only from its windows:
+    none recorded, so it is left without."""
+    items: list[NodeRead] = []
+    plan: list[tuple[int, list[tuple[int, int]], list[int], list[int]]] = []  # finding, (read, pid), late, peer reads
+    for fi, f in enumerate(findings):
+        spans = getattr(f, "evidence_spans", None)
+        if f.kind == "late sender" or spans is None or not len(spans):
+            continue
+        c = next((c for c in comms if c.comm_id == f.comm_id), None)
+        if c is None:
+            continue
+        node_of = np.asarray(c.node_of_rank, np.int64)
+        own = {int(node_of[r]) for r in f.ranks if node_of[r] >= 0}
+        others = peer_nodes([int(n) for n in node_of if n >= 0], own)
+        pids: list[tuple[int, int]] = []
+        late_reads: list[int] = []
+        peer_reads: list[int] = []
+        for ni in sorted(own) + others:
+            ranks = [r for r in range(c.size) if node_of[r] == ni and (ni not in own or r in f.ranks)]
+            ri = len(items)
+            items.append(NodeRead(node_files[ni], node_names[ni], sorted({int(c.pid_of_rank[r]) for r in ranks}),
+                                  np.asarray(spans, np.float64)))
+            pids += [(ri, int(c.pid_of_rank[r])) for r in ranks]
+            (late_reads if ni in own else peer_reads).append(ri)
+        plan.append((fi, pids, late_reads, peer_reads))
+    if not items:
+        return {}
+    parts = list(pool.map(FlameReads(items, epoch_rt), len(items)))
+    out: dict[int, dict[str, list[tuple[str, float, float]]]] = {}
+    for fi, pids, late_reads, peer_reads in plan:
+        f = findings[fi]
+        out[fi] = {}
+        for name, _, _ in TABLES:
+            per = [p[name] for p in parts]
+            late, n_late = mean_per_process(per, pids, late_reads)
+            peers, n_peers = mean_per_process(per, pids, peer_reads)
+            if not late and not peers:
+                continue
+            spans = np.asarray(f.evidence_spans, np.float64)
+            s = summarize(late, peers, n_late, n_peers, float((spans[:, 1] - spans[:, 0]).sum()) / 1e9)
+            f.stacks[name] = s
+            f.evidence.append(evidence_line(name, s))
+            out[fi][name] = top_stacks(late, peers)
+    return out

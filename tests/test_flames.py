@@ -1,0 +1,37 @@
+"""Where a straggler's extra time went: the walk down the differential of folded stacks
+(mpi_merge/flames.py), on hand-made stacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gpuprof.mpi_merge.flames import excess_path, peer_nodes, summarize
+
+
+def test_a_busy_polling_peer_has_as_many_samples_but_elsewhere() -> None:
+    """Peers poll MPI while the late rank computes: equal totals, the extra is in the compute."""
+    peers = Counter({"main;step;compute": 60.0, "main;step;MPI_Allreduce;opal_progress": 40.0})
+    late = Counter({"main;step;compute;load_batch;read": 30.0, "main;step;compute": 62.0,
+                    "main;step;MPI_Allreduce;opal_progress": 8.0})
+    path, share, extra = excess_path(late, peers)
+    assert path == ["main", "step", "compute", "load_batch", "read"]
+    assert extra == 32.0 and share == 30.0 / 32.0
+
+
+def test_the_walk_stops_where_the_extra_splits() -> None:
+    late = Counter({"main;a;x": 10.0, "main;a;y": 10.0, "main;b": 2.0})
+    path, share, _ = excess_path(late, Counter())
+    assert path == ["main", "a"] and share == 20.0 / 22.0
+
+
+def test_no_extra_says_so() -> None:
+    same = Counter({"main;f": 5.0})
+    assert excess_path(same, same) == ([], 0.0, 0.0)
+    s = summarize(same, same, 1, 3, 10.0)
+    assert s["path"] == [] and s["late_per_s"] == s["peers_per_s"] == 0.5
+
+
+def test_peer_nodes_are_spread_and_exclude_the_late_ones() -> None:
+    assert peer_nodes([0, 1, 2], {1}) == [0, 2]
+    chosen = peer_nodes(list(range(100)), {5})
+    assert len(chosen) == 8 and 5 not in chosen and chosen[0] == 0 and chosen[-1] == 99
