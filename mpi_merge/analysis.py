@@ -679,6 +679,9 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0,
                 "segments": len(m.seg_start), "residual_us": _f(m.residual_ns / 1e3),
                 "uncertainty_us": _f(m.uncertainty_ns / 1e3), "n_points": m.n_points,
                 **_clock_interval(m, a.epoch_rt),
+                # steps of the node's wall clock seen in its clock pairs, taken out (loading.clock_map_of)
+                "wall_clock_steps": [{"t_s": round((t - a.epoch_rt) / 1e9, 3), "step_ms": round(d / 1e6, 6)}
+                                     for t, d in s.clock_steps],
             },
             "gpus": s.gpus,
             # per process with NVTX ranges: seconds in each range (exclusive of nested ranges), the

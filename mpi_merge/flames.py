@@ -25,7 +25,7 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.symbolize import stack_names
 from gpuprof.mpi_merge.clock import NodeClockModel
-from gpuprof.mpi_merge.loading import ClockMap
+from gpuprof.mpi_merge.loading import clock_map_of
 
 PEER_NODES = 8  # peer nodes read per finding (evenly spread over the communicator's other nodes)
 FLAME_TOP = 2000  # folded stacks kept per finding and table, the largest by late + peer weight
@@ -44,23 +44,14 @@ class NodeRead:
     spans: np.ndarray  # [k, 2] aligned ns from the epoch
 
 
-def _clock_map(f: h5py.File) -> ClockMap:
-    pairs = f[schema.CLOCK_PAIRS.path][()] if schema.CLOCK_PAIRS.path in f else np.zeros(0, schema.CLOCK_PAIRS.dtype)
-    if len(pairs):
-        order = np.argsort(pairs["monotonic_ns"], kind="stable")
-        mono = pairs["monotonic_ns"][order].astype(np.int64)
-        return ClockMap(mono, pairs["realtime_ns"][order].astype(np.int64) - mono, "pairs")
-    m, r = int(f.attrs["start_monotonic_ns"]), int(f.attrs["start_realtime_ns"])
-    return ClockMap(np.array([m], np.int64), np.array([r - m], np.int64), "start attributes")
-
-
 def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> dict[str, dict[int, Counter[str]]]:
     """table name -> pid -> folded stacks (root first; user frames, then kernel frames) weighted as
     the table says, of the rows of `item.pids` whose window overlaps one of `item.spans`."""
     out: dict[str, dict[int, Counter[str]]] = {name: {} for name, _, _ in TABLES}
     with h5py.File(item.path, "r") as f:
         names = stack_names(f)
-        cm = _clock_map(f)
+        pairs = f[schema.CLOCK_PAIRS.path][()] if schema.CLOCK_PAIRS.path in f else None
+        cm = clock_map_of(pairs, f.attrs)
         for name, table, weight in TABLES:
             if table.path not in f:
                 continue

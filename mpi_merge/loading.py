@@ -63,18 +63,21 @@ class Series:
 
 @dataclass
 class ClockMap:
-    """CLOCK_MONOTONIC -> CLOCK_REALTIME of one node, from its (monotonic, realtime) pairs."""
+    """CLOCK_MONOTONIC -> CLOCK_REALTIME of one node, from its (monotonic, realtime) pairs, with the
+    wall clock's steps taken out (clock_map_of)."""
 
     mono: np.ndarray  # int64
-    offset: np.ndarray  # int64, realtime - monotonic at each pair
+    offset: np.ndarray  # int64, realtime - monotonic at each pair, less the steps before it
     source: str  # "pairs" or "start attributes"
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (monotonic ns, step ns) removed
 
     def to_realtime(self, mono_ns: np.ndarray) -> np.ndarray:
         m = np.asarray(mono_ns).astype(np.int64)
         base = int(self.offset[0])
         if len(self.mono) == 1:
             return m + base
-        # realtime - monotonic changes only when NTP steps or slews; interpolate it between pairs
+        # realtime - monotonic moves only at steps (taken out); the read noise and any slow change
+        # left are interpolated between pairs
         delta = np.interp(m.astype(np.float64), self.mono.astype(np.float64), (self.offset - base).astype(np.float64))
         return m + base + np.round(delta).astype(np.int64)
 
@@ -192,6 +195,8 @@ class NodeSummary:
     error: str | None = None  # the file could not be used at all (then nothing else is filled)
     attrs: dict[str, Any] = field(default_factory=dict)
     clock: ClockMap | None = None
+    # steps of the wall clock read from the clock pairs and taken out: (realtime ns after it, step ns)
+    clock_steps: list[tuple[int, int]] = field(default_factory=list)
     # The node's calls, on its realtime clock. Library callers get them here; the merge driver
     # saves them to a file and drops them from the summary (they are as many as the job's
     # instances): rank 0 loads them one node at a time when it builds the job-wide tables.
@@ -227,14 +232,36 @@ def discover(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def clock_map(trace: NodeTrace) -> ClockMap:
-    pairs = trace.tables.get(schema.CLOCK_PAIRS.path)
+    return clock_map_of(trace.tables.get(schema.CLOCK_PAIRS.path), trace.attrs)
+
+
+# Linux slews CLOCK_REALTIME and CLOCK_MONOTONIC alike (adjtimex frequency and offset): their
+# difference moves only when the wall clock is stepped (settimeofday, ADJ_SETOFFSET: ntpd beyond
+# 128 ms, chrony's makestep). A change between two pairs faster than any slew (the kernel's 500 ppm)
+# and beyond the pairs' read noise is such a step: the events of the node stay on its continuous
+# monotonic clock, and the step is reported instead of being spread between two pairs (where no
+# clock model within the slew bound could follow it). Slower changes are kept, interpolated.
+STEP_MIN_RATE = 500e-6
+STEP_MIN_NS = 1_000  # and at least 10x the two pairs' uncertainty
+
+
+def clock_map_of(pairs: np.ndarray | None, attrs: Any) -> ClockMap:
+    """The ClockMap of a node file's /clock/pairs (None or empty: its start attributes)."""
     if pairs is not None and len(pairs):
         order = np.argsort(pairs["monotonic_ns"], kind="stable")
         mono = pairs["monotonic_ns"][order].astype(np.int64)
-        return ClockMap(mono, pairs["realtime_ns"][order].astype(np.int64) - mono, "pairs")
+        off = pairs["realtime_ns"][order].astype(np.int64) - mono
+        unc = pairs["uncertainty_ns"][order].astype(np.int64)
+        d, dm = np.diff(off), np.diff(mono)
+        noise = np.maximum(STEP_MIN_NS, 10 * np.maximum(unc[:-1], unc[1:]))
+        step = (np.abs(d) > noise) & (np.abs(d) > STEP_MIN_RATE * dm)
+        steps = [(int(mono[i + 1]), int(d[i])) for i in np.flatnonzero(step)]
+        if steps:
+            off = off - np.concatenate([[0], np.cumsum(np.where(step, d, 0))])
+        return ClockMap(mono, off, "pairs", steps)
     # A file without pairs still has the pair read at collector start: a measurement, not a default.
-    m = int(trace.attrs["start_monotonic_ns"])
-    r = int(trace.attrs["start_realtime_ns"])
+    m = int(attrs["start_monotonic_ns"])
+    r = int(attrs["start_realtime_ns"])
     return ClockMap(np.array([m], np.int64), np.array([r - m], np.int64), "start attributes")
 
 
@@ -273,6 +300,7 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     s.drops = trace.drops()
     cm = clock_map(trace)
     s.clock = cm
+    s.clock_steps = [(int(cm.to_realtime(np.array([t]))[0]), d) for t, d in cm.steps]
     if cm.source != "pairs":
         s.partial_reasons.append("no /clock/pairs: monotonic->realtime from the start attributes only")
 
