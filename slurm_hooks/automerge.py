@@ -77,14 +77,32 @@ def _home_of(user: str) -> str:
         return "/"
 
 
+def launcher_flavour(launcher: str) -> str:
+    """"openmpi", "hydra" (MPICH's and Intel MPI's mpiexec) or "unknown", from `launcher --version`:
+    the two take different options (hydra rejects Open MPI's --oversubscribe and needs none)."""
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = out.stdout + out.stderr
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "hydra" in text:
+        return "hydra"
+    return "unknown"
+
+
 def launch_command(mpirun: str, ranks: int, python: str) -> list[str]:
     """The merge's MPI launch: `merge.mpirun` is an mpirun (Open MPI, MPICH's hydra) or srun with the
-    site's PMI (e.g. 'srun --mpi=pmix'), inside the merge job's allocation."""
+    site's PMI (e.g. 'srun --mpi=pmix'), inside the merge job's allocation. The merge job may get
+    fewer CPUs than ranks: Open MPI then needs --oversubscribe, srun --overcommit; hydra places
+    any number of ranks as it is."""
     words = shlex.split(mpirun) or ["mpirun"]
     tail = [python, "-m", "mpi4py", "-m", "gpuprof.slurm_hooks.cli"]
     if Path(words[0]).name == "srun":
         return [*words, "-n", str(ranks), "--overcommit", *tail]
-    return [*words, "-n", str(ranks), "--oversubscribe", *tail]
+    extra = ["--oversubscribe"] if launcher_flavour(words[0]) == "openmpi" else []
+    return [*words, "-n", str(ranks), *extra, *tail]
 
 
 def wait_for_node_files(job_id: str, node_dir: Path, nodes: list[str], timeout_s: float) -> list[str]:

@@ -27,14 +27,26 @@ def test_merge_job_gets_a_clean_environment(tmp_path: Path) -> None:
     assert "--dependency=afterany:77" in cmd and "--ntasks=2" in cmd
 
 
-@pytest.mark.parametrize("launcher,first", [("mpirun", ["mpirun", "-n", "3", "--oversubscribe"]),
-                                            ("srun --mpi=pmix", ["srun", "--mpi=pmix", "-n", "3", "--overcommit"]),
-                                            ("/opt/mpich/bin/mpiexec", ["/opt/mpich/bin/mpiexec", "-n", "3",
-                                                                        "--oversubscribe"])])
-def test_launcher_from_config(launcher: str, first: list[str]) -> None:
-    cmd = automerge.launch_command(launcher, 3, "/usr/bin/python3")
-    assert cmd[:len(first)] == first and cmd[len(first):] == ["/usr/bin/python3", "-m", "mpi4py", "-m",
-                                                               "gpuprof.slurm_hooks.cli"]
+# what each launcher prints for --version (Open MPI 4.1's mpirun, MPICH 4's hydra mpiexec)
+VERSIONS = {"openmpi": "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",
+            "hydra": "HYDRA build details:\n    Version:                                 4.0.2",
+            "other": "some launcher 1.0"}
+
+
+@pytest.mark.parametrize("flavour,extra", [("openmpi", ["--oversubscribe"]), ("hydra", []), ("other", [])])
+def test_launcher_from_config(flavour: str, extra: list[str], tmp_path: Path) -> None:
+    """Open MPI's mpirun gets --oversubscribe (the merge job may have fewer CPUs than ranks); MPICH's
+    hydra rejects that option ("unrecognized argument") and needs none; srun gets --overcommit."""
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text(f"#!/bin/sh\ncat <<'EOF'\n{VERSIONS[flavour]}\nEOF\n")
+    launcher.chmod(0o755)
+    cmd = automerge.launch_command(str(launcher), 3, "/usr/bin/python3")
+    assert cmd == [str(launcher), "-n", "3", *extra, "/usr/bin/python3", "-m", "mpi4py", "-m",
+                   "gpuprof.slurm_hooks.cli"]
+    assert automerge.launch_command("srun --mpi=pmix", 3, "/usr/bin/python3")[:5] == [
+        "srun", "--mpi=pmix", "-n", "3", "--overcommit"]
+    assert automerge.launcher_flavour("mpirun") == "openmpi"  # the one this machine has
+    assert automerge.launcher_flavour(str(tmp_path / "absent")) == "unknown"
 
 
 def test_only_the_first_node_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
