@@ -49,6 +49,9 @@
 #define GP_OP_MPI_Waitsome 44
 #define GP_OP_MPI_Testany 45
 #define GP_OP_MPI_Testsome 46
+#define GP_OP_ncclAlltoAll 47
+#define GP_OP_ncclGather 48
+#define GP_OP_ncclScatter 49
 #define GP_COP_MPI_Init 0
 #define GP_COP_MPI_Comm_split 1
 #define GP_COP_MPI_Comm_dup 2

@@ -92,6 +92,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),
         "nccl_path": Key(str, "auto", "auto, uprobe or fastpath (interposer)"),
         "ring_pages": Key(int, 256, "BPF ring buffer pages per CPU"),
+        "nccl_profiler": Key(str, "auto", "auto or off: NCCL's profiler plugin (NCCL_PROFILER_PLUGIN, NCCL 2.23+; "
+                                          "auto = when built)"),
+    },
+    "sources.nvtx": {
+        "inject": Key(str, "job", "NVTX ranges (NVTX_INJECTION64_PATH, needs mode collectives): job = when the "
+                                  "job's environment has GPUPROF_NVTX=1, on, or off"),
+    },
+    "sources.kernels": {
+        "cupti": Key(str, "auto", "auto or off: CUDA kernel times in mode kernels through CUPTI's activity API "
+                                  "(CUDA_INJECTION64_PATH; auto = when built)"),
     },
     "sources.offcpu": {
         "flush_interval_s": Key((int, float), 1.0, "off-CPU kernel maps are drained this often"),
@@ -115,6 +125,34 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "straggler_score_threshold": Key(
             (int, float), 0.9, "median-ratio slowness score below which a rank is a straggler (1 = fastest)"
         ),
+    },
+    # always-on node collector (`gpuprof collect --continuous`, docs/continuous.md)
+    "continuous": {
+        "modes": Key(str, "metrics", "what the always-on collector records (modes as --profile-gpu; collectives "
+                                     "come from the uprobes, measured at 26 % of a core on 16 busy ranks: "
+                                     "docs/continuous.md)"),
+        "retention_min": Key((int, float), 10.0, "minutes of the past kept for export (memory, then the spill)"),
+        "memory_limit_mb": Key(int, 64, "cap on the retained segments held in memory; older ones live in the spill"),
+        "spill_dir": Key(str, "/var/lib/gpuprof/continuous", "root-only node-local directory of spilled segments "
+                                                             "(survives a collector restart; '' = memory only)"),
+        "spill_limit_mb": Key(int, 512, "cap on the spill directory; the oldest segments go first"),
+        "segment_s": Key((int, float), 30.0, "retained data is cut into segments this long (the eviction unit)"),
+        "socket": Key(str, "/run/gpuprof/continuous.sock", "the local API (unix socket, SO_PEERCRED; docs/continuous.md)"),
+        "export_dir": Key(str, "/var/lib/gpuprof/exports", "root-only directory of the exports that rules trigger"),
+        "nvml_rate_hz": Key((int, float), 1.0, "GPU metric rate in continuous mode (sources.nvml.rate_hz is the job mode's)"),
+        "host_rate_hz": Key((int, float), 1.0, "host metric rate in continuous mode"),
+        "stacks_rate_hz": Key(int, 19, "CPU stack sampling rate in continuous mode (when modes has stacks)"),
+        "process_scan_interval_s": Key((int, float), 2.0, "how often the node's Slurm jobs' processes are rescanned"),
+        "rules": Key(list, [], "export triggers, e.g. \"gpu_util_percent < 10 for 300 s\" (grammar: docs/continuous.md)"),
+        "trigger_window_min": Key((int, float), 5.0, "minutes before the trigger that a rule's export covers"),
+        "trigger_min_interval_s": Key((int, float), 600.0, "at most one rule-triggered export per this; more are counted"),
+        "request_min_interval_s": Key((int, float), 30.0, "a non-root user's API exports: at most one per this"),
+    },
+    "prometheus": {
+        "textfile_dir": Key(str, "", "node-exporter textfile directory for gpuprof.prom ('' = off)"),
+        "interval_s": Key((int, float), 15.0, "how often the textfile is rewritten"),
+        "http_port": Key(int, 0, "serve /metrics on this port (0 = off)"),
+        "http_addr": Key(str, "127.0.0.1", "address of the /metrics endpoint"),
     },
 }
 
@@ -169,7 +207,7 @@ def validate(doc: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
 def _type_name(t: type | tuple[type, ...]) -> str:
     if isinstance(t, tuple):
         return "a number" if set(t) == {int, float} else " or ".join(x.__name__ for x in t)
-    return {str: "a string", bool: "true or false", int: "an integer", float: "a number"}[t]
+    return {str: "a string", bool: "true or false", int: "an integer", float: "a number", list: "a list"}[t]
 
 
 def config_path(explicit: str | None = None) -> Path | None:

@@ -113,7 +113,11 @@ MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
         ("gpuprof.collector.sources.bpf_stacks", "BpfStacksSource"),
         ("gpuprof.collector.sources.bpf_offcpu", "BpfOffcpuSource"),
     ),
-    "kernels": (("gpuprof.collector.sources.bpf_kernels", "BpfKernelsSource"),),
+    "kernels": (
+        ("gpuprof.collector.sources.bpf_kernels", "BpfKernelsSource"),
+        # CUPTI's kernel times cross the fast path's rings (one source drains them for both modes)
+        ("gpuprof.collector.sources.fastpath", "FastpathSource"),
+    ),
 }
 
 
@@ -543,17 +547,22 @@ class Collector:
         with self._lock:
             self._records = {p: w.rows(p) for p in w.tables}
 
+    def _open_writer(self, meta: NodeMeta, start: tuple[int, int, int]) -> NodeTraceWriter:
+        """The writer the writer thread feeds: the node file; continuous mode (collector/continuous.py)
+        puts its retention in its place."""
+        return NodeTraceWriter(
+            self.opts.output,
+            meta,
+            self.tables,
+            compression=str(self.cfg["compression"]),
+            start_monotonic_ns=start[0],
+            start_realtime_ns=start[1],
+        )
+
     def _writer_loop(self, meta: NodeMeta, start: tuple[int, int, int]) -> None:
         opts = self.opts
         try:
-            w = NodeTraceWriter(
-                opts.output,
-                meta,
-                self.tables,
-                compression=str(self.cfg["compression"]),
-                start_monotonic_ns=start[0],
-                start_realtime_ns=start[1],
-            )
+            w = self._open_writer(meta, start)
         except (OSError, RuntimeError, ValueError) as e:
             self._set_error(f"cannot create node file {opts.output}: {_reason(e)}")
             self.finished_event.set()

@@ -17,6 +17,14 @@ LD_PRELOAD = "LD_PRELOAD"
 GPUPROF_FASTPATH_JOB = "GPUPROF_FASTPATH_JOB"  # job id: names the rings /dev/shm/gpuprof-<job>-<pid>
 GPUPROF_FASTPATH_DIR = "GPUPROF_FASTPATH_DIR"  # where the rings are created
 GPUPROF_FASTPATH_RECORDS = "GPUPROF_FASTPATH_RECORDS"  # ring size in records (interposer side)
+# Set by the TaskProlog for the GPU side (docs/probes.md): NCCL's profiler plugin, NVTX's and CUDA's
+# injection libraries; each steps aside when the job sets its own.
+NCCL_PROFILER_PLUGIN = "NCCL_PROFILER_PLUGIN"
+NVTX_INJECTION64_PATH = "NVTX_INJECTION64_PATH"
+CUDA_INJECTION64_PATH = "CUDA_INJECTION64_PATH"
+GPUPROF_NVTX = "GPUPROF_NVTX"  # "1" in the job's environment: it asks for its NVTX ranges (sources.nvtx.inject = job)
+# read by libgpuprof_cupti.so: the libcupti to load (tests name a double; default: CUDA's own)
+GPUPROF_CUPTI_LIBRARY = "GPUPROF_CUPTI_LIBRARY"
 # Read by the interposers (C) to identify the MPI launch, so COMM_WORLD gets the same id on all ranks.
 PMIX_NAMESPACE = "PMIX_NAMESPACE"
 OMPI_MCA_ESS_BASE_JOBID = "OMPI_MCA_ess_base_jobid"

@@ -266,6 +266,8 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     # MPI completions of some of many requests (fast path only; appended: the numbers above are the
     # file format's); one row per completed request, like MPI_Waitall's
     "MPI_Waitany", "MPI_Waitsome", "MPI_Testany", "MPI_Testsome",
+    # NCCL operations that only the profiler plugin sees (NCCL 2.28+ AlltoAll, Gather, Scatter)
+    "ncclAlltoAll", "ncclGather", "ncclScatter",
 )
 COMMUNICATOR_OPS: tuple[str, ...] = (
     "MPI_Init", "MPI_Comm_split", "MPI_Comm_dup", "MPI_Comm_create", "MPI_Comm_free",
@@ -302,7 +304,7 @@ COLLECTIVE_CALLS = Table(
 )
 # NCCL runs a collective on the GPU after the call returned: the device-side times are what the
 # merge aligns and judges NCCL on (docs/merge.md, "NCCL on device times"). Joined to
-# /collectives/calls rows of path nccl_profiler on (pid, comm_id, seq).
+# /collectives/calls rows of path nccl_profiler on (pid, comm_id, seq, op, root_or_peer).
 DEVICE_TIMES = Table(
     "collectives",
     "device_times",
@@ -319,8 +321,13 @@ DEVICE_TIMES = Table(
         C("n_channels", "<u2", "", "channels the operation ran on"),
         C("count", "<u8", "", "element count"),
         C("datatype", "u1", "", "NCCL datatype"),
+        # appended by the plugin's side: a point-to-point's seq counts per (peer, direction), so
+        # (pid, comm_id, seq) alone can name both a collective and a send; with op and peer it cannot
+        C("op", "u1", "", "index into op_names, as in /collectives/calls"),
+        C("root_or_peer", "<i4", "", "as in /collectives/calls"),
     ),
     enums={
+        "op": COLLECTIVE_OPS,
         "timing": ("none", "kernel_channel_gpu_timer", "kernel_channel_host", "proxy_step_host"),
         "algorithm": ("unknown", "tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat"),
         "protocol": ("unknown", "ll", "ll128", "simple"),
@@ -361,6 +368,7 @@ NVTX_RANGES = Table(
         C("category", "<u4", "", "NVTX category, 0 = none"),
         C("kind", "u1", "", "push/pop (nested per thread) or start/end (any thread, may overlap)"),
         C("depth", "<u2", "", "nesting level of a push/pop range on its thread, 0 = outermost"),
+        C("color", "<u4", "", "ARGB color the application gave, 0 = none"),
     ),
     enums={"kind": ("push_pop", "start_end")},
 )
@@ -372,6 +380,8 @@ NVTX_STRINGS = Table(
         C("pid", "<u4", "", "process id (string ids are per process)"),
         C("string_id", "<u4", "", "as in /nvtx/ranges"),
         C("text", "S128", "", "utf-8, cut at 127 bytes (then ending in '...')"),
+        C("truncated", "u1", "", "1 = the application's string was longer (cut as said), 2 = lost: a full ring "
+          "dropped part of it"),
     ),
 )
 
@@ -468,6 +478,61 @@ KERNEL_FUNCTIONS = Table(
     enums={"source": ("stub_symbol", "cuModuleGetFunction", "cuLibraryGetKernel", "unresolved")},
 )
 
+# CUDA kernel executions through CUPTI's activity API (bpf/fastpath/gpuprof_cupti.c, CUDA_INJECTION64_PATH;
+# docs/probes.md "CUDA kernel times (CUPTI)"), drained from the fast path's rings.
+KERNEL_ACTIVITY = Table(
+    "kernels",
+    "activity",
+    "CUDA kernels as they ran on the GPU (CUPTI activity records), one row per kernel execution",
+    (
+        C("t_start_ns", "<u8", "ns", "CLOCK_MONOTONIC of the kernel's start on the GPU (CUPTI's conversion)"),
+        C("t_end_ns", "<u8", "ns", "CLOCK_MONOTONIC of its end"),
+        C("pid", "<u4", "", "process id"),
+        C("device", "<u4", "", "CUDA device id"),
+        C("stream", "<u4", "", "CUPTI stream id"),
+        C("correlation_id", "<u4", "", "CUPTI's id of the launch API call that enqueued it"),
+        C("name_id", "<u4", "", "row of /kernels/activity_names for this pid, 0 = no name"),
+        C("grid_x", "<i4", "", "grid dimension x"),
+        C("grid_y", "<i4", "", "grid dimension y"),
+        C("grid_z", "<i4", "", "grid dimension z"),
+        C("block_x", "<i4", "", "block dimension x"),
+        C("block_y", "<i4", "", "block dimension y"),
+        C("block_z", "<i4", "", "block dimension z"),
+        C("dynamic_shared_bytes", "<i4", "bytes", "dynamic shared memory"),
+        C("static_shared_bytes", "<i4", "bytes", "static shared memory"),
+        C("registers", "<u2", "", "registers per thread"),
+        C("clock", "u1", "", "how the times reached CLOCK_MONOTONIC"),
+    ),
+    enums={"clock": ("monotonic_callback", "realtime_converted")},
+)
+KERNEL_ACTIVITY_NAMES = Table(
+    "kernels",
+    "activity_names",
+    "names of the kernels of /kernels/activity (mangled, as CUPTI gives them), per process",
+    (
+        C("pid", "<u4", "", "process id"),
+        C("name_id", "<u4", "", "as in /kernels/activity"),
+        C("name", "S200", "", "kernel name, cut at 199 bytes (then ending in '...')"),
+        C("truncated", "u1", "", "1 = cut, 2 = lost: a full ring dropped part of it"),
+    ),
+)
+
+KERNEL_ACTIVITY_LAUNCHES = Table(
+    "kernels",
+    "activity_launches",
+    "the launch calls of /kernels/activity's kernels, as CUPTI's callback API saw them at their entry: "
+    "correlation_id names the kernel; (pid, tid, t_ns) finds the same call's CPU stack in /kernels/launches",
+    (
+        T_NS,
+        C("pid", "<u4", "", "process id"),
+        C("tid", "<u4", "", "thread id of the launching thread"),
+        C("correlation_id", "<u4", "", "as in /kernels/activity"),
+        C("domain", "u1", "", "which API the call belongs to"),
+        C("cbid", "<u4", "", "CUPTI's callback id of the function (cupti_driver_cbid.h, cupti_runtime_cbid.h)"),
+    ),
+    enums={"domain": ("none", "driver_api", "runtime_api")},
+)
+
 # Tables of the eBPF sources (stacks, off-CPU, CUDA kernels).
 BPF_TABLES: tuple[Table, ...] = (
     STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS, KERNEL_LAUNCHES, KERNEL_FUNCTIONS,
@@ -491,6 +556,9 @@ ALL_TABLES: tuple[Table, ...] = (
     DEVICE_TIMES,
     NVTX_RANGES,
     NVTX_STRINGS,
+    KERNEL_ACTIVITY,
+    KERNEL_ACTIVITY_NAMES,
+    KERNEL_ACTIVITY_LAUNCHES,
 ) + BPF_TABLES
 
 TABLES_BY_PATH: dict[str, Table] = {t.path: t for t in ALL_TABLES}
@@ -502,7 +570,8 @@ MODE_TABLES: dict[str, tuple[Table, ...]] = {
     # NVTX ranges cross the fast path's rings with the collectives
     "collectives": (COLLECTIVE_CALLS, COMMUNICATORS, DEVICE_TIMES, NVTX_RANGES, NVTX_STRINGS),
     "stacks": (STACK_SAMPLES, OFFCPU_INTERVALS, STACK_FRAMES, STACK_SYMBOLS),
-    "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS),
+    "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS, KERNEL_ACTIVITY,
+                KERNEL_ACTIVITY_NAMES, KERNEL_ACTIVITY_LAUNCHES),
 }
 VALID_MODES = ("metrics", "stacks", "collectives", "kernels")
 DEFAULT_MODES = ("metrics", "stacks", "collectives")

@@ -544,7 +544,8 @@ class JobAnalyzer:
         findings, smetrics = find_stragglers(comms, times, names, [s.series for s in sel.nodes], epoch, 0.0, params,
                                              clock_error_ns=clock_err, p2p=late,
                                              node_on_cpu=[s.on_cpu for s in sel.nodes], pool=pool,
-                                             node_phases=[s.phases for s in sel.nodes])
+                                             node_phases=[s.phases for s in sel.nodes],
+                                             node_kernels=[s.kernels for s in sel.nodes])
         flames = stack_evidence(findings, comms, [s.file for s in sel.nodes], names, epoch, pool)
         a = JobAnalysis(
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
@@ -685,9 +686,12 @@ def build_report_dict(a: JobAnalysis, p2p_unmatched: int = 0,
             },
             "gpus": s.gpus,
             # per process with NVTX ranges: seconds in each range (exclusive of nested ranges), the
-            # longest PHASE_TOP names
+            # longest NAMED_TOP names
             "nvtx_phases_s": {str(pid): {k: round(v, 6) for k, v in ph.totals_s().items()}
                               for pid, ph in sorted(s.phases.items())},
+            # per process whose kernels CUPTI recorded: GPU seconds per kernel name, the longest 12
+            "kernel_time_s": {str(pid): {k: round(v, 6) for k, v in kt.totals_s().items()}
+                              for pid, kt in sorted(s.kernels.items())},
         })
     idle = []
     for s in a.nodes:

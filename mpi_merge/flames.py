@@ -25,7 +25,7 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.symbolize import stack_names
 from gpuprof.mpi_merge.clock import NodeClockModel
-from gpuprof.mpi_merge.loading import clock_map_of
+from gpuprof.mpi_merge.loading import ClockMap, clock_map_of
 
 PEER_NODES = 8  # peer nodes read per finding (evenly spread over the communicator's other nodes)
 FLAME_TOP = 2000  # folded stacks kept per finding and table, the largest by late + peer weight
@@ -42,6 +42,20 @@ class NodeRead:
     node: str
     pids: list[int]
     spans: np.ndarray  # [k, 2] aligned ns from the epoch
+    kernel: str = ""  # the finding's kernel (CUPTI): the CPU stacks its launches came from are read too
+
+    def overlaps(self, t: np.ndarray, length: float) -> np.ndarray:
+        """[len(t)] bool: [t, t + length) meets one of the spans (length 0: t lies in one)."""
+        inside = np.zeros(len(t), bool)
+        for lo, hi in self.spans:
+            inside |= (t < hi) & (t + length > lo) if length > 0 else (t >= lo) & (t < hi)
+        return inside
+
+
+def _aligned(t_ns: np.ndarray, cm: ClockMap, model: NodeClockModel | None, epoch_rt: int) -> np.ndarray:
+    """A node file's CLOCK_MONOTONIC times -> aligned ns from the epoch (the merge's mapping)."""
+    t = (cm.to_realtime(t_ns) - epoch_rt).astype(np.float64)
+    return model.align(t) if model is not None and model.aligned else t
 
 
 def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> dict[str, dict[int, Counter[str]]]:
@@ -59,18 +73,53 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
             rows = rows[np.isin(rows["pid"], item.pids)]
             if not len(rows):
                 continue
-            t = (cm.to_realtime(rows["t_ns"]) - epoch_rt).astype(np.float64)
-            if model is not None and model.aligned:
-                t = model.align(t)
-            inside = np.zeros(len(rows), bool)
-            for lo, hi in item.spans:
-                inside |= (t < hi) & (t + WINDOW_NS > lo)
+            inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), WINDOW_NS)
             per = out[name]
             for r in rows[inside]:
                 user = names.get(int(r["user_stack"]), [])
                 kern = names.get(int(r["kernel_stack"]), [])
                 key = ";".join([*reversed(user), *reversed(kern)]) or "[no stack]"
                 per.setdefault(int(r["pid"]), Counter())[key] += int(r[weight])
+        if item.kernel:
+            out["kernel_launch"] = _launch_stacks(f, item, names, cm, model, epoch_rt)
+    return out
+
+
+LAUNCH_MATCH_NS = 1_000_000  # a launch call (CUPTI) and the uprobe's launch row at most this far apart
+
+
+def _launch_stacks(f: h5py.File, item: NodeRead, names: dict[int, list[str]], cm: ClockMap, model: NodeClockModel | None,
+                   epoch_rt: int) -> dict[int, Counter[str]]:
+    """pid -> folded CPU stacks of the launches of item.kernel's executions in the spans: CUPTI's
+    kernel record names its launch call (correlation id -> /kernels/activity_launches: pid, tid,
+    time), and the uprobe's row of the same thread's launch at (or just before) that time carries the
+    CPU stack (/kernels/launches). A launch no uprobe row matches is counted as such."""
+    paths = (schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_NAMES.path, schema.KERNEL_ACTIVITY_LAUNCHES.path)
+    if any(p not in f for p in paths):
+        return {}
+    act, knames, calls = (f[p][()] for p in paths)
+    launches = f[schema.KERNEL_LAUNCHES.path][()] if schema.KERNEL_LAUNCHES.path in f else schema.KERNEL_LAUNCHES.empty()
+    out: dict[int, Counter[str]] = {}
+    for pid in item.pids:
+        ids = knames["name_id"][(knames["pid"] == pid) & (knames["name"] == item.kernel.encode())]
+        mine = act[(act["pid"] == pid) & np.isin(act["name_id"], ids)]
+        if not len(mine):
+            continue
+        inside = item.overlaps(_aligned(mine["t_start_ns"], cm, model, epoch_rt), 0.0)
+        call = calls[(calls["pid"] == pid) & np.isin(calls["correlation_id"], mine["correlation_id"][inside])]
+        c: Counter[str] = Counter()
+        for tid in np.unique(call["tid"]):
+            at = np.sort(call["t_ns"][call["tid"] == tid].astype(np.int64))
+            ul = launches[(launches["pid"] == pid) & (launches["tid"] == tid)]
+            ul = ul[np.argsort(ul["t_ns"], kind="stable")]
+            j = np.searchsorted(ul["t_ns"].astype(np.int64), at, side="right") - 1
+            for k, tj in zip(j, at):
+                if k < 0 or tj - int(ul["t_ns"][k]) > LAUNCH_MATCH_NS:
+                    c["[launch stack not recorded]"] += 1
+                else:
+                    c[";".join(reversed(names.get(int(ul["user_stack"][k]), []))) or "[no stack]"] += 1
+        if c:
+            out[pid] = c
     return out
 
 
@@ -194,7 +243,7 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
             ranks = [r for r in range(c.size) if node_of[r] == ni and (ni not in own or r in f.ranks)]
             ri = len(items)
             items.append(NodeRead(node_files[ni], node_names[ni], sorted({int(c.pid_of_rank[r]) for r in ranks}),
-                                  np.asarray(spans, np.float64)))
+                                  np.asarray(spans, np.float64), kernel=getattr(f, "kernel", "") if ni in own else ""))
             pids += [(ri, int(c.pid_of_rank[r])) for r in ranks]
             (late_reads if ni in own else peer_reads).append(ri)
         plan.append((fi, pids, late_reads, peer_reads))
@@ -216,4 +265,16 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
             f.stacks[name] = s
             f.evidence.append(evidence_line(name, s))
             out[fi][name] = top_stacks(late, peers)
+        launch: Counter[str] = Counter()
+        for ri in late_reads:
+            for c in parts[ri].get("kernel_launch", {}).values():
+                launch.update(c)
+        if launch:
+            top, n = min(launch.items(), key=lambda kv: (-kv[1], kv[0]))
+            total = sum(launch.values())
+            frames = top.split(";")
+            f.stacks["kernel_launch"] = {"kernel": f.kernel, "path": frames[-PATH_SHOWN:], "depth": len(frames),
+                                         "share_of_launches": round(n / total, 4), "launches": total}
+            f.evidence.append(f"its {f.kernel!r} kernels in the flagged windows were launched from "
+                              f"{' → '.join(frames[-PATH_SHOWN:])} ({n / total:.0%} of {total} launches)")
     return out

@@ -123,23 +123,25 @@ ON_CPU_TOP = 8
 
 
 @dataclass
-class PhaseBins:
-    """NVTX ranges of one process, binned like the node's series: per (bin, range name) the time its
-    threads spent in that range exclusively (a push/pop range less the ranges nested in it, so a
-    `step` around `forward` and `backward` holds only what is in neither); start/end ranges (which
-    may overlap anything) count whole. A range over several bins is shared among them by overlap.
-    At most PHASE_TOP names per process, the longest; the rest under "(other ranges)"."""
+class NamedTimeBins:
+    """Named intervals of one process, binned like the node's series: per (bin, name) the time in
+    intervals of that name. NVTX ranges (`NodeSummary.phases`): a push/pop range counts exclusively
+    (less the ranges nested in it, so a `step` around `forward` and `backward` holds only what is in
+    neither), a start/end range (which may overlap anything) whole. CUDA kernels as they ran
+    (`NodeSummary.kernels`): each execution's time on the GPU. An interval over several bins is
+    shared among them by overlap. At most NAMED_TOP names per process, the longest; the rest under
+    `other`."""
 
     t_rt: np.ndarray  # int64 bin starts, realtime ns
     bin_ns: int
     bin: np.ndarray  # [k] bin of each entry
     label: np.ndarray  # [k] index into labels
-    ns: np.ndarray  # [k] time in the range
+    ns: np.ndarray  # [k] time
     labels: list[str]
-    open_ranges: int = 0  # ranges never closed (left out)
+    left_out: int = 0  # intervals never closed (NVTX ranges still open at the end)
 
     def rates(self, a: np.ndarray, b: np.ndarray, epoch_rt: int) -> dict[str, float]:
-        """ns per second of each range name over the bins overlapping any range [a, b) (aligned ns)."""
+        """ns per second of each name over the bins overlapping any range [a, b) (aligned ns)."""
         sel = bins_overlapping(self.t_rt, self.bin_ns, a, b, epoch_rt)
         n_bins = int(sel.sum())
         if not n_bins:
@@ -153,7 +155,43 @@ class PhaseBins:
         return {self.labels[i]: float(per[i]) / 1e9 for i in np.flatnonzero(per)}
 
 
-PHASE_TOP = 12
+def named_time_bins(t0_rt: np.ndarray, t1_rt: np.ndarray, weight_ns: np.ndarray, names: list[str], other: str,
+                    tb: np.ndarray, bin_ns: int, nb: int, left_out: int = 0) -> NamedTimeBins:
+    """NamedTimeBins of intervals [t0_rt, t1_rt) (realtime ns) weighing weight_ns each (their own
+    length, or less: an NVTX range's exclusive time), named `names`."""
+    labels, label = np.unique(np.array(names, dtype=object), return_inverse=True)
+    label = label.ravel().astype(np.int64)
+    w = np.asarray(weight_ns, np.float64)
+    tot = np.bincount(label, weights=w, minlength=len(labels))
+    top = np.argsort(-tot, kind="stable")[:NAMED_TOP]
+    remap = np.full(len(labels), len(top), np.int64)
+    remap[top] = np.arange(len(top))
+    label = remap[label]
+    names_out = [str(labels[i]) for i in top] + [other]
+    t0 = (np.asarray(t0_rt, np.int64) - tb[0]).astype(np.float64)
+    t1 = (np.asarray(t1_rt, np.int64) - tb[0]).astype(np.float64)
+    b0 = np.floor(t0 / bin_ns).astype(np.int64)
+    b1 = np.floor(np.maximum(t1 - 1, t0) / bin_ns).astype(np.int64)
+    span = np.maximum(t1 - t0, 1.0)
+    cells_b, cells_l, cells_ns = [b0], [label], [w * (np.minimum(t1, (b0 + 1) * bin_ns) - t0).clip(0) / span]
+    for k in range(1, int((b1 - b0).max()) + 1 if len(b0) else 0):
+        more = b1 - b0 >= k
+        bk = b0[more] + k
+        lo = np.maximum(t0[more], bk * bin_ns)
+        hi = np.minimum(t1[more], (bk + 1) * bin_ns)
+        cells_b.append(bk)
+        cells_l.append(label[more])
+        cells_ns.append(w[more] * (hi - lo).clip(0) / span[more])
+    bb, ll, ns = np.concatenate(cells_b), np.concatenate(cells_l), np.concatenate(cells_ns)
+    ok = (bb >= 0) & (bb < nb)
+    cell = bb[ok] * len(names_out) + ll[ok]
+    u = np.unique(cell)
+    tot_c = np.bincount(np.searchsorted(u, cell), weights=ns[ok], minlength=len(u))
+    return NamedTimeBins(tb, bin_ns, (u // len(names_out)).astype(np.int64), (u % len(names_out)).astype(np.int64),
+                         tot_c, names_out, left_out=left_out)
+
+
+NAMED_TOP = 12
 
 
 def exclusive_ns(r: np.ndarray) -> np.ndarray:
@@ -214,7 +252,9 @@ class NodeSummary:
     on_cpu: dict[int, OnCpuBins] = field(default_factory=dict)
     on_cpu_note: str = ""  # why there are none (no stacks mode, file not sealed: no frames)
     # per process with NVTX ranges: its time per range name, per bin of the series (phases)
-    phases: dict[int, PhaseBins] = field(default_factory=dict)
+    phases: dict[int, NamedTimeBins] = field(default_factory=dict)
+    # per process whose kernels CUPTI recorded: GPU time per kernel name, per bin of the series
+    kernels: dict[int, NamedTimeBins] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS
     errors_total: int = 0
@@ -284,7 +324,7 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     # file through the node tables' copy, not through here.
     wanted = SUMMARY_TABLES + tuple(t.path for t in schema.BPF_TABLES if t.group == "offcpu") + (
         schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path, schema.NVTX_RANGES.path,
-        schema.NVTX_STRINGS.path)
+        schema.NVTX_STRINGS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_NAMES.path)
     try:
         trace = open_node_trace(p, tables=wanted)
     except TraceFormatError as e:
@@ -307,7 +347,7 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
     if calls is not None and len(calls):
         keep, s.late_probe_notes = _numbered_correctly(calls, trace.tables.get(schema.COMMUNICATORS.path), a)
-        calls = calls[keep]
+        calls = _one_nccl_path(calls[keep])
     if calls is not None and len(calls):
         s.calls = call_rows(calls, cm, trace.tables.get(schema.DEVICE_TIMES.path))
         s.n_calls = len(s.calls)
@@ -373,6 +413,20 @@ def _numbered_correctly(calls: np.ndarray, comms: np.ndarray | None, attrs: Any)
     return keep, notes
 
 
+def _one_nccl_path(calls: np.ndarray) -> np.ndarray:
+    """A process whose NCCL calls NCCL's profiler plugin recorded keeps those rows only: with the
+    interposer (or uprobes) in place as well, each operation is also there as a host call, under
+    another communicator id (the interposer's is the ncclUniqueId's, the plugin's NCCL's commHash),
+    and would make a second, host-timed communicator of the same collectives."""
+    paths = schema.COLLECTIVE_CALLS.enums["path"]
+    nccl = calls["library"] == schema.COLLECTIVE_CALLS.enums["library"].index("nccl")
+    plugin = nccl & (calls["path"] == paths.index("nccl_profiler"))
+    if not plugin.any():
+        return calls
+    twice = nccl & ~plugin & np.isin(calls["pid"], np.unique(calls["pid"][plugin]))
+    return calls[~twice]
+
+
 def call_rows(calls: np.ndarray, cm: ClockMap, device: np.ndarray | None = None) -> np.ndarray:
     """Rows of /collectives/calls -> CALL_DTYPE, times on the node's realtime clock. `device`: the
     node's /collectives/device_times; an NCCL call recorded by the profiler plugin that has both
@@ -397,11 +451,13 @@ def _apply_device_times(c: np.ndarray, calls: np.ndarray, device: np.ndarray, cm
     known = device[(device["t_dev_start_ns"] != 0) & (device["t_dev_end_ns"] >= device["t_dev_start_ns"])]
     if not plugin.any() or not len(known):
         return
-    key = np.dtype([("pid", "<u8"), ("comm_id", "<u8"), ("seq", "<u8")])
+    # a point-to-point's seq counts per (peer, direction), so (pid, comm_id, seq) alone can name a
+    # collective and a send at once: the op and the peer complete the key
+    key = np.dtype([("pid", "<u8"), ("comm_id", "<u8"), ("seq", "<u8"), ("op", "<u2"), ("root_or_peer", "<i8")])
 
     def keys(rows: np.ndarray) -> np.ndarray:
         k = np.zeros(len(rows), key)
-        for f in ("pid", "comm_id", "seq"):
+        for f in key.names or ():
             k[f] = rows[f]
         return k
 
@@ -507,10 +563,11 @@ def _summarize_series(trace: NodeTrace, s: NodeSummary, cm: ClockMap) -> None:
     _rank_thread_offcpu(trace, s, cm, tb, bin_ns, nb)
     _on_cpu(trace, s, cm, tb, bin_ns, nb)
     _nvtx_phases(trace, s, cm, tb, bin_ns, nb)
+    _kernel_time(trace, s, cm, tb, bin_ns, nb)
 
 
 def _nvtx_phases(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
-    """PhaseBins of every process with NVTX ranges on this node."""
+    """The phases (NVTX ranges, exclusive time) of every process with NVTX ranges on this node."""
     ranges = trace.tables.get(schema.NVTX_RANGES.path)
     if ranges is None or not len(ranges):
         return
@@ -525,37 +582,26 @@ def _nvtx_phases(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray,
         if not len(r):
             continue
         names = [text.get((int(pid), int(i)), f"[range {int(i)}]") for i in r["name_id"]]
-        labels, label = np.unique(np.array(names, dtype=object), return_inverse=True)
-        label = label.ravel().astype(np.int64)
-        tot = np.bincount(label, weights=e, minlength=len(labels))
-        top = np.argsort(-tot, kind="stable")[:PHASE_TOP]
-        remap = np.full(len(labels), len(top), np.int64)
-        remap[top] = np.arange(len(top))
-        label = remap[label]
-        names_out = [str(labels[i]) for i in top] + ["(other ranges)"]
-        # each range's exclusive time shared among the bins it overlaps
-        t0 = (cm.to_realtime(r["t_start_ns"]) - tb[0]).astype(np.float64)
-        t1 = (cm.to_realtime(r["t_end_ns"]) - tb[0]).astype(np.float64)
-        b0 = np.floor(t0 / bin_ns).astype(np.int64)
-        b1 = np.floor(np.maximum(t1 - 1, t0) / bin_ns).astype(np.int64)
-        span = np.maximum(t1 - t0, 1.0)
-        cells_b, cells_l, cells_ns = [b0], [label], [e * (np.minimum(t1, (b0 + 1) * bin_ns) - t0).clip(0) / span]
-        for k in range(1, int((b1 - b0).max()) + 1 if len(b0) else 0):
-            more = b1 - b0 >= k
-            bk = b0[more] + k
-            lo = np.maximum(t0[more], bk * bin_ns)
-            hi = np.minimum(t1[more], (bk + 1) * bin_ns)
-            cells_b.append(bk)
-            cells_l.append(label[more])
-            cells_ns.append(e[more] * (hi - lo).clip(0) / span[more])
-        bb, ll, ns = np.concatenate(cells_b), np.concatenate(cells_l), np.concatenate(cells_ns)
-        ok = (bb >= 0) & (bb < nb)
-        cell = bb[ok] * (len(names_out)) + ll[ok]
-        u = np.unique(cell)
-        tot_c = np.bincount(np.searchsorted(u, cell), weights=ns[ok], minlength=len(u))
-        s.phases[int(pid)] = PhaseBins(tb, bin_ns, (u // len(names_out)).astype(np.int64),
-                                       (u % len(names_out)).astype(np.int64), tot_c, names_out,
-                                       open_ranges=int((mine & ~closed).sum()))
+        s.phases[int(pid)] = named_time_bins(cm.to_realtime(r["t_start_ns"]), cm.to_realtime(r["t_end_ns"]), e, names,
+                                             "(other ranges)", tb, bin_ns, nb, left_out=int((mine & ~closed).sum()))
+
+
+def _kernel_time(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
+    """GPU time per kernel name of every process whose kernels CUPTI recorded (/kernels/activity)."""
+    execs = trace.tables.get(schema.KERNEL_ACTIVITY.path)
+    if execs is None or not len(execs):
+        return
+    names_t = trace.tables.get(schema.KERNEL_ACTIVITY_NAMES.path)
+    text = {} if names_t is None else {(int(p), int(i)): n.decode(errors="replace")
+                                       for p, i, n in zip(names_t["pid"], names_t["name_id"], names_t["name"])}
+    for pid in np.unique(execs["pid"]):
+        r = execs[(execs["pid"] == pid) & (execs["t_end_ns"] >= execs["t_start_ns"])]
+        if not len(r):
+            continue
+        names = [text.get((int(pid), int(i)), f"[kernel {int(i)}]") for i in r["name_id"]]
+        t0, t1 = cm.to_realtime(r["t_start_ns"]), cm.to_realtime(r["t_end_ns"])
+        s.kernels[int(pid)] = named_time_bins(t0, t1, (t1 - t0).astype(np.float64), names, "(other kernels)", tb,
+                                              bin_ns, nb)
 
 
 def _on_cpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:

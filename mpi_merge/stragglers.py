@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.mpi_merge.common import Pool, SerialPool, block_rows, quiet_nan
-from gpuprof.mpi_merge.loading import OnCpuBins, PhaseBins, Series, bins_overlapping
+from gpuprof.mpi_merge.loading import NamedTimeBins, OnCpuBins, Series, bins_overlapping
 from gpuprof.mpi_merge.rootcause import (
     AlignedRows,
     Blame,
@@ -150,6 +150,8 @@ class Finding:
     evidence_gids: np.ndarray | None = field(default=None, repr=False)
     # the NVTX range (phase) its processes spent the most extra time in, against the other ranks ('' = none)
     phase: str = ""
+    # the CUDA kernel its processes' GPUs spent the most extra time in (CUPTI; '' = none recorded or no excess)
+    kernel: str = ""
     # its flagged windows on its widest communicator, [k, 2] aligned ns (where flames.py reads stacks)
     evidence_spans: np.ndarray | None = field(default=None, repr=False)
     # per stack table ("cpu", "offcpu"): where its processes' extra time went (flames.summarize)
@@ -355,13 +357,15 @@ def find_stragglers(
     epoch_rt: int, t0: float, params: StragglerParams = DEFAULT_STRAGGLER_PARAMS,
     clock_error_ns: np.ndarray | Sequence[float] | None = None, p2p: P2PLateness | None = None,
     node_on_cpu: Sequence[dict[int, OnCpuBins]] | None = None, pool: Pool | None = None,
-    node_phases: Sequence[dict[int, PhaseBins]] | None = None,
+    node_phases: Sequence[dict[int, NamedTimeBins]] | None = None,
+    node_kernels: Sequence[dict[int, NamedTimeBins]] | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (root causes) and the per-communicator metrics. `clock_error_ns`: per node (index of
     node_names), the clock model's error; NaN or missing counts as 0. `p2p`: the matched messages'
     Late Sender waits, judged per sending node like one more communicator. `node_on_cpu`: per node,
     where each MPI process was on CPU (loading.OnCpuBins), quoted in the evidence; `node_phases`: per
-    node, each process's time in its NVTX ranges (loading.PhaseBins), the phase named. `pool`: the merge
+    node, each process's time in its NVTX ranges (loading.NamedTimeBins), the phase named; `node_kernels`:
+    per node, each process's GPU time per kernel (CUPTI), the kernel named. `pool`: the merge
     ranks the reads of the aligned times are dealt over (the delay analysis's ranges, the window
     scores); by default this process reads `times`."""
     if params.algorithm not in ALGORITHMS:
@@ -474,9 +478,10 @@ def find_stragglers(
     if node_on_cpu is not None:
         for f, (_, tests) in zip(findings, sorted(by_node.items())):
             _on_cpu_evidence(f, tests, comms, stats, node_on_cpu, epoch_rt)
-    if node_phases is not None:
-        for f, (_, tests) in zip(findings, sorted(by_node.items())):
-            _phase_evidence(f, tests, comms, stats, node_phases, epoch_rt)
+    for what, per_node in (("phase", node_phases), ("kernel", node_kernels)):
+        if per_node is not None:
+            for f, (_, tests) in zip(findings, sorted(by_node.items())):
+                _named_time_evidence(f, tests, comms, stats, per_node, epoch_rt, what)
     for f in findings:
         _device_time_evidence(f, blame, times, params)
     for f in findings:
@@ -940,14 +945,19 @@ def _on_cpu_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], s
     f.metrics["cpu_samples"] = float(n_me)
 
 
-PHASE_MIN_NS_PER_S = 10e6  # an excess in an NVTX range below this (1 % of the time) names no phase
+NAMED_MIN_NS_PER_S = 10e6  # an excess in a phase or a kernel below this (1 % of the time) names none
+NAMED_WORDS = {  # what: (evidence heading, the thing named, its unit of time)
+    "phase": ("NVTX phases", "range", "the extra time"),
+    "kernel": ("GPU kernels (CUPTI)", "kernel", "the extra GPU time"),
+}
 
 
-def _phase_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats],
-                    node_phases: Sequence[dict[int, PhaseBins]], epoch_rt: int) -> None:
-    """The NVTX ranges (the phases users mark: forward, backward, optimizer...) of the straggler's
-    processes in the flagged windows against the other ranks' (median over ranks, per second): the
-    one with the largest excess is the phase where its extra time went."""
+def _named_time_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], stats: dict[int, _CommStats],
+                         per_node: Sequence[dict[int, NamedTimeBins]], epoch_rt: int, what: str) -> None:
+    """The time of the straggler's processes in named intervals over its flagged windows against
+    the other ranks' (median over ranks, per second): NVTX ranges (the phases users mark: forward,
+    backward, optimizer) or the CUDA kernels that ran. The name with the largest excess is the
+    finding's `phase` or `kernel`."""
     main = min(tests, key=lambda t: (-comms[t.ci].size, t.p, t.ci, t.w, t.r))
     c, st = comms[main.ci], stats[main.ci]
     windows = flagged_windows(tests, main)
@@ -956,14 +966,14 @@ def _phase_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], st
 
     def rates(r: int) -> dict[str, float] | None:
         ni, pid = int(c.node_of_rank[r]), int(c.pid_of_rank[r])
-        ph = node_phases[ni].get(pid) if 0 <= ni < len(node_phases) else None
-        return None if ph is None else ph.rates(a, b, epoch_rt)
+        nb = per_node[ni].get(pid) if 0 <= ni < len(per_node) else None
+        return None if nb is None else nb.rates(a, b, epoch_rt)
 
     mine = [x for x in (rates(r) for r in f.ranks) if x is not None]
     peers = [x for x in (rates(r) for r in range(c.size) if r not in set(f.ranks)) if x is not None]
     if not mine or not peers:
         return
-    names = sorted({k for d in mine + peers for k in d} - {"(other ranges)"})
+    names = sorted({k for d in mine + peers for k in d} - {"(other ranges)", "(other kernels)"})
     excess = []
     for name in names:
         me = float(np.mean([d.get(name, 0.0) for d in mine]))
@@ -973,16 +983,17 @@ def _phase_evidence(f: Finding, tests: list[_Test], comms: list[CommSummary], st
         return
     excess.sort(key=lambda e: (-e[0], e[1]))
     ms = 1e6
+    heading, thing, extra = NAMED_WORDS[what]
     top = ", ".join(f"{name} {me / ms:.0f} ms/s vs {peer / ms:.0f}" for _, name, me, peer in excess[:3])
     d, name, me, peer = excess[0]
-    if d >= PHASE_MIN_NS_PER_S:
-        f.phase = name
-        f.metrics.update({"phase_ns_per_s": me, "phase_ns_per_s_peers": peer})
-        f.evidence.append(f"NVTX phases in the flagged windows: the extra time went into {name!r} ({me / ms:.0f} ms/s "
-                          f"vs the other ranks' median {peer / ms:.0f} ms/s); by range: {top}")
+    if d >= NAMED_MIN_NS_PER_S:
+        setattr(f, what, name)
+        f.metrics.update({f"{what}_ns_per_s": me, f"{what}_ns_per_s_peers": peer})
+        f.evidence.append(f"{heading} in the flagged windows: {extra} went into {name!r} ({me / ms:.0f} ms/s vs the "
+                          f"other ranks' median {peer / ms:.0f} ms/s); by {thing}: {top}")
     else:
-        f.evidence.append(f"NVTX phases in the flagged windows: no range took its processes >= "
-                          f"{PHASE_MIN_NS_PER_S / ms:.0f} ms/s more than the other ranks ({top})")
+        f.evidence.append(f"{heading} in the flagged windows: no {thing} took its processes >= "
+                          f"{NAMED_MIN_NS_PER_S / ms:.0f} ms/s more than the other ranks ({top})")
 
 
 def flagged_windows(tests: list[_Test], main: _Test) -> list[int]:

@@ -117,6 +117,9 @@ class SynthConfig:
     # NVTX ranges on every rank's compute interval: "step" around "forward" (40 % of the nominal
     # interval), "backward" (what is left: a slow rank's extra time) and "optimizer" (10 %)
     nvtx: bool = False
+    # CUDA kernels as CUPTI records them (mode kernels): per compute interval "sgemm" for 50 % of the
+    # nominal interval and "elementwise" for 20 %; a "gpu" straggler's extra time is in longer sgemms
+    cupti: bool = False
 
 
 def node_name(i: int, nodes: int = 0) -> str:
@@ -347,7 +350,7 @@ def write_node(
     end_s = tl.last_exit_s + 0.5
     if cut_s is not None:
         end_s = min(end_s, cut_s)
-    modes = ("metrics", "collectives")
+    modes = ("metrics", "collectives", "kernels") if cfg.cupti else ("metrics", "collectives")
     hostname = "synthhost" if cfg.same_host else f"{name}-host"
     boot_id = "synthetic-boot-shared" if cfg.same_host else f"synthetic-boot-{i}"
     meta = NodeMeta(
@@ -424,6 +427,16 @@ def write_node(
               for lr in range(len(ranks))]
         w.append(schema.NVTX_RANGES.path, np.sort(np.concatenate([r for r, _ in nv]), order="t_start_ns"))
         w.append(schema.NVTX_STRINGS.path, np.concatenate([t for _, t in nv]))
+    if cfg.cupti:
+        kx = [_cupti_kernels(cfg, 10_000 + lr, node_enter[:, lr], prev_exit_of(lr, np.arange(K)), clock)
+              for lr in range(len(ranks))]
+        for table in (schema.KERNEL_ACTIVITY, schema.KERNEL_ACTIVITY_NAMES, schema.KERNEL_ACTIVITY_LAUNCHES,
+                      schema.KERNEL_LAUNCHES):
+            table_rows = np.concatenate([k[table.path] for k in kx])
+            first = table.columns[0].name  # the time column, except for the names
+            w.append(table.path, table_rows if table is schema.KERNEL_ACTIVITY_NAMES else np.sort(table_rows, order=first))
+        w.append(schema.STACK_FRAMES.path, LAUNCH_FRAMES)
+        w.append(schema.STACK_SYMBOLS.path, LAUNCH_SYMBOLS)
     if cfg.nccl:
         w.append(schema.DEVICE_TIMES.path, np.concatenate(dev) if dev else schema.DEVICE_TIMES.empty())
     comms = schema.COMMUNICATORS.empty(len(ranks))
@@ -480,6 +493,54 @@ def _nvtx_ranges(cfg: SynthConfig, pid: int, enter: np.ndarray, prev_exit: np.nd
     return r, t
 
 
+CUPTI_KERNELS = ("sgemm_128x64_nn", "elementwise_add")
+# the CPU stacks the kernels are launched from (innermost first): stack id 1 for sgemm, 2 for elementwise
+LAUNCH_STACKS = (("cublasSgemm", "matmul", "forward", "train_step", "main"), ("launch_add", "optimizer", "main"))
+_NAMES = sorted({n for st in LAUNCH_STACKS for n in st})
+LAUNCH_SYMBOLS = schema.STACK_SYMBOLS.empty(len(_NAMES))
+LAUNCH_SYMBOLS["symbol_id"] = np.arange(1, len(_NAMES) + 1)
+LAUNCH_SYMBOLS["name"] = [n.encode() for n in _NAMES]
+LAUNCH_SYMBOLS["module"] = b"train"
+LAUNCH_FRAMES = np.concatenate([
+    np.array([(sid, depth, _NAMES.index(name) + 1) for depth, name in enumerate(st)], schema.STACK_FRAMES.dtype)
+    for sid, st in enumerate(LAUNCH_STACKS, start=1)])
+LAUNCH_LEAD_NS = 20_000  # the launch call, this long before its kernel starts
+
+
+def _cupti_kernels(cfg: SynthConfig, pid: int, enter: np.ndarray, prev_exit: np.ndarray,
+                   clock: NodeClock) -> dict[str, np.ndarray]:
+    """One rank's kernel executions, their names, their launch calls as CUPTI's callbacks and the
+    uprobes see them (with the CPU stack of each): per compute interval an sgemm (what the interval
+    has beyond its nominal 30 % of other work and 20 % elementwise) then an elementwise."""
+    nominal = cfg.period_ms * 1e-3
+    k = len(enter)
+    gemm_end = np.maximum(enter - 0.2 * nominal, prev_exit)
+    gemm_start = np.minimum(prev_exit + 0.3 * nominal, gemm_end)
+    r = schema.KERNEL_ACTIVITY.empty(2 * k)
+    for j, (a, b) in enumerate(((gemm_start, gemm_end), (gemm_end, enter))):
+        sl = slice(j * k, (j + 1) * k)
+        r["t_start_ns"][sl] = clock.to_monotonic_ns(a)
+        r["t_end_ns"][sl] = clock.to_monotonic_ns(np.maximum(a, b))
+        r["name_id"][sl] = j + 1
+        r["correlation_id"][sl] = 2 * np.arange(k) + j + 1
+    r["pid"] = pid
+    r["grid_x"], r["block_x"] = 256, 128
+    n = schema.KERNEL_ACTIVITY_NAMES.empty(len(CUPTI_KERNELS))
+    n["pid"] = pid
+    n["name_id"] = np.arange(1, len(CUPTI_KERNELS) + 1)
+    n["name"] = [x.encode() for x in CUPTI_KERNELS]
+    al = schema.KERNEL_ACTIVITY_LAUNCHES.empty(len(r))
+    al["t_ns"] = r["t_start_ns"] - LAUNCH_LEAD_NS
+    al["pid"], al["tid"], al["correlation_id"] = pid, pid, r["correlation_id"]
+    al["domain"] = schema.KERNEL_ACTIVITY_LAUNCHES.enums["domain"].index("runtime_api")
+    kl = schema.KERNEL_LAUNCHES.empty(len(r))
+    kl["t_ns"] = al["t_ns"]
+    kl["pid"], kl["tid"] = pid, pid
+    kl["user_stack"] = r["name_id"]  # sgemm from stack 1, elementwise from stack 2
+    return {schema.KERNEL_ACTIVITY.path: r, schema.KERNEL_ACTIVITY_NAMES.path: n,
+            schema.KERNEL_ACTIVITY_LAUNCHES.path: al, schema.KERNEL_LAUNCHES.path: kl}
+
+
 NCCL_OP_OF = {OP_ALLREDUCE: schema.COLLECTIVE_OPS.index("ncclAllReduce"),
               OP_BCAST: schema.COLLECTIVE_OPS.index("ncclBroadcast"),
               OP_BARRIER: schema.COLLECTIVE_OPS.index("ncclAllReduce")}  # NCCL has no barrier: a 1-element allreduce
@@ -510,7 +571,7 @@ def _as_nccl(cfg: SynthConfig, c: np.ndarray, enter: np.ndarray, exit_: np.ndarr
     c["path"] = schema.COLLECTIVE_CALLS.enums["path"].index("nccl_profiler")
     c["bytes"] = np.where(c["bytes"] == 0, 4, c["bytes"])
     d = schema.DEVICE_TIMES.empty(n)
-    for f in ("pid", "comm_id", "seq"):
+    for f in ("pid", "comm_id", "seq", "op", "root_or_peer"):
         d[f] = c[f]
     err = cfg.device_map_error_us * 1e-6
     d["t_dev_start_ns"] = clock.to_monotonic_ns(enter + err * rng.standard_normal(n))

@@ -39,7 +39,7 @@ def plugin_calls(n: int, path: int = PLUGIN) -> np.ndarray:
 
 def device_rows(calls: np.ndarray, start_offset: int = 30, length: int = 20) -> np.ndarray:
     d = schema.DEVICE_TIMES.empty(len(calls))
-    for f in ("pid", "comm_id", "seq"):
+    for f in ("pid", "comm_id", "seq", "op", "root_or_peer"):
         d[f] = calls[f]
     d["t_dev_start_ns"] = calls["t_enter_ns"] + start_offset
     d["t_dev_end_ns"] = d["t_dev_start_ns"] + length
@@ -146,3 +146,51 @@ def test_exclusive_time_of_nested_ranges() -> None:
     r["depth"] = [0, 1, 1, 2, 0]
     r["tid"] = [1, 1, 1, 1, 2]
     assert exclusive_ns(r).tolist() == [30, 20, 40, 10, 50]
+
+
+def test_a_gpu_straggler_names_its_kernel(tmp_path: Path) -> None:
+    """CUDA kernels as CUPTI records them: GPU seconds per kernel and rank in the report, and the
+    kernel a GPU straggler's extra time went into in its finding."""
+    syn.generate(syn.SynthConfig(nodes=6, duration_s=40, seed=6, cupti=True,
+                                 stragglers=[syn.Straggler(4, "gpu", 10.0, 30.0, 0.4)]), tmp_path / "j")
+    S = [summarize_node(p) for p in discover(tmp_path / "j")]
+    totals = S[0].kernels[10_000].totals_s()
+    assert totals["elementwise_add"] == pytest.approx(0.2 * 40, rel=0.05)
+    assert totals["sgemm_128x64_nn"] == pytest.approx(0.5 * 40, rel=0.05)
+    a = analyze(S)
+    assert [(f.node, f.cause, f.kernel) for f in a.findings] == [(syn.node_name(4, 6), "gpu", "sgemm_128x64_nn")]
+    assert any(e.startswith("GPU kernels (CUPTI)") and "'sgemm_128x64_nn'" in e for e in a.findings[0].evidence)
+    node = next(n for n in a.report["nodes"] if n["node"] == syn.node_name(4, 6))
+    assert node["kernel_time_s"]["10000"]["sgemm_128x64_nn"] > totals["sgemm_128x64_nn"]
+    # and where on the CPU the straggler launched it from: CUPTI's launch record joined to the
+    # uprobe's launch row of the same thread (the CPU stack), over the flagged windows
+    launch = a.findings[0].stacks["kernel_launch"]
+    assert launch["path"] == ["train_step", "forward", "matmul", "cublasSgemm"] and launch["depth"] == 5  # innermost 4
+    assert launch["share_of_launches"] == 1.0 and launch["launches"] > 1000
+    assert any(e.startswith("its 'sgemm_128x64_nn' kernels in the flagged windows were launched from")
+               for e in a.findings[0].evidence)
+
+
+def test_the_plugins_rows_replace_the_interposers_for_the_same_process() -> None:
+    from gpuprof.mpi_merge.loading import _one_nccl_path
+
+    plugin = plugin_calls(3)
+    interposer = plugin_calls(3, path=FASTPATH)
+    interposer["comm_id"] = 0x1D  # the ncclUniqueId's hash, not NCCL's commHash
+    other_process = plugin_calls(2, path=FASTPATH)
+    other_process["pid"] = 8  # no plugin there: its host rows stay
+    mpi = plugin_calls(2, path=FASTPATH)
+    mpi["library"] = 0
+    kept = _one_nccl_path(np.concatenate([plugin, interposer, other_process, mpi]))
+    assert kept["path"].tolist() == [PLUGIN] * 3 + [FASTPATH] * 4
+    assert 0x1D not in kept["comm_id"].tolist()
+
+
+def test_the_text_report_says_where_the_time_went(tmp_path: Path) -> None:
+    from gpuprof.mpi_merge.report import render_text
+
+    syn.generate(syn.SynthConfig(nodes=6, duration_s=40, seed=4, nvtx=True, cupti=True,
+                                 stragglers=[syn.Straggler(2, "gpu", 10.0, 30.0, 0.4)]), tmp_path / "j")
+    a = analyze([summarize_node(p) for p in discover(tmp_path / "j")])
+    text = render_text(a.report)
+    assert "where the time went: NVTX phase 'backward'; GPU kernel 'sgemm_128x64_nn'" in text

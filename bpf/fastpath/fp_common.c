@@ -208,6 +208,18 @@ struct gp_record *gp_claim(u32 kind, u64 *pos_out)
     return rec;
 }
 
+void gp_count_drops(u64 n)
+{
+    struct gp_ring_header *h = __atomic_load_n(&ring, __ATOMIC_ACQUIRE);
+    if (n && h && h != (void *)-1)
+        __atomic_fetch_add(&h->dropped, n, __ATOMIC_RELAXED);
+}
+
+void gp_count_drop(void)
+{
+    gp_count_drops(1);
+}
+
 void gp_publish(struct gp_record *rec, u64 pos)
 {
     __atomic_store_n(&rec->seq, pos + 1, __ATOMIC_RELEASE);
@@ -325,4 +337,26 @@ u64 gp_fnv1a64(const void *data, unsigned long len)
         h *= 0x100000001B3ULL;
     }
     return h;
+}
+
+void gp_send_string(u32 kind, u32 id, const char *s, size_t n, int truncated)
+{
+    u8 parts = (u8)(n ? (n + GP_NVTX_PART_BYTES - 1) / GP_NVTX_PART_BYTES : 1);
+    for (u8 p = 0; p < parts; p++) {
+        u64 pos;
+        struct gp_record *r = gp_claim(kind, &pos);
+        if (!r)
+            return;
+        struct gp_nvtx_string *m = &r->u.nvtx_string;
+        size_t off = (size_t)p * GP_NVTX_PART_BYTES, len = n - off < GP_NVTX_PART_BYTES ? n - off : GP_NVTX_PART_BYTES;
+        m->string_id = id;
+        m->total_len = (u16)n;
+        m->part = p;
+        m->flags = truncated ? GP_NVTX_S_TRUNCATED : 0;
+        m->pad = 0;
+        memset(m->text, 0, sizeof(m->text));
+        if (n)
+            memcpy(m->text, s + off, len);
+        gp_publish(r, pos);
+    }
 }

@@ -2,6 +2,8 @@
 #ifndef GPUPROF_FP_COMMON_H
 #define GPUPROF_FP_COMMON_H
 
+#include <stddef.h>
+
 #include "gpuprof_ring.h"
 #include "../gpuprof_ops.h"
 
@@ -15,6 +17,13 @@ u64 gp_now(void);
 /* Claim a record; NULL when the ring is full or unavailable (the drop is counted). */
 struct gp_record *gp_claim(u32 kind, u64 *pos);
 void gp_publish(struct gp_record *rec, u64 pos);
+/* A string of n bytes (already cut to GP_NVTX_STRING_MAX, `truncated` when it was longer) as
+ * records of `kind` (struct gp_nvtx_string parts of GP_NVTX_PART_BYTES) under `id`; a part that does
+ * not fit the ring is dropped and counted by gp_claim (the collector sees the string incomplete). */
+void gp_send_string(u32 kind, u32 id, const char *s, size_t n, int truncated);
+/* Count a record not written for a reason of the writer's own (a full table): the ring's drops. */
+void gp_count_drop(void);
+void gp_count_drops(u64 n);
 /* One call record (claim, fill, publish); the exit time is taken here. Nothing if the ring is full. */
 void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
                   u8 flags);

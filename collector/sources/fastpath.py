@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,23 @@ import numpy as np
 
 from gpuprof.collector import environment as env
 from gpuprof.collector import native, schema
-from gpuprof.collector.bpf_support import BPF_DIR
+from gpuprof.collector.bpf_support import BPF_DIR, read_environ
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from gpuprof.collector.sources.collective_calls import CALL_DTYPE, CommRegistry
-from gpuprof.collector.sources.probe_table import PATH_CODES
+from gpuprof.collector.sources.collective_calls import CALL_DTYPE, CommRegistry, stable_id
+from gpuprof.collector.sources.probe_table import GP_BYTES_UNKNOWN, LIB_CODES, PATH_CODES
 
 BUILD_DIR = BPF_DIR / "fastpath" / "build"
 LIBRARIES = {"mpi": BUILD_DIR / "libgpuprof_pmpi.so", "nccl": BUILD_DIR / "libgpuprof_nccl.so"}
 LAYOUT = BUILD_DIR / "layout.json"
+# NCCL's profiler plugin interface and NVTX's injection (bpf/fastpath/gpuprof_nccl_profiler.c,
+# gpuprof_nvtx.c): loaded by libnccl and by the application's NVTX headers, not preloaded.
+NCCL_PROFILER = BUILD_DIR / "libnccl-profiler-gpuprof.so"
+NVTX_INJECTION = BUILD_DIR / "libgpuprof_nvtx.so"
+CUPTI_INJECTION = BUILD_DIR / "libgpuprof_cupti.so"  # CUDA_INJECTION64_PATH: CUPTI activity (mode kernels)
+CUDA_INJECTION64_PATH = env.CUDA_INJECTION64_PATH
+NCCL_PROFILER_PLUGIN = env.NCCL_PROFILER_PLUGIN
+NVTX_INJECTION64_PATH = env.NVTX_INJECTION64_PATH
+GPUPROF_NVTX = env.GPUPROF_NVTX
 RING_DIR = "/dev/shm"
 # A ring whose writer pid is not (yet) a job process is retried this long before it is refused:
 # the process tracker picks up new processes once a second, the drain runs every 0.2 s.
@@ -76,16 +86,60 @@ def resolve_paths(config: dict[str, dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def nccl_profiler_on(config: dict[str, dict[str, Any]]) -> bool:
+    """NCCL's profiler plugin for this job: sources.collectives.nccl_profiler = auto and it is built.
+    A hand-made config without the key (tests) does not get it: config.load always has it."""
+    want = config.get("sources.collectives", {}).get("nccl_profiler", "off")
+    if want not in ("auto", "off"):
+        raise ValueError(f"sources.collectives.nccl_profiler: {want!r} is neither 'auto' nor 'off'")
+    return want == "auto" and NCCL_PROFILER.exists() and LAYOUT.exists()
+
+
+def nvtx_on(config: dict[str, dict[str, Any]], job_env: Mapping[str, str]) -> bool:
+    """NVTX injection for this job: sources.nvtx.inject = on, or job and the job's environment has
+    GPUPROF_NVTX=1; and the library is built. A config without the key: off (as nccl_profiler_on)."""
+    want = config.get("sources.nvtx", {}).get("inject", "off")
+    if want not in ("job", "on", "off"):
+        raise ValueError(f"sources.nvtx.inject: {want!r} is not one of job, on, off")
+    asked = want == "on" or (want == "job" and job_env.get(GPUPROF_NVTX, "") == "1")
+    return asked and NVTX_INJECTION.exists() and LAYOUT.exists()
+
+
+def cupti_on(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -> bool:
+    """CUPTI kernel times for this job: mode kernels, sources.kernels.cupti = auto and built. A
+    config without the key: off (as nccl_profiler_on)."""
+    want = config.get("sources.kernels", {}).get("cupti", "off")
+    if want not in ("auto", "off"):
+        raise ValueError(f"sources.kernels.cupti: {want!r} is neither 'auto' nor 'off'")
+    return "kernels" in modes and want == "auto" and CUPTI_INJECTION.exists() and LAYOUT.exists()
+
+
+def _step_aside(var: str, ours: Path, job_env: Mapping[str, str]) -> list[str]:
+    """`export var=ours`, or, when the job set var itself, a line the job's output shows instead
+    (a TaskProlog `print` line): the job's own plugin wins."""
+    theirs = job_env.get(var, "")
+    if theirs and theirs != str(ours):
+        return [(f"print gpuprof: {var} is already set by the job ({theirs[:200]}): gpuprof's stays out "
+                 "and records nothing through it")]
+    return [f"export {var}={ours}"]
+
+
 def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], job_id: str | None = None,
                      existing_ld_preload: str | None = None, ring_dir: str | os.PathLike[str] | None = None,
-                     node: str | None = None) -> list[str]:
+                     node: str | None = None, job_env: Mapping[str, str] | None = None) -> list[str]:
     """`export NAME=value` lines for the TaskProlog: the interposers of the libraries whose path is
     'fastpath' for this job (sources.collectives.mpi_path / nccl_path; auto = fast path when built).
     Empty when mode `collectives` is off or no library uses the fast path. job_id and the task's
     LD_PRELOAD default to the TaskProlog's environment (SLURM_JOB_ID, LD_PRELOAD); ring_dir to the
-    per-job directory of this node (`job_ring_dir`, node from SLURMD_NODENAME)."""
-    if "collectives" not in modes:
+    per-job directory of this node (`job_ring_dir`, node from SLURMD_NODENAME). Also
+    NCCL_PROFILER_PLUGIN (`nccl_profiler_on`), NVTX_INJECTION64_PATH (`nvtx_on`) and, in mode
+    kernels, CUDA_INJECTION64_PATH (`cupti_on`; then without the interposers), each unless the
+    job's environment (job_env, default the TaskProlog's) sets it already: then a `print` line
+    says so to the job's output, and the collector reports it too (/diagnostics/errors)."""
+    if "collectives" not in modes and "kernels" not in modes:
         return []
+    if job_env is None:
+        job_env = os.environ
     if job_id is None:
         job_id = env.get(env.SLURM_JOB_ID)
         if not job_id:
@@ -95,19 +149,33 @@ def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], 
     paths = resolve_paths(config)
     built = built_libraries()
     libs = [str(built[lib]) for lib in ("mpi", "nccl") if paths[lib] == "fastpath" and built[lib] is not None]
-    if not libs:
+    if "collectives" not in modes:
+        libs = []
+    plugin = "collectives" in modes and nccl_profiler_on(config)
+    nvtx = "collectives" in modes and nvtx_on(config, job_env)
+    cupti = cupti_on(modes, config)
+    if not libs and not plugin and not nvtx and not cupti:
         return []
     if ring_dir is None:
         try:
             ring_dir = job_ring_dir(job_id, node or env.get(env.SLURMD_NODENAME) or os.uname().nodename)
         except ValueError:
             return []
-    preload = ":".join([*libs, *[p for p in existing_ld_preload.split(":") if p]])
-    return [
-        f"export LD_PRELOAD={preload}",
+    lines = []
+    if libs:
+        preload = ":".join([*libs, *[p for p in existing_ld_preload.split(":") if p]])
+        lines.append(f"export LD_PRELOAD={preload}")
+    lines += [
         f"export GPUPROF_FASTPATH_JOB={job_id}",
         f"export GPUPROF_FASTPATH_DIR={os.fspath(ring_dir)}",
     ]
+    if plugin:
+        lines += _step_aside(NCCL_PROFILER_PLUGIN, NCCL_PROFILER, job_env)
+    if nvtx:
+        lines += _step_aside(NVTX_INJECTION64_PATH, NVTX_INJECTION, job_env)
+    if cupti:
+        lines += _step_aside(CUDA_INJECTION64_PATH, CUPTI_INJECTION, job_env)
+    return lines
 
 
 @lru_cache(maxsize=1)
@@ -176,6 +244,12 @@ class Ring:
         self.head_offset = next(f[1] for f in lay["header"] if f[0] == "head")
         self.tail_offset = next(f[1] for f in lay["header"] if f[0] == "tail")
         self.dropped_offset = next(f[1] for f in lay["header"] if f[0] == "dropped")
+        # the plugin's and NVTX's record kinds (layout.json of a build that has them), by kind number
+        self.extra_dtypes = {lay[f"rec_{k}"]: _dtype(lay[k], lay["call_offset"], rs)
+                             for k in EXTRA_KINDS if f"rec_{k}" in lay and k in lay}
+        if "rec_cuda_name" in lay:  # kernel names travel as string records
+            self.extra_dtypes[lay["rec_cuda_name"]] = _dtype(lay["nvtx_string"], lay["call_offset"], rs)
+        self.extra: dict[int, np.ndarray] = {}
 
     def dropped(self) -> int:
         raw = os.pread(self.fd, 8, self.dropped_offset)
@@ -211,11 +285,18 @@ class Ring:
                 want_total -= k
             if k < n:
                 break
+        self.extra = {}
         if not chunks:
             return np.zeros(0, dtype=CALL_DTYPE), []
         os.pwrite(self.fd, self.tail.to_bytes(8, "little"), self.tail_offset)
         buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         count = len(buf) // rs
+        if self.extra_dtypes:
+            # plugin and NVTX records (copied out: the calls' conversion below does not see them)
+            kinds = np.frombuffer(buf, dtype=self.rec_dtype, count=count)["kind"]
+            if (kinds > self.lay["rec_comm"]).any():
+                self.extra = {k: np.frombuffer(buf, dtype=dt, count=count)[kinds == k]
+                              for k, dt in self.extra_dtypes.items() if (kinds == k).any()}
         if self.native is not None:
             return self._native_rows(buf, count)
         kinds = np.frombuffer(buf, dtype=self.rec_dtype, count=count)["kind"]
@@ -250,6 +331,7 @@ class Ring:
 
 
 RECV_OP = schema.COLLECTIVE_OPS.index("MPI_Recv")
+EXTRA_KINDS = ("nccl_op", "nccl_dev", "nccl_comm", "nvtx_range", "nvtx_string", "cuda_kernel", "cuda_launch")
 
 
 @lru_cache(maxsize=1)
@@ -293,7 +375,9 @@ class FastpathSource(Source):
     """Drains the rings of the job's processes in the job's ring directory (`job_ring_dir`)."""
 
     name = "collectives_fastpath"
-    tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS)
+    tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS, schema.DEVICE_TIMES, schema.NVTX_RANGES,
+              schema.NVTX_STRINGS, schema.KERNEL_ACTIVITY, schema.KERNEL_ACTIVITY_NAMES,
+              schema.KERNEL_ACTIVITY_LAUNCHES)
     interval_s = 0.2
 
     def __init__(self, ring_dir: str | None = None) -> None:
@@ -314,13 +398,29 @@ class FastpathSource(Source):
         self.events_comm: list[dict[str, Any]] = []
         self._dir_fd: int | None = None
         self._ring_count = 0
+        self.plugin_on = self.nvtx_on = self.cupti_on = False
+        self.gpu: GpuRecords | None = None  # made at start (its part size is the build's layout)
+        self.env_checked: set[int] = set()
+        self.stepped_aside: set[tuple[str, str]] = set()  # (variable, the job's value) reported
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
         paths = resolve_paths(ctx.config)
-        if not any(paths[lib] == "fastpath" for lib in ("mpi", "nccl")):
+        try:
+            self.plugin_on = nccl_profiler_on(ctx.config)
+            # sources.nvtx.inject = job: the job's processes decide (any may have GPUPROF_NVTX=1)
+            self.nvtx_on = nvtx_on(ctx.config, {GPUPROF_NVTX: "1"})
+            self.cupti_on = cupti_on(ctx.modes, ctx.config)
+        except ValueError as e:
+            raise SourceUnavailable(str(e)) from None
+        if "collectives" not in ctx.modes:  # mode kernels alone: the rings carry CUPTI's records only
+            paths = {lib: "uprobe" for lib in paths}
+            self.plugin_on = self.nvtx_on = False
+        if (not any(paths[lib] == "fastpath" for lib in ("mpi", "nccl")) and not self.plugin_on
+                and not self.nvtx_on and not self.cupti_on):
             raise SourceUnavailable("no library uses the fast path for this job (config)")
         self.lay = layout()
+        self.gpu = GpuRecords(int(self.lay.get("nvtx_part_bytes", 60)))
         if self.ring_dir is None:
             try:
                 self.ring_dir = str(job_ring_dir(ctx.job_id, ctx.node))
@@ -389,12 +489,33 @@ class FastpathSource(Source):
         self.ctx.report_error(self.name, f"process {m[1] if m else '?'} could not create its ring ({text}): its "
                               f"calls are not recorded ({len(self.failed)} such processes so far)"[:240])
 
+    def _check_job_env(self, pid: int) -> None:
+        """A job process whose environment names its own NCCL profiler plugin, NVTX or CUDA
+        injection has ours stepped aside (the TaskProlog did not set it): said once per value."""
+        self.env_checked.add(pid)
+        wanted = (([(NCCL_PROFILER_PLUGIN, NCCL_PROFILER)] if self.plugin_on else [])
+                  + ([(NVTX_INJECTION64_PATH, NVTX_INJECTION)] if self.nvtx_on else [])
+                  + ([(CUDA_INJECTION64_PATH, CUPTI_INJECTION)] if self.cupti_on else []))
+        if not wanted:
+            return
+        job_env = read_environ(pid)
+        if self.ctx.config.get("sources.nvtx", {}).get("inject") == "job" and job_env.get(GPUPROF_NVTX) != "1":
+            wanted = [w for w in wanted if w[0] != NVTX_INJECTION64_PATH]  # it did not ask for ours
+        for var, ours in wanted:
+            theirs = job_env.get(var, "")
+            if theirs and theirs != str(ours) and (var, theirs) not in self.stepped_aside:
+                self.stepped_aside.add((var, theirs))
+                self.ctx.report_error(self.name, f"process {pid} sets {var}={theirs[:120]} itself: gpuprof's "
+                                      "stepped aside, nothing is recorded through it"[:240])
+
     def _scan(self, final: bool = False) -> None:
         for pid in self.ctx.pids() - self.job_pids:
             self.job_pids.add(pid)
             uid = _uid_of(pid)
             if uid is not None:
                 self.job_uids.add(uid)
+            if pid not in self.env_checked:
+                self._check_job_env(pid)
         dfd = self._open_dir()
         if dfd is None:
             return
@@ -458,6 +579,11 @@ class FastpathSource(Source):
     def summary(self) -> dict[str, Any]:
         """What `status` and the file attribute fastpath_json say about the rings."""
         return {
+            "nccl_profiler": self.plugin_on,
+            "nvtx": self.nvtx_on,
+            "cupti": self.cupti_on,
+            "gpu_records": dict(self.gpu.counts) if self.gpu is not None else {},
+            "stepped_aside": sorted(f"{var}={value[:120]}" for var, value in self.stepped_aside),
             "dir": self.ring_dir or "",
             "dir_problem": self.dir_problem,
             "rings": self._ring_count,
@@ -469,7 +595,14 @@ class FastpathSource(Source):
 
     def _rows(self, now_ns: int, final: bool) -> list[Batch]:
         self._scan(final)
-        rows = []
+        rows: list[np.ndarray] = []
+        comm_rows: list[np.ndarray] = []
+        device_rows: list[np.ndarray] = []
+        nvtx_rows: list[np.ndarray] = []
+        string_rows: list[np.ndarray] = []
+        kernel_rows: list[np.ndarray] = []
+        name_rows: list[np.ndarray] = []
+        launch_rows: list[np.ndarray] = []
         for ring in self.rings.values():
             try:
                 calls, comms = ring.drain()
@@ -488,9 +621,53 @@ class FastpathSource(Source):
                     rows.append(self.registry.resolve_rows(calls))
                 else:
                     rows.append(self.registry.call_rows(calls, "fastpath"))
+            self._gpu_rows(ring, final, rows, comm_rows, device_rows, nvtx_rows, string_rows)
+            self._kernel_rows(ring, final, kernel_rows, name_rows, launch_rows)
         calls_rows = (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else schema.COLLECTIVE_CALLS.empty()
+        comm_rows.insert(0, self.registry.communicator_rows(now_ns, final))
+
+        def cat(table: schema.Table, parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else table.empty()
+
         return [(schema.COLLECTIVE_CALLS, calls_rows),
-                (schema.COMMUNICATORS, self.registry.communicator_rows(now_ns, final))]
+                (schema.COMMUNICATORS, cat(schema.COMMUNICATORS, comm_rows)),
+                (schema.DEVICE_TIMES, cat(schema.DEVICE_TIMES, device_rows)),
+                (schema.NVTX_RANGES, cat(schema.NVTX_RANGES, nvtx_rows)),
+                (schema.NVTX_STRINGS, cat(schema.NVTX_STRINGS, string_rows)),
+                (schema.KERNEL_ACTIVITY, cat(schema.KERNEL_ACTIVITY, kernel_rows)),
+                (schema.KERNEL_ACTIVITY_NAMES, cat(schema.KERNEL_ACTIVITY_NAMES, name_rows)),
+                (schema.KERNEL_ACTIVITY_LAUNCHES, cat(schema.KERNEL_ACTIVITY_LAUNCHES, launch_rows))]
+
+    def _kernel_rows(self, ring: Ring, final: bool, kernels: list[np.ndarray], names: list[np.ndarray],
+                     launches: list[np.ndarray]) -> None:
+        """One ring's CUPTI records (Ring.extra) -> /kernels/activity and its names."""
+        lay, extra = self.lay, ring.extra
+        if "rec_cuda_kernel" not in lay or self.gpu is None:
+            return
+        text = self.gpu.kernel_names.rows(ring.pid, extra.get(lay["rec_cuda_name"]), final)
+        if len(text):
+            names.append(text)
+        if lay["rec_cuda_kernel"] in extra:
+            kernels.append(self.gpu.kernel_rows(ring.pid, extra[lay["rec_cuda_kernel"]]))
+        if lay.get("rec_cuda_launch") in extra:
+            launches.append(self.gpu.launch_rows(ring.pid, extra[lay["rec_cuda_launch"]]))
+
+    def _gpu_rows(self, ring: Ring, final: bool, calls: list[np.ndarray], comms: list[np.ndarray],
+                  device: list[np.ndarray], nvtx: list[np.ndarray], strings: list[np.ndarray]) -> None:
+        """One ring's plugin and NVTX records (Ring.extra) -> rows (GpuRecords)."""
+        lay, extra, pid = self.lay, ring.extra, ring.pid
+        if "rec_nccl_op" not in lay or self.gpu is None:
+            return
+        if lay["rec_nccl_comm"] in extra:
+            comms.append(self.gpu.comm_rows(pid, extra[lay["rec_nccl_comm"]]))
+        if lay["rec_nccl_op"] in extra:
+            calls.append(self.gpu.call_rows(pid, extra[lay["rec_nccl_op"]]))
+        device.extend(self.gpu.device_rows(pid, extra.get(lay["rec_nccl_dev"]), final))
+        text = self.gpu.string_rows(pid, extra.get(lay["rec_nvtx_string"]), final)
+        if len(text):
+            strings.append(text)
+        if lay["rec_nvtx_range"] in extra:
+            nvtx.append(self.gpu.range_rows(pid, extra[lay["rec_nvtx_range"]]))
 
     def sample(self, now_ns: int) -> list[Batch]:
         return self._rows(now_ns, final=False)
@@ -533,3 +710,268 @@ class FastpathSource(Source):
 
 def ring_path(job_id: str, pid: int, ring_dir: str | os.PathLike[str]) -> Path:
     return Path(ring_dir) / f"gpuprof-{job_id}-{pid}"
+
+
+# --- NCCL profiler plugin and NVTX records (bpf/fastpath/gpuprof_nccl_profiler.c, gpuprof_nvtx.c) ---
+NCCL_LIB = LIB_CODES["nccl"]
+PLUGIN_PATH = schema.COLLECTIVE_CALLS.enums["path"].index("nccl_profiler")
+INIT_RANK_OP = schema.COMMUNICATOR_OPS.index("ncclCommInitRank")
+TIMING_GPU_TIMER = schema.DEVICE_TIMES.enums["timing"].index("kernel_channel_gpu_timer")
+# bytes of one element per NCCL datatype, in the schema's datatype order (0 for 'unknown')
+DATATYPE_BYTES = np.array([1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1, 0], dtype=np.uint64)
+NVTX_TEXT_BYTES = schema.NVTX_STRINGS.dtype["text"].itemsize - 1  # 127: "cut at 127 bytes"
+NVTX_LOST_TEXT = b"[lost: the ring was full]"
+
+
+def nccl_comm_id(comm_hash: int) -> int:
+    """The job-wide id of a communicator the plugin names by NCCL's commHash: NCCL derives the hash
+    from the communicator's unique id, so every rank has the same (docs/probes.md)."""
+    return stable_id("nccl-hash", comm_hash)
+
+
+class DeviceClock:
+    """One process's GPU timer (NCCL's kernel-channel pTimer, the GPU's globaltimer) -> its node's
+    CLOCK_MONOTONIC, from the (GPU time, host time) pairs the plugin reports with each operation.
+
+    A pair is a GPU timestamp and the host time at which NCCL's proxy thread saw it, so
+    host - gpu = offset(gpu) + a delay that is never negative: every pair lies on or above the
+    true offset curve. Per SUB_NS of GPU time the pair with the smallest difference is kept; a GPU
+    time is mapped with the lower convex hull of the kept pairs within NEIGHBOR_NS of it (the
+    lower envelope, as NTP-like filters do), interpolated linearly, extrapolated along the end
+    segments: a drift between the two clocks is followed, and the error left is the delay of the
+    least delayed pairs around it, not their average. A row waits until pairs NEIGHBOR_NS after it
+    are in (or the final drain), so its hull has pairs on both sides (docs/probes.md)."""
+
+    SUB_NS = 50_000_000
+    NEIGHBOR_NS = 500_000_000
+
+    def __init__(self) -> None:
+        self.points: dict[int, tuple[int, int]] = {}  # sub-window -> (gpu_ns, host - gpu) of its best pair
+
+    def add(self, pair_host: np.ndarray, pair_delta: np.ndarray) -> None:
+        for host, delta in zip(pair_host.tolist(), pair_delta.tolist()):
+            if not host:
+                continue
+            gpu = host - delta
+            w = gpu // self.SUB_NS
+            best = self.points.get(w)
+            if best is None or delta < best[1]:
+                self.points[w] = (gpu, delta)
+
+    def settled_before(self) -> int:
+        """GPU times before this have their neighbourhood's pairs on both sides."""
+        return max(self.points) * self.SUB_NS - self.NEIGHBOR_NS if self.points else 0
+
+    @staticmethod
+    def _lower_hull(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vertices of the lower convex hull of points sorted by x (monotone chain)."""
+        hx: list[float] = []
+        hy: list[float] = []
+        for px, py in zip(x.tolist(), y.tolist()):
+            while len(hx) >= 2 and (hx[-1] - hx[-2]) * (py - hy[-2]) - (hy[-1] - hy[-2]) * (px - hx[-2]) <= 0:
+                hx.pop()
+                hy.pop()
+            hx.append(px)
+            hy.append(py)
+        return np.array(hx), np.array(hy)
+
+    @staticmethod
+    def _interp(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        delta = np.interp(g, x, y)
+        if len(x) >= 2:
+            lo, hi = g < x[0], g > x[-1]
+            delta[lo] = y[0] + (g[lo] - x[0]) * (y[1] - y[0]) / (x[1] - x[0])
+            delta[hi] = y[-1] + (g[hi] - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return delta
+
+    def to_host(self, gpu: np.ndarray) -> np.ndarray:
+        """GPU ns -> CLOCK_MONOTONIC ns (uint64; 0 stays 0: not known)."""
+        out = np.zeros(len(gpu), np.int64)
+        if not self.points or not len(gpu):
+            return out.astype(np.uint64)
+        pts = sorted(self.points.values())
+        x = np.array([p[0] for p in pts], np.float64)
+        y = np.array([p[1] for p in pts], np.float64)
+        g = gpu.astype(np.float64)
+        block = gpu // self.SUB_NS
+        for b in np.unique(block).tolist():
+            rows = block == b
+            lo, hi = b * self.SUB_NS - self.NEIGHBOR_NS, (b + 1) * self.SUB_NS + self.NEIGHBOR_NS
+            near = (x >= lo) & (x < hi)
+            if near.sum() < 2:
+                near = np.ones(len(x), bool)  # few pairs around it: the whole run's
+            hx, hy = self._lower_hull(x[near], y[near])
+            out[rows] = gpu[rows].astype(np.int64) + np.rint(self._interp(g[rows], hx, hy)).astype(np.int64)
+        return np.where(gpu == 0, 0, np.maximum(out, 0)).astype(np.uint64)
+
+
+class GpuRecords:
+    """The plugin's and NVTX's ring records of every ring -> rows of /collectives/calls,
+    /collectives/communicators, /collectives/device_times, /nvtx/ranges and /nvtx/strings."""
+
+    MAX_PENDING = 200_000  # GPU-timed rows held for a later point per process; beyond, mapped now
+
+    def __init__(self, part_bytes: int) -> None:
+        self.part_bytes = part_bytes  # text bytes of one string record (layout.json nvtx_part_bytes)
+        self.clocks: dict[int, DeviceClock] = {}
+        self.pending: dict[int, list[np.ndarray]] = {}  # pid -> nccl_dev records waiting for a point
+        self.nvtx_strings = StringAssembler(schema.NVTX_STRINGS, "string_id", "text", part_bytes)
+        self.kernel_names = StringAssembler(schema.KERNEL_ACTIVITY_NAMES, "name_id", "name", part_bytes)
+        self.counts = {"nccl_ops": 0, "nccl_device_times": 0, "nccl_comms": 0, "nvtx_ranges": 0,
+                       "nvtx_strings": 0, "nvtx_strings_lost": 0, "cuda_kernels": 0, "cuda_launches": 0}
+
+    # --- NCCL ----------------------------------------------------------------------------------
+    def call_rows(self, pid: int, ops: np.ndarray) -> np.ndarray:
+        rows = schema.COLLECTIVE_CALLS.empty(len(ops))
+        rows["t_enter_ns"], rows["t_exit_ns"] = ops["t_start_ns"], ops["t_stop_ns"]
+        rows["pid"], rows["tid"], rows["library"] = pid, ops["tid"], NCCL_LIB
+        rows["op"], rows["seq"] = ops["op"], ops["seq"]
+        rows["comm_id"] = [nccl_comm_id(int(h)) for h in ops["comm_hash"]]
+        rows["comm_rank"], rows["comm_size"] = ops["rank"], ops["nranks"]
+        size = DATATYPE_BYTES[np.minimum(ops["datatype"], len(DATATYPE_BYTES) - 1)]
+        rows["bytes"] = np.where(size > 0, ops["count"] * size, GP_BYTES_UNKNOWN)
+        rows["root_or_peer"], rows["tag"], rows["ret"] = ops["peer"], -1, 0
+        rows["path"], rows["handle"] = PLUGIN_PATH, ops["context"]
+        self.counts["nccl_ops"] += len(ops)
+        return rows
+
+    def comm_rows(self, pid: int, comms: np.ndarray) -> np.ndarray:
+        rows = schema.COMMUNICATORS.empty(len(comms))
+        rows["t_ns"], rows["pid"], rows["library"], rows["op"] = comms["t_ns"], pid, NCCL_LIB, INIT_RANK_OP
+        rows["comm_id"] = [nccl_comm_id(int(h)) for h in comms["comm_hash"]]
+        rows["parent_id"], rows["handle"] = 0, comms["context"]
+        rows["comm_rank"], rows["comm_size"] = comms["rank"], comms["nranks"]
+        self.counts["nccl_comms"] += len(comms)
+        return rows
+
+    def _device_rows(self, pid: int, dev: np.ndarray) -> np.ndarray:
+        rows = schema.DEVICE_TIMES.empty(len(dev))
+        rows["pid"] = pid
+        rows["comm_id"] = [nccl_comm_id(int(h)) for h in dev["comm_hash"]]
+        for f in ("seq", "timing", "algorithm", "protocol", "n_channels", "count", "datatype", "op"):
+            rows[f] = dev[f]
+        rows["root_or_peer"] = dev["peer"]
+        gpu = dev["timing"] == TIMING_GPU_TIMER
+        rows["t_dev_start_ns"], rows["t_dev_end_ns"] = dev["dev_start"], dev["dev_end"]
+        if gpu.any():
+            clock = self.clocks[pid]
+            rows["t_dev_start_ns"][gpu] = clock.to_host(dev["dev_start"][gpu])
+            rows["t_dev_end_ns"][gpu] = clock.to_host(dev["dev_end"][gpu])
+        self.counts["nccl_device_times"] += len(rows)
+        return rows
+
+    def device_rows(self, pid: int, dev: np.ndarray | None, final: bool) -> list[np.ndarray]:
+        """Host-timed rows at once; GPU-timed rows once their clock mapping has a later point."""
+        out = []
+        if dev is not None and len(dev):
+            gpu = dev["timing"] == TIMING_GPU_TIMER
+            if (~gpu).any():
+                out.append(self._device_rows(pid, dev[~gpu]))
+            if gpu.any():
+                self.clocks.setdefault(pid, DeviceClock()).add(dev["pair_host"][gpu], dev["pair_delta"][gpu])
+                self.pending.setdefault(pid, []).append(dev[gpu])
+        held = self.pending.get(pid)
+        if held:
+            waiting = np.concatenate(held)
+            if final or len(waiting) > self.MAX_PENDING:
+                ready = np.ones(len(waiting), bool)
+            else:
+                ready = waiting["dev_end"] < self.clocks[pid].settled_before()
+            if ready.any():
+                out.append(self._device_rows(pid, waiting[ready]))
+            self.pending[pid] = [waiting[~ready]] if (~ready).any() else []
+        return out
+
+    # --- NVTX ----------------------------------------------------------------------------------
+    def range_rows(self, pid: int, ranges: np.ndarray) -> np.ndarray:
+        rows = schema.NVTX_RANGES.empty(len(ranges))
+        for f in ("t_start_ns", "t_end_ns", "tid", "domain_id", "name_id", "category", "kind", "depth", "color"):
+            rows[f] = ranges[f]
+        rows["pid"] = pid
+        self.counts["nvtx_ranges"] += len(ranges)
+        return rows
+
+    def string_rows(self, pid: int, parts: np.ndarray | None, final: bool) -> np.ndarray:
+        rows = self.nvtx_strings.rows(pid, parts, final)
+        self.counts["nvtx_strings"] += len(rows)
+        self.counts["nvtx_strings_lost"] += int((rows["truncated"] == 2).sum())
+        return rows
+
+    # --- CUPTI -----------------------------------------------------------------------------------
+    def kernel_rows(self, pid: int, kernels: np.ndarray) -> np.ndarray:
+        rows = schema.KERNEL_ACTIVITY.empty(len(kernels))
+        rows["t_start_ns"], rows["t_end_ns"], rows["pid"] = kernels["t_start_ns"], kernels["t_end_ns"], pid
+        for f in ("device", "stream", "correlation_id", "name_id"):
+            rows[f] = kernels[f]
+        for i, axis in enumerate("xyz"):
+            rows[f"grid_{axis}"] = kernels["grid"][:, i]
+            rows[f"block_{axis}"] = kernels["block"][:, i]
+        rows["dynamic_shared_bytes"], rows["static_shared_bytes"] = kernels["dynamic_shared"], kernels["static_shared"]
+        rows["registers"] = kernels["registers"]
+        rows["clock"] = (kernels["flags"] & 1) != 0  # GP_CUDA_F_REALTIME_CONVERTED
+        self.counts["cuda_kernels"] += len(rows)
+        return rows
+
+    def launch_rows(self, pid: int, launches: np.ndarray) -> np.ndarray:
+        rows = schema.KERNEL_ACTIVITY_LAUNCHES.empty(len(launches))
+        rows["t_ns"], rows["pid"] = launches["t_ns"], pid
+        for f in ("tid", "correlation_id", "domain", "cbid"):
+            rows[f] = launches[f]
+        self.counts["cuda_launches"] += len(rows)
+        return rows
+
+
+class StringAssembler:
+    """String records (gp_nvtx_string: NVTX texts and kernel names) -> rows of a (pid, id, text,
+    truncated) table: parts gathered per (pid, id) until all are in; at the final drain one still
+    missing a part is written as lost (a full ring dropped it), so every id in use has a row. Texts
+    longer than the column are cut on a UTF-8 boundary and end in '...' (truncated = 1)."""
+
+    def __init__(self, table: schema.Table, id_col: str, text_col: str, part_bytes: int) -> None:
+        self.table, self.id_col, self.text_col, self.part_bytes = table, id_col, text_col, part_bytes
+        self.width = table.dtype[text_col].itemsize - 1  # "cut at 127 bytes" for S128
+        self.parts: dict[tuple[int, int], dict[int, bytes]] = {}
+        self.total: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, id) -> (length, flags)
+        self.written: set[tuple[int, int]] = set()
+
+    def rows(self, pid: int, parts: np.ndarray | None, final: bool) -> np.ndarray:
+        done: list[tuple[int, bytes, int]] = []
+        if parts is not None:
+            for p in parts:
+                key = (pid, int(p["string_id"]))
+                if key in self.written:
+                    continue
+                got = self.parts.setdefault(key, {})
+                got[int(p["part"])] = bytes(p["text"])
+                self.total[key] = (int(p["total_len"]), int(p["flags"]))
+                length = self.total[key][0]
+                need = max(1, -(-length // self.part_bytes))
+                if len(got) == need:
+                    text = b"".join(got[i] for i in range(need))[:length]
+                    done.append((key[1], text, self.total[key][1] & 1))
+                    self._forget(key)
+        if final:
+            for key in [k for k in self.parts if k[0] == pid]:
+                done.append((key[1], NVTX_LOST_TEXT, 2))
+                self._forget(key)
+        rows = self.table.empty(len(done))
+        for i, (sid, text, truncated) in enumerate(done):
+            if len(text) > self.width:
+                text, truncated = _cut_utf8(text, self.width - 3) + b"...", truncated or 1
+            rows["pid"][i], rows[self.id_col][i], rows[self.text_col][i], rows["truncated"][i] = \
+                pid, sid, text, truncated
+        return rows
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self.parts.pop(key, None)
+        self.total.pop(key, None)
+        self.written.add(key)
+
+
+def _cut_utf8(text: bytes, n: int) -> bytes:
+    """At most n bytes of UTF-8 text, cut before a continuation byte (never inside a character)."""
+    if len(text) <= n:
+        return text
+    while n > 0 and (text[n] & 0xC0) == 0x80:
+        n -= 1
+    return text[:n]

@@ -33,6 +33,10 @@ REQUIRED_PKGS=(
     bpfcc-tools python3-bpfcc linux-headers-amd64
     python3-venv python3-dev libhdf5-dev build-essential
     stress-ng procps util-linux ca-certificates
+    # headless browser: the HTML report's tests and bench load the page in it (tests/test_browser.py)
+    chromium
+    # elfutils' libdw: the CFI unwinder of stacks without frame pointers (collector/native/unwind_dwarf.c)
+    libdw-dev
 )
 # Real MPI applications for demos and the fault-injection suite (tests/realapps), only when cheap:
 # hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
@@ -122,6 +126,7 @@ fi
 make -s -C "$REPO/slurm_hooks/spank"
 make -s -C "$REPO/bpf/fastpath"
 make -s -C "$REPO/collector/native"
+make -s -C "$REPO/collector/native" unwind  # the CFI unwinder (libdw-dev, above)
 
 # --- 6. Python virtual environment --------------------------------------------------------------
 VENV="$REPO/.venv"

@@ -1,0 +1,269 @@
+"""The NCCL profiler plugin (bpf/fastpath/gpuprof_nccl_profiler.c) driven by the ABI-level test
+double of NCCL (tests/doubles/nccl_profiler_host.c), through the real ring and the collector's
+real drain (collector/sources/fastpath.py). The double is not NCCL: what it prints is the truth
+it played (GPU timer with an offset and a drift, late observations), and the tests compare the
+collector's rows with it; nothing here measures NCCL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+from harness import REPO, collect, make_ctx, nccl_library
+
+from gpuprof.collector import schema
+from gpuprof.collector.sources import fastpath as fp
+
+PLUGIN = fp.NCCL_PROFILER
+DOUBLE_SRC = REPO / "tests" / "doubles" / "nccl_profiler_host.c"
+OPS = schema.COLLECTIVE_OPS
+TIMING = schema.DEVICE_TIMES.enums["timing"]
+PLUGIN_CFG = {"sources.collectives": {"nccl_profiler": "auto"}}
+
+
+@pytest.fixture(scope="module")
+def double(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build bpf/fastpath")
+    proc = subprocess.run(["make", "-C", str(REPO / "bpf" / "fastpath")], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path_factory.mktemp("double") / "nccl_profiler_host"
+    proc = subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-std=gnu11", "-o", str(out), str(DOUBLE_SRC), "-ldl"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def ring_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "rings"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def run_ranks(double: Path, rings: Path, job: str, nranks: int, *extra: str, env: dict[str, str] | None = None,
+              records: int | None = None) -> list[tuple[int, list[dict[str, Any]]]]:
+    """nranks processes of the double, one rank each, at the same time; (pid, truth lines) per rank."""
+    e = {**os.environ, "GPUPROF_FASTPATH_DIR": str(rings), "GPUPROF_FASTPATH_JOB": job, **(env or {})}
+    if records:
+        e["GPUPROF_FASTPATH_RECORDS"] = str(records)
+    procs = [subprocess.Popen([str(double), str(PLUGIN), "--rank", str(r), "--nranks", str(nranks), *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+             for r in range(nranks)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode in (0, 3), stderr
+        out.append((p.pid, [json.loads(line) for line in stdout.splitlines()]))
+    return out
+
+
+def drain(rings: Path, job: str, pids: set[int], errors: list[str] | None = None) -> tuple[list[Any], Any]:
+    """The collector's fast-path source over the ring directory: its final rows, and the source."""
+    ctx = make_ctx(lambda: frozenset(pids), ("collectives",), config=PLUGIN_CFG, errors=errors, job_id=job)
+    ctx = dataclasses.replace(ctx, uid=os.getuid())  # the rings' writers have exited: name the owner
+    src = fp.FastpathSource(ring_dir=str(rings))
+    src.start(ctx)
+    batches = src.final(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+    src.stop()
+    return batches, src
+
+
+def test_every_version_exported_and_the_real_libnccl_finds_one() -> None:
+    assert PLUGIN.exists(), "make -C bpf/fastpath"
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(PLUGIN)], capture_output=True, text=True,
+                          check=True).stdout
+    exported = {int(line.rsplit("_v", 1)[1]) for line in syms.splitlines() if " ncclProfiler_v" in line}
+    assert exported == {1, 2, 3, 4, 5, 6}
+    lib = nccl_library()
+    if lib is None:
+        pytest.skip("no nvidia-nccl-cu12 wheel: cannot see which versions a real libnccl looks up")
+    strings = subprocess.run(["strings", str(lib)], capture_output=True, text=True, check=True).stdout.split()
+    looked_up = {int(s.rsplit("_v", 1)[1]) for s in strings if s.startswith("ncclProfiler_v") and s[14:].isdigit()}
+    # NCCL takes the newest it knows that the plugin exports: that must be one of ours
+    assert max(looked_up & exported) == 6, looked_up
+
+
+@pytest.mark.parametrize("version", [6, 5, 4])
+def test_ranks_get_one_communicator_sequences_and_device_times_on_the_host_clock(
+        double: Path, tmp_path: Path, version: int) -> None:
+    rings, nranks, ops = ring_dir(tmp_path), 3, 24
+    ranks = run_ranks(double, rings, "81", nranks, "--knows", str(version), "--ops", str(ops), "--sleep-us", "40000",
+                      "--hash", "0xfeedbeef", "--drift-ppm", "60")
+    batches, src = drain(rings, "81", {pid for pid, _ in ranks})
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    dev = collect(batches, schema.DEVICE_TIMES)
+    comms = collect(batches, schema.COMMUNICATORS)
+    cid = fp.nccl_comm_id(0xFEEDBEEF)
+    assert src.drops() == 0
+    assert len(comms) == nranks and set(comms["comm_id"].tolist()) == {cid}
+    assert sorted(comms["comm_rank"].tolist()) == list(range(nranks)) and set(comms["comm_size"].tolist()) == {nranks}
+    assert (calls["path"] == fp.PLUGIN_PATH).all() and (calls["library"] == fp.NCCL_LIB).all()
+    worst = 0
+    errs: list[int] = []
+    for rank, (pid, truth) in enumerate(ranks):
+        assert truth[0] == {"truth": "init", "version": version, "rc": 0, "mask": truth[0]["mask"], "pid": pid}
+        mine = calls[calls["pid"] == pid]
+        ar = mine[mine["op"] == OPS.index("ncclAllReduce")]
+        assert ar["seq"].tolist() == list(range(ops))  # the same on every rank: NCCL's order
+        assert set(ar["comm_id"].tolist()) == {cid} and set(ar["comm_rank"].tolist()) == {rank}
+        assert set(ar["bytes"].tolist()) == {4096}  # 1024 x ncclFloat32
+        played = [t for t in truth if t["truth"] == "op"]
+        assert ar["t_enter_ns"].tolist() >= [t["enqueue_start"] for t in played]
+        sends = mine[mine["op"] == OPS.index("ncclSend")]
+        recvs = mine[mine["op"] == OPS.index("ncclRecv")]
+        assert sends["seq"].tolist() == list(range(ops // 4)) == recvs["seq"].tolist()
+        assert set(sends["root_or_peer"].tolist()) == {(rank + 1) % nranks}
+        assert set(recvs["root_or_peer"].tolist()) == {(rank - 1) % nranks}
+        d = dev[dev["pid"] == pid]
+        # one row per operation: the PXN proxy op of another process's operation adds none
+        assert len(d) == len(mine)
+        assert set(d["timing"].tolist()) == {TIMING.index("kernel_channel_gpu_timer")}
+        d_ar = d[d["op"] == OPS.index("ncclAllReduce")]
+        d_ar = d_ar[np.argsort(d_ar["seq"])]
+        assert d_ar["seq"].tolist() == list(range(ops))
+        assert set(d_ar["n_channels"].tolist()) == {2}
+        assert set(d_ar["algorithm"].tolist()) == {schema.DEVICE_TIMES.enums["algorithm"].index("ring")}
+        assert set(d_ar["protocol"].tolist()) == {schema.DEVICE_TIMES.enums["protocol"].index("simple")}
+        assert set(d_ar["datatype"].tolist()) == {schema.DEVICE_TIMES.enums["datatype"].index("float32")}
+        err = np.abs(np.concatenate([d_ar["t_dev_start_ns"].astype(np.int64) - [t["dev_start"] for t in played],
+                                     d_ar["t_dev_end_ns"].astype(np.int64) - [t["dev_end"] for t in played]]))
+        worst = max(worst, int(err.max()))
+        errs.extend(err.tolist())
+    # The drift (60 ppm over ~1 s: ~60 us) is followed; what is left is the delay of the best pair of
+    # each neighbourhood (the double's delays are 1..30 us, some 2 ms).
+    assert worst < 25_000, worst  # a constant offset would be ~60 us off at the ends
+    assert np.median(errs) < 5_000, np.median(errs)
+    # what the merge makes of them (mpi_merge/loading.call_rows): every operation, collective or
+    # point to point, takes its own kernel's times (the join names the op and the peer)
+    from gpuprof.mpi_merge.loading import ClockMap, call_rows
+
+    rows = call_rows(calls, ClockMap(np.zeros(1, np.int64), np.zeros(1, np.int64), "pairs"), dev)
+    assert rows["device_timed"].all()
+    for r, c in zip(rows, calls):
+        d = dev[(dev["pid"] == c["pid"]) & (dev["seq"] == c["seq"]) & (dev["op"] == c["op"])
+                & (dev["root_or_peer"] == c["root_or_peer"])]
+        assert len(d) == 1 and r["enter_rt"] == int(d["t_dev_start_ns"][0]) and r["exit_rt"] == int(d["t_dev_end_ns"][0])
+        assert r["host_enter_rt"] == int(c["t_enter_ns"])
+
+
+def test_device_clock_mapping_follows_offset_and_drift() -> None:
+    """DeviceClock alone: pairs with random non-negative delays of a timer that runs 80 ppm fast."""
+    rng = np.random.default_rng(3)
+    host = np.sort(rng.uniform(1e9, 5e9, 4000)).astype(np.int64)
+    gpu = (1_700_000_000_000_000_000 + host + (host - 1e9) * 80e-6).astype(np.int64)
+    delay = rng.exponential(10_000, len(host)).astype(np.int64) + 500
+    clock = fp.DeviceClock()
+    clock.add((host + delay).astype(np.uint64), (host + delay) - gpu)
+    mapped = clock.to_host(gpu.astype(np.uint64)).astype(np.int64)
+    err = np.abs(mapped - host)
+    assert err.max() < 5_000, err.max()
+    naive = np.abs(gpu + np.min((host + delay) - gpu) - host)  # one offset for the whole run
+    assert naive.max() > 100_000  # what the drift does without the windows
+
+
+@pytest.mark.parametrize("version,timing", [(3, "kernel_channel_host"), (2, "proxy_step_host"),
+                                            (1, "proxy_step_host")])
+def test_older_versions_give_host_observed_device_times(double: Path, tmp_path: Path, version: int,
+                                                        timing: str) -> None:
+    rings, ops = ring_dir(tmp_path), 8
+    ranks = run_ranks(double, rings, "82", 2, "--knows", str(version), "--ops", str(ops), "--hash", "77")
+    batches, _ = drain(rings, "82", {pid for pid, _ in ranks})
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    dev = collect(batches, schema.DEVICE_TIMES)
+    comms = collect(batches, schema.COMMUNICATORS)
+    # v1..v3 have no commHash in init: the communicator is announced at its first operation
+    assert len(comms) == 2 and set(comms["comm_id"].tolist()) == {fp.nccl_comm_id(77)}
+    assert set(comms["comm_size"].tolist()) == {-1}  # those versions do not say the size
+    for pid, truth in ranks:
+        assert truth[0]["version"] == version
+        ar = calls[(calls["pid"] == pid) & (calls["op"] == OPS.index("ncclAllReduce"))]
+        assert ar["seq"].tolist() == list(range(ops))
+        d = dev[(dev["pid"] == pid) & (dev["op"] == OPS.index("ncclAllReduce"))]
+        assert len(d) == ops and set(d["timing"].tolist()) == {TIMING.index(timing)}
+        d = d[np.argsort(d["seq"])]
+        assert (d["t_dev_end_ns"] > d["t_dev_start_ns"]).all()
+        assert (d["t_dev_start_ns"] >= ar["t_enter_ns"]).all()  # host clock: after the enqueue began
+
+
+def test_unknown_interface_version_is_declined_cleanly(double: Path, tmp_path: Path) -> None:
+    rings = ring_dir(tmp_path)
+    [(_, truth)] = run_ranks(double, rings, "83", 1, "--knows", "99")
+    assert truth == [{"truth": "declined", "reason": "no known ncclProfiler version"}]
+    assert list(rings.iterdir()) == []  # nothing loaded, nothing written
+
+
+def test_plugin_declines_outside_a_profiled_step(double: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPROF_")}
+    out = subprocess.run([str(double), str(PLUGIN), "--ops", "3"], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout
+    init = json.loads(out.splitlines()[0])
+    assert init["truth"] == "init" and init["rc"] != 0  # NCCL unloads the plugin and goes on
+
+
+def test_full_ring_drops_and_counts_and_never_blocks(double: Path, tmp_path: Path) -> None:
+    rings, ops = ring_dir(tmp_path), 3000
+    t0 = time.monotonic()
+    [(pid, truth)] = run_ranks(double, rings, "84", 1, "--ops", str(ops), "--bench", records=64)
+    assert time.monotonic() - t0 < 30
+    assert truth[-1]["truth"] == "done"
+    batches, src = drain(rings, "84", {pid})
+    kept = len(collect(batches, schema.COLLECTIVE_CALLS)) + len(collect(batches, schema.DEVICE_TIMES)) + \
+        len(collect(batches, schema.COMMUNICATORS))
+    assert kept == 64  # the ring's capacity: nobody drained it while the rank ran
+    assert src.dropped_total == 1 + 2 * ops - 64  # every record not written is counted
+
+
+@pytest.mark.parametrize("conversion", ["native", "numpy"])
+def test_forked_process_writes_its_own_ring(double: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            conversion: str) -> None:
+    """Also: the plugin's records beside the calls' conversion, in C (ringrows.c skips them) and numpy."""
+    if conversion == "numpy":
+        monkeypatch.setattr(fp, "_native_ring_rows", lambda: None)
+    else:
+        assert fp._native_ring_rows() is not None, "collector/native not built (make setup builds it)"
+    rings, ops = ring_dir(tmp_path), 6
+    [(pid, truth)] = run_ranks(double, rings, "85", 1, "--ops", str(ops), "--fork")
+    child = next(t["pid"] for t in truth if t["truth"] == "child")
+    batches, _ = drain(rings, "85", {pid, child})
+    calls = collect(batches, schema.COLLECTIVE_CALLS)
+    dev = collect(batches, schema.DEVICE_TIMES)
+    for p in (pid, child):
+        ar = calls[(calls["pid"] == p) & (calls["op"] == OPS.index("ncclAllReduce"))]
+        assert ar["seq"].tolist() == list(range(ops)), p
+        assert len(dev[dev["pid"] == p]) == ops, p
+    assert {r.name for r in rings.iterdir()} == set()  # drained rings are removed by stop()
+
+
+def test_job_with_its_own_plugin_keeps_it_and_is_told(tmp_path: Path) -> None:
+    assert PLUGIN.exists(), "make -C bpf/fastpath"
+    cfg = make_ctx(lambda: frozenset(), ()).config
+    lines = fp.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path,
+                                job_env={"NCCL_PROFILER_PLUGIN": "/opt/inspector/libnccl-profiler-inspector.so"})
+    assert not any(line.startswith("export NCCL_PROFILER_PLUGIN=") for line in lines)
+    assert any(line.startswith("print gpuprof: NCCL_PROFILER_PLUGIN is already set by the job") for line in lines)
+    ours = fp.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path, job_env={})
+    assert f"export NCCL_PROFILER_PLUGIN={PLUGIN}" in ours
+    # the collector says so too, for the process that has it (/diagnostics/errors)
+    rings = ring_dir(tmp_path)
+    env = {**os.environ, "NCCL_PROFILER_PLUGIN": "/opt/inspector/libnccl-profiler-inspector.so"}
+    proc = subprocess.Popen(["sleep", "30"], env=env)
+    try:
+        errors: list[str] = []
+        drain(rings, "86", {proc.pid}, errors)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any("sets NCCL_PROFILER_PLUGIN=/opt/inspector" in e and "stepped aside" in e for e in errors), errors
