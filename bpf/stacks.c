@@ -3,8 +3,11 @@
  * sample per (window, pid, tid, cpu, user stack, kernel stack) in gp_cpu_counts. Nothing leaves the
  * kernel per sample: the collector flips gp_cpu_gen once per window and drains the other half.
  * Other processes' samples return at the first lookup (gp_in_job).
+ * Threads of a Python process the collector registered (gp_py_procs) also get the id of their
+ * Python stack (bpf/pyframes.h) in the key: user space merges it into the native user stack.
  */
 #include "gpuprof_events.h"
+#include "pyframes.h"
 
 #ifndef GP_CPU_STACK_ENTRIES
 #define GP_CPU_STACK_ENTRIES 8192
@@ -14,7 +17,18 @@
 #endif
 
 BPF_STACK_TRACE(gp_cpu_stacks, GP_CPU_STACK_ENTRIES);
-BPF_HASH(gp_cpu_counts, struct gp_stack_key, u64, GP_CPU_COUNT_ENTRIES);
+/* struct gp_stack_key, then the Python stack (0: none); WindowedCounts reads both alike */
+struct gp_cpu_key {
+    u32 gen;
+    u32 pid;
+    u32 tid;
+    u32 cpu;
+    s32 user_stack;
+    s32 kernel_stack;
+    u64 py_stack;
+};
+
+BPF_HASH(gp_cpu_counts, struct gp_cpu_key, u64, GP_CPU_COUNT_ENTRIES);
 BPF_ARRAY(gp_cpu_gen, u32, 1);
 BPF_PERCPU_ARRAY(gp_cpu_drops, u64, 2); /* [0] counts map full, [1] stack not stored (collision/full) */
 
@@ -26,13 +40,14 @@ int gp_cpu_sample(struct bpf_perf_event_data *ctx)
         return 0;
     int zero = 0;
     u32 *gen = gp_cpu_gen.lookup(&zero);
-    struct gp_stack_key key = {};
+    struct gp_cpu_key key = {};
     key.gen = gen ? *gen : 0;
     key.pid = tgid;
     key.tid = (u32)id;
     key.cpu = bpf_get_smp_processor_id();
     key.user_stack = gp_cpu_stacks.get_stackid(ctx, BPF_F_USER_STACK);
     key.kernel_stack = gp_cpu_stacks.get_stackid(ctx, 0);
+    key.py_stack = gp_py_walk(tgid, key.tid);
     if (key.user_stack == -EEXIST || key.user_stack == -ENOMEM || key.kernel_stack == -EEXIST
         || key.kernel_stack == -ENOMEM) {
         int one = 1;

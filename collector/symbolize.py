@@ -9,7 +9,10 @@ seal still symbolizes: its libraries are named by path, and their symbols are re
 seal (`ElfSymbols`: .symtab when present, else .dynsym), with BCC's resolver (`BPF.sym`, which also
 follows debuglink/build-id debug files) for what the file alone does not name while the process is
 still alive. Kernel frames: BCC's `BPF.ksym`. Frames in anonymous executable memory (JIT code,
-Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map when the process wrote one.
+Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map when the process wrote one. Python frames
+read from the interpreter (collector/pyframes.py) are named when the stack is interned (the code
+objects are read from the live process) and put in place of the interpreter's evaluation frames
+(`merge_python_frames`).
 
 Written at seal (docs/probes.md): /stacks/frames (stack_id, depth, symbol_id; depth 0 = innermost)
 and /stacks/symbols (symbol_id, name, module). Stack id 0 = no stack, STACK_LOST = not captured.
@@ -33,6 +36,7 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
+from gpuprof.collector.pyframes import frame_label
 from gpuprof.collector.safeio import PERF_MAP_MAX_BYTES, UnsafeFile, read_user_file
 
 log = logging.getLogger("gpuprof.collector")
@@ -47,8 +51,8 @@ Frame = tuple[int, int]  # (module index, offset: file offset for ELF files, add
 
 @dataclass(frozen=True)
 class Module:
-    kind: str  # "kernel", "elf", "perfmap" (anonymous executable memory of pid), "none"
-    path: str = ""  # ELF: a path the collector can open; perfmap: the perf map file
+    kind: str  # "kernel", "elf", "perfmap" (anonymous executable memory of pid), "python", "none"
+    path: str = ""  # ELF: a path the collector can open; perfmap: the perf map file; python: the source file
     pid: int = 0
     name: str = ""  # shown in /stacks/symbols.module
     uid: int = -1  # perfmap: the process's uid when its maps were read (the map must be its own file)
@@ -71,6 +75,8 @@ class StackStore:
         self._module_ids: dict[Module, int] = {self.modules[0]: KERNEL}
         self.bases: dict[int, tuple[int, int]] = {}  # module -> (pid, load address of offset 0)
         self.stacks: list[tuple[Frame, ...]] = [()]  # index = stack id (0: no stack)
+        self.py_names: list[str] = []  # offset of a "python" frame = index here (its full name)
+        self._py_name_ids: dict[str, int] = {}
         self._ids: dict[tuple[Frame, ...], int] = {(): STACK_NONE}
         self._maps: dict[int, _ProcMaps] = {}
         self._refreshed: set[int] = set()  # pids whose maps were re-read in the current drain
@@ -146,6 +152,29 @@ class StackStore:
             frames = tuple(self._user_frame(pid, a if d == 0 else a - 1) for d, a in enumerate(addrs))
             return self._intern(frames)
 
+    def intern_python(self, pid: int, addrs: Iterable[int], chunks: list[list[tuple[str, str, int]]],
+                      eval_ranges: tuple[str, tuple[tuple[int, int], ...]] | None) -> int:
+        """Stack id of a user stack with the thread's Python frames merged in. chunks: (function,
+        file, line) innermost first, one list per C-level call of the evaluation loop; eval_ranges:
+        (ELF path, file offset ranges) of the loop's function, whose frames the chunks replace."""
+        with self.lock:
+            native = [self._user_frame(pid, a if d == 0 else a - 1) for d, a in enumerate(addrs)]
+            py = [[self._python_frame(frame_label(*f), f[1]) for f in chunk] for chunk in chunks]
+
+            def is_eval(fr: Frame) -> bool:
+                m = self.modules[fr[0]]
+                return (eval_ranges is not None and m.kind == "elf" and m.path == eval_ranges[0]
+                        and any(lo <= fr[1] < hi for lo, hi in eval_ranges[1]))
+
+            return self._intern(tuple(merge_python_frames(native, py, is_eval)))
+
+    def _python_frame(self, label: str, filename: str) -> Frame:
+        i = self._py_name_ids.get(label)
+        if i is None:
+            i = self._py_name_ids[label] = len(self.py_names)
+            self.py_names.append(label)
+        return self._module(Module("python", filename, name=os.path.basename(filename) or "python")), i
+
     def intern_kernel(self, addrs: Iterable[int]) -> int:
         with self.lock:
             return self._intern(tuple((KERNEL, a if d == 0 else a - 1) for d, a in enumerate(addrs)))
@@ -171,7 +200,8 @@ class StackStore:
             stacks = list(self.stacks)
             modules = list(self.modules)
             bases = dict(self.bases)
-        resolver = Resolver(modules, bases)
+            py_names = list(self.py_names)
+        resolver = Resolver(modules, bases, py_names)
         sym_ids: dict[tuple[str, str], int] = {}
         frames = schema.STACK_FRAMES.empty(sum(len(s) for s in stacks))
         k = 0
@@ -198,6 +228,33 @@ class StackStore:
             ds[n:] = rows
 
 
+def merge_python_frames(native: list[Frame], chunks: list[list[Frame]], is_eval: Any) -> list[Frame]:
+    """One user stack (innermost first) from the native frames and the thread's Python frames.
+
+    Each run of Python frames (chunks[i], innermost first) ran inside one C-level call of the
+    evaluation loop: it takes the place of the i-th evaluation frame of the native stack
+    (is_eval(frame)), so native code called from Python sits above the Python function that called
+    it and the interpreter's C frames below the outermost Python frame stay where they are. Runs
+    left over (the native unwinder lost the interpreter's frames: a build without frame pointers)
+    go on the outer side of the last evaluation frame replaced, or, when none was found, at the
+    outer end of the native frames (the native frames then read as called from the innermost
+    Python function)."""
+    out: list[Frame] = []
+    used = 0
+    insert_at: int | None = None
+    for fr in native:
+        if used < len(chunks) and is_eval(fr):
+            out.extend(chunks[used])
+            used += 1
+            insert_at = len(out)
+        else:
+            out.append(fr)
+    rest = [fr for chunk in chunks[used:] for fr in chunk]
+    if insert_at is None:
+        insert_at = len(out)
+    return out[:insert_at] + rest + out[insert_at:]
+
+
 def _fit(s: str, n: int) -> bytes:
     b = s.encode(errors="replace")
     return b if len(b) <= n else b[: n - 3] + b"..."
@@ -220,9 +277,11 @@ def _exe(pid: int) -> str:
 class Resolver:
     """(module, offset) -> (function name, module name), each module's symbols loaded once."""
 
-    def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]],
+                 py_names: list[str] | None = None) -> None:
         self.modules = modules
         self.bases = bases
+        self.py_names = py_names or []
         self._perfmaps: dict[int, tuple[list[int], list[tuple[int, int, str]]]] = {}
 
     def resolve(self, mod: int, off: int) -> tuple[str, str]:
@@ -234,6 +293,8 @@ class Resolver:
             name = self._elf(mod, m, off)
         elif m.kind == "perfmap":
             name = self._perfmap(mod, m, off)
+        elif m.kind == "python":
+            name = self.py_names[off] if 0 <= off < len(self.py_names) else None
         return name or UNKNOWN_NAME, m.name
 
     def _elf(self, mod: int, m: Module, off: int) -> str | None:
@@ -376,3 +437,66 @@ def folded_stacks(g: h5py.Group, table: str = "stacks/samples", weight: str = "c
         key = ";".join([*reversed(user), *reversed(kern)]) or "[no stack]"
         out[key] += int(r[weight])
     return out
+
+
+# --- native stacks without frame pointers: the user-space unwinder over stack copies -------------
+class UnwinderUnavailable(RuntimeError):
+    """The unwinder library is not built (make -C collector/native unwind, needs libdw-dev) or the
+    process's mappings could not be read; the message says which."""
+
+
+UNWIND_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "build", "libgpuprof_unwind.so")
+_unwind_lib: Any = None
+
+
+def _unwind_library() -> Any:
+    global _unwind_lib
+    if _unwind_lib is None:
+        if not os.path.exists(UNWIND_LIBRARY):
+            raise UnwinderUnavailable(f"{UNWIND_LIBRARY} not built: make -C collector/native unwind "
+                                      "(apt-get install libdw-dev)")
+        lib = ctypes.CDLL(UNWIND_LIBRARY)
+        lib.gp_unwinder_new.restype = ctypes.c_void_p
+        lib.gp_unwinder_new.argtypes = [ctypes.c_int]
+        lib.gp_unwinder_refresh.restype = ctypes.c_int
+        lib.gp_unwinder_refresh.argtypes = [ctypes.c_void_p]
+        lib.gp_unwind.restype = ctypes.c_int
+        lib.gp_unwind.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
+                                  ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+        lib.gp_unwinder_free.restype = None
+        lib.gp_unwinder_free.argtypes = [ctypes.c_void_p]
+        _unwind_lib = lib
+    return _unwind_lib
+
+
+class DwarfUnwinder:
+    """Walks copies of one process's user stack (bpf/stackcopy.c) with the call frame information
+    of its mapped files (collector/native/unwind_dwarf.c, elfutils' libdwfl), so code built without
+    frame pointers unwinds. Each file's tables are parsed once per process and kept."""
+
+    MAX_FRAMES = 127
+
+    def __init__(self, pid: int) -> None:
+        self.lib = _unwind_library()
+        self.pid = pid
+        self.handle = self.lib.gp_unwinder_new(pid)
+        if not self.handle:
+            raise UnwinderUnavailable(f"pid {pid}: its mappings could not be read for unwinding")
+        self._out = (ctypes.c_uint64 * self.MAX_FRAMES)()
+
+    def unwind(self, ip: int, sp: int, bp: int, stack: bytes) -> list[int]:
+        """Program counters, innermost first (the leaf exact, the others return addresses)."""
+        if not self.handle:
+            raise UnwinderUnavailable(f"pid {self.pid}: unwinder closed")
+        n = self.lib.gp_unwind(self.handle, ip, sp, bp, stack, sp, len(stack), self._out, self.MAX_FRAMES)
+        return list(self._out[:n])
+
+    def refresh(self) -> None:
+        """Read the process's mappings again (a library it dlopen'ed since)."""
+        if self.lib.gp_unwinder_refresh(self.handle) != 0:
+            raise UnwinderUnavailable(f"pid {self.pid}: mappings not read again (exited?)")
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.gp_unwinder_free(self.handle)
+            self.handle = None

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
 from harness import bpf_skip_reason, make_ctx
+from stackcopy_run import NOFP_TREE, copied_stacks, nofp_tree, unwinder_skip_reason
 
 from gpuprof.collector import bpf_support, schema
 from gpuprof.collector.sources.base import SourceUnavailable
@@ -86,3 +87,90 @@ def test_perf_map_names_anonymous_code(tmp_path: Path) -> None:
     assert leaf.most_common(1)[0][0] == "jit_spin_loop", leaf
     sym = f["stacks/symbols"][()]
     assert sym["module"][sym["name"] == b"jit_spin_loop"][0] == f"perf-{info['pid']}.map".encode()
+
+
+def test_perf_map_lines_with_markup_are_names_and_never_reach_html_raw() -> None:
+    """A perf map is the user's text: lines with markup become names (verbatim, as any symbol),
+    malformed lines are skipped, and the report's payload carries no raw '<', '>' or '&'."""
+    import os
+
+    from gpuprof.collector.symbolize import read_perf_map
+    from gpuprof.mpi_merge.html_report import payload_json
+
+    path = Path(f"/tmp/perf-{os.getpid()}.map")
+    evil = "<script>alert(1)</script>&amp;"
+    path.write_bytes(
+        f"1000 10 {evil}\n".encode()
+        + b"zz 10 not_hex\n"  # malformed: skipped
+        + b"2000 nothex name\n"
+        + b"3000 8\n"  # no name: skipped
+        + b"4000 8 \xff\xfe<img src=x onerror=alert(2)>\n"  # not UTF-8
+    )
+    try:
+        _, entries = read_perf_map(os.getpid(), os.getuid())
+    finally:
+        path.unlink(missing_ok=True)
+    names = [e[2] for e in entries]
+    assert [e[0] for e in entries] == [0x1000, 0x4000], entries
+    assert names[0] == evil and names[1].endswith("<img src=x onerror=alert(2)>")
+    text = payload_json({"stacks": names})
+    assert not set("<>&") & set(text), text
+
+
+# --- native frames without frame pointers: stack copies walked with CFI (bpf/stackcopy.c) ---------
+
+
+def _whole_tree(stack: list[str]) -> bool:
+    """The known tree from leaf_spin to main, in order (above it: the system call wrapper)."""
+    return "leaf_spin" in stack and tuple(stack[stack.index("leaf_spin"):][:5]) == NOFP_TREE
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["user", "sys"])
+def test_cfi_unwinder_walks_code_without_frame_pointers(mode: str) -> None:
+    """The C tree built -fomit-frame-pointer: every stack copy unwinds through the whole tree to
+    main and into libc's start, the process's exit before the walk notwithstanding (the mapped
+    files' tables are read from the files). `sys`: the leaf makes system calls, so samples are
+    taken in the kernel and start from the user registers saved at its entry."""
+    _skip()
+    reason = unwinder_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    records, got = copied_stacks([str(nofp_tree()), "2", *(["sys"] if mode == "sys" else [])])
+    copied, _no_user_regs, ring_full, unreadable = got["counters"]
+    # a copy can fail when the sample lands in the exec or the exit of the process (its stack gone)
+    assert copied == len(records) > 20 and ring_full == 0 and unreadable <= max(2, copied // 50), got["counters"]
+    store = got["store"]
+    ids = [store.intern_user(got["pid"], got["unwinder"].unwind(*r)) for r in records]
+    got["unwinder"].close()
+    frames, symbols = store.symbol_tables()
+    names = {int(s["symbol_id"]): s["name"].decode() for s in symbols}
+    by_stack = {sid: [names[int(f["symbol_id"])] for f in frames[frames["stack_id"] == sid]] for sid in set(ids)}
+    whole = sum(1 for sid in ids if _whole_tree(by_stack[sid]))
+    assert whole >= 0.9 * len(ids), Counter(";".join(by_stack[s]) for s in ids).most_common(3)
+    assert all(by_stack[sid][-1] == "_start" for sid in ids if _whole_tree(by_stack[sid]))
+    if mode == "sys":
+        assert sum(by_stack[sid][0] == "syscall" for sid in ids) >= 0.5 * len(ids)
+
+
+@pytest.mark.bpf
+def test_frame_pointer_walk_cannot_unwind_the_same_program(tmp_path: Path) -> None:
+    """The reason for the CFI unwinder: the kernel's frame-pointer walk of the same program never
+    reaches main."""
+    _skip()
+    from harness import GatedProcess, run_source_over
+
+    src = BpfStacksSource(99, python_frames=False)
+    gated = GatedProcess([str(nofp_tree()), "1.5"])
+    errors: list[str] = []
+    batches, (rc, _, err) = run_source_over(src, make_ctx(lambda: frozenset({gated.pid}), ("stacks",),
+                                                          errors=errors), gated, poll_s=0.5)
+    assert rc == 0, err
+    native_progs.sealed_file(tmp_path / "n.h5", [src], batches, ("stacks",))
+    from harness import collect
+
+    rows = collect(batches, schema.STACK_SAMPLES)
+    names = stack_names(h5py.File(tmp_path / "n.h5"))
+    leafy = [names.get(int(r["user_stack"]), []) for r in rows if names.get(int(r["user_stack"]), [""])[0] == "leaf_spin"]
+    assert leafy, "no sample in leaf_spin"
+    assert not any(tuple(s[:5]) == NOFP_TREE for s in leafy), leafy[:3]

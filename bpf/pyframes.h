@@ -1,0 +1,213 @@
+/* Python frames of a sampled thread, read from the interpreter's own structures (CPython 3.10-3.13).
+ *
+ * The collector (collector/pyframes.py) finds _PyRuntime in a job process's executable or libpython,
+ * and writes one gp_py_proc per pid: the address of _PyRuntime.interpreters.head and the offsets of
+ * the few fields walked here, taken from a table per CPython version (3.13: from the process's own
+ * _Py_DebugOffsets). At a sample, gp_py_walk finds the thread's PyThreadState (cached per tid,
+ * checked against the thread id it holds; else the interpreters' thread lists are searched, bounded)
+ * and copies (code object address, instruction) of its frames, innermost first, into a record
+ * stored once per distinct content (gp_py_stacks, keyed by a 64-bit hash). An entry with code == 0
+ * (3.12+: the loop's entry frame) or with GP_PY_LAST_OF_CALL (3.11: is_entry; 3.10: every frame)
+ * marks where one C-level call of the evaluation loop (_PyEval_EvalFrameDefault) ends, so user
+ * space can put each run of Python frames in place of its native evaluation frame. Names
+ * (function, file, line) are read by the collector from the process's memory, once per code object.
+ * Every read is bpf_probe_read_user: a wrong offset or a freed frame gives a short or empty record,
+ * never a fault.
+ */
+#ifndef GPUPROF_PYFRAMES_H
+#define GPUPROF_PYFRAMES_H
+
+#include <linux/sched.h>
+
+#ifndef GP_PY_MAX_FRAMES
+#define GP_PY_MAX_FRAMES 64 /* entries (frames + boundaries) kept, innermost first */
+#endif
+#ifndef GP_PY_MAX_THREADS
+#define GP_PY_MAX_THREADS 64 /* thread states searched per interpreter */
+#endif
+#define GP_PY_MAX_INTERPS 4 /* interpreters searched (subinterpreters) */
+#define GP_PY_STACK_ENTRIES 4096 /* x 1032 bytes, preallocated: 4 MB of kernel memory */
+#define GP_PY_NONE 0xFFFF /* an offset the version does not have */
+#define GP_PY_FRAME_READ 104 /* bytes read of one frame from its first field used (a constant size:
+                              * a variable one costs the same and needs bounds the verifier sees) */
+
+struct gp_py_proc {
+    u64 interp_head_addr; /* &_PyRuntime.interpreters.head in the process */
+    u16 interp_next;
+    u16 interp_threads_head;
+    u16 tstate_next;
+    u16 tstate_thread_id;  /* native_thread_id (3.11+) or thread_id (pthread_t, 3.10) */
+    u16 tstate_frame;      /* 3.10: frame; 3.11/3.12: cframe; 3.13: current_frame */
+    u16 cframe_frame;      /* 3.11/3.12: _PyCFrame.current_frame; else GP_PY_NONE */
+    u16 frame_code;
+    u16 frame_previous;
+    u16 frame_instr;
+    u16 frame_owner;       /* 3.12+: owner; an entry frame (FRAME_OWNED_BY_CSTACK) is a boundary */
+    u16 frame_is_entry;    /* 3.11: is_entry; the frame is the last of its C-level call */
+    u8 thread_id_is_pthread; /* 3.10: match thread_id against the thread's pthread_self (fs base) */
+    u8 instr_is_index;     /* 3.10: f_lasti (int, code units); else a pointer into the bytecode */
+    u8 boundary_each_frame; /* 3.10: every Python frame has a C-level call of its own */
+    u8 owner_cstack;       /* the owner value of entry frames (3 in 3.12/3.13) */
+    u16 frame_read_from;   /* a frame is read from its first field used ... */
+    u16 frame_read_len;    /* ... to its last (at most GP_PY_FRAME_READ bytes) */
+};
+
+#define GP_PY_LAST_OF_CALL (1ULL << 63) /* in instr: the last frame of its C-level call */
+
+struct gp_py_entry {
+    u64 code;  /* PyCodeObject* (0: the evaluation loop's entry frame, the end of one C-level call) */
+    u64 instr; /* pointer into the bytecode, or an instruction index (instr_is_index); bit 63:
+                * GP_PY_LAST_OF_CALL */
+};
+
+struct gp_py_stack {
+    u32 depth;     /* entries used (one per frame) */
+    u32 truncated; /* 1: the interpreter's stack went on past GP_PY_MAX_FRAMES entries */
+    struct gp_py_entry e[GP_PY_MAX_FRAMES];
+};
+
+BPF_HASH(gp_py_procs, u32, struct gp_py_proc, 4096);
+BPF_TABLE("lru_hash", u32, u64, gp_py_tstates, 65536); /* tid -> its PyThreadState, checked at each use */
+/* tid -> when its last search found no thread state: a native thread of a Python process is
+ * searched again at most every GP_PY_MISS_RETRY_NS, not at each of its samples */
+BPF_TABLE("lru_hash", u32, u64, gp_py_misses, 65536);
+#define GP_PY_MISS_RETRY_NS 500000000ULL
+BPF_HASH(gp_py_stacks, u64, struct gp_py_stack, GP_PY_STACK_ENTRIES);
+BPF_PERCPU_ARRAY(gp_py_scratch, struct gp_py_stack, 1);
+/* [0] records walked, [1] thread state not found, [2] record not stored (map full), [3] truncated */
+BPF_PERCPU_ARRAY(gp_py_counters, u64, 4);
+
+static __always_inline void gp_py_count(int i)
+{
+    u64 *c = gp_py_counters.lookup(&i);
+    if (c)
+        (*c)++;
+}
+
+static __always_inline u64 gp_py_read_u64(u64 addr)
+{
+    u64 v = 0;
+    if (bpf_probe_read_user(&v, sizeof(v), (void *)addr) != 0)
+        return 0;
+    return v;
+}
+
+/* The value the thread's PyThreadState holds for it (native tid, or pthread_self on 3.10). */
+static __always_inline u64 gp_py_thread_key(const struct gp_py_proc *p, u32 tid)
+{
+    if (!p->thread_id_is_pthread)
+        return tid;
+#if defined(__x86_64__)
+    struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+    return task->thread.fsbase; /* glibc's pthread_self() is the thread pointer, fs base on x86-64 */
+#else
+    return 0;
+#endif
+}
+
+static __always_inline u64 gp_py_find_tstate(const struct gp_py_proc *p, u32 tid)
+{
+    u64 want = gp_py_thread_key(p, tid);
+    if (want == 0)
+        return 0;
+    u64 *cached = gp_py_tstates.lookup(&tid);
+    if (cached && *cached && gp_py_read_u64(*cached + p->tstate_thread_id) == want)
+        return *cached;
+    u64 now = bpf_ktime_get_ns();
+    u64 *missed = gp_py_misses.lookup(&tid);
+    if (missed && now - *missed < GP_PY_MISS_RETRY_NS)
+        return 0;
+    u64 interp = gp_py_read_u64(p->interp_head_addr);
+    for (int i = 0; i < GP_PY_MAX_INTERPS && interp; i++) {
+        u64 ts = gp_py_read_u64(interp + p->interp_threads_head);
+        for (int j = 0; j < GP_PY_MAX_THREADS && ts; j++) {
+            if (gp_py_read_u64(ts + p->tstate_thread_id) == want) {
+                gp_py_tstates.update(&tid, &ts);
+                return ts;
+            }
+            ts = gp_py_read_u64(ts + p->tstate_next);
+        }
+        interp = gp_py_read_u64(interp + p->interp_next);
+    }
+    gp_py_misses.update(&tid, &now);
+    return 0;
+}
+
+/* A field at off in the span read (an offset the version lacks, GP_PY_NONE - from, reads 0) */
+static __always_inline u64 gp_py_field(const u8 *buf, u32 off, int size)
+{
+    u64 v = 0;
+    if (off > GP_PY_FRAME_READ - 8)
+        return 0;
+    if (size == 8)
+        __builtin_memcpy(&v, buf + (off & 0x7F), 8);
+    else if (size == 4)
+        __builtin_memcpy(&v, buf + (off & 0x7F), 4);
+    else
+        v = buf[off & 0x7F];
+    return v;
+}
+
+/* The id of the thread's Python stack in gp_py_stacks (0: not a Python thread, or no frame). */
+static __always_inline u64 gp_py_walk(u32 tgid, u32 tid)
+{
+    struct gp_py_proc *p = gp_py_procs.lookup(&tgid);
+    if (!p)
+        return 0;
+    u64 ts = gp_py_find_tstate(p, tid);
+    if (!ts) {
+        gp_py_count(1);
+        return 0;
+    }
+    u64 frame = gp_py_read_u64(ts + p->tstate_frame);
+    if (frame && p->cframe_frame != GP_PY_NONE)
+        frame = gp_py_read_u64(frame + p->cframe_frame);
+    if (!frame)
+        return 0;
+    int zero = 0;
+    struct gp_py_stack *st = gp_py_scratch.lookup(&zero);
+    if (!st)
+        return 0;
+    u8 buf[128];
+    u32 from = p->frame_read_from;
+    if (p->frame_read_len > GP_PY_FRAME_READ || from > 4096)
+        return 0; /* a layout whose fields do not fit one read */
+    u32 n = 0;
+    u64 hash = 0xcbf29ce484222325ULL ^ tgid;
+    /* One entry per frame, so that every path through an iteration leaves n = i + 1: the verifier
+     * then sees one state per iteration, not one per combination of branches taken before. */
+    for (int i = 0; i < GP_PY_MAX_FRAMES; i++) {
+        if (!frame || bpf_probe_read_user(buf, GP_PY_FRAME_READ, (void *)(frame + from)) != 0)
+            break;
+        u64 code = gp_py_field(buf, p->frame_code - from, 8);
+        u64 instr = gp_py_field(buf, p->frame_instr - from, p->instr_is_index ? 4 : 8);
+        if (p->frame_owner != GP_PY_NONE && gp_py_field(buf, p->frame_owner - from, 1) == p->owner_cstack)
+            code = 0; /* the evaluation loop's own entry frame: the end of one C-level call */
+        else if (p->boundary_each_frame
+                 || (p->frame_is_entry != GP_PY_NONE && gp_py_field(buf, p->frame_is_entry - from, 1)))
+            instr |= GP_PY_LAST_OF_CALL;
+        st->e[i & (GP_PY_MAX_FRAMES - 1)].code = code;
+        st->e[i & (GP_PY_MAX_FRAMES - 1)].instr = instr;
+        hash = (hash ^ code) * 0x100000001b3ULL;
+        hash = (hash ^ instr) * 0x100000001b3ULL;
+        n = i + 1;
+        frame = gp_py_field(buf, p->frame_previous - from, 8);
+    }
+    if (n == 0)
+        return 0;
+    st->depth = n;
+    st->truncated = frame != 0;
+    if (st->truncated)
+        gp_py_count(3);
+    gp_py_count(0);
+    if (hash == 0)
+        hash = 1;
+    int err = gp_py_stacks.insert(&hash, st); /* BPF_NOEXIST: one map operation when already stored */
+    if (err != 0 && err != -EEXIST) {
+        gp_py_count(2);
+        return 0;
+    }
+    return hash;
+}
+
+#endif

@@ -1,0 +1,101 @@
+"""A Python program with a known call tree, for the Python stack tests and the stack_quality bench.
+
+    main -> train_step -> forward -> layer -> (numpy) matmul    about half of the CPU time
+                                  -> activation                pure Python loop, the other half
+
+`python py_calltree.py SECONDS [THREADS]`: with THREADS > 0 the tree runs in that many threads
+(named worker-N, started from `spawn_workers`) while the main thread waits in `join_workers`.
+It sleeps 1 s first: the collector looks for an interpreter in a new pid (or one that exec'd) at
+its next drain, so samples of the first moments of a process have no Python frames.
+Prints one JSON line at the end: pid, native thread ids of the workers, CPU seconds, train steps
+done (all threads), and when the
+work started (CLOCK_MONOTONIC ns: samples of windows starting later are all of the work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+# One BLAS thread per caller: OpenBLAS's own threads spin between calls, and on a small machine
+# their spinning, not this program's code, would decide how fast it runs (and what is sampled).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # after the BLAS setting, which numpy reads at import
+
+A = np.random.default_rng(0).random((96, 96))
+
+
+def layer(x: np.ndarray) -> np.ndarray:
+    return np.matmul(x, A)  # numpy's C code under a Python frame (the leaf of the known tree)
+
+
+def activation(n: int) -> int:
+    total = 0
+    for i in range(n):  # pure Python: the interpreter's own loop
+        total += i * i % 7
+    return total
+
+
+def forward(x: np.ndarray) -> np.ndarray:
+    for _ in range(40):
+        x = layer(x) / 96.0
+    activation(6000)
+    return x
+
+
+def train_step(x: np.ndarray) -> np.ndarray:
+    return forward(x)
+
+
+STEPS: list[int] = []  # train steps done, one entry per thread (the bench's measure of speed)
+
+
+def run_for(seconds: float) -> None:
+    x = np.ones((96, 96))
+    end = time.monotonic() + seconds
+    steps = 0
+    while time.monotonic() < end:
+        x = train_step(x)
+        steps += 1
+    STEPS.append(steps)
+
+
+def spawn_workers(n: int, seconds: float, tids: list[int]) -> list[threading.Thread]:
+    def work() -> None:
+        tids.append(threading.get_native_id())
+        run_for(seconds)
+
+    threads = [threading.Thread(target=work, name=f"worker-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def join_workers(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join()
+
+
+def main() -> None:
+    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
+    nthreads = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    tids: list[int] = []
+    time.sleep(1.0)
+    t_work_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)  # the clock of /stacks/samples t_ns
+    if nthreads:
+        join_workers(spawn_workers(nthreads, seconds, tids))
+    else:
+        tids.append(threading.get_native_id())
+        run_for(seconds)
+    t = os.times()
+    print(json.dumps({"pid": os.getpid(), "tids": tids, "cpu_s": t.user + t.system, "t_work_ns": t_work_ns,
+                      "steps": sum(STEPS)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Python frames in the CPU stacks (bpf/pyframes.h, collector/pyframes.py): the 3.11 layout against
+the interpreter's own headers, line numbers against the interpreter's own tables, the merge into
+native stacks, and real programs with a known call tree sampled by BPF, directly and under
+`sbatch --profile-gpu=stacks` on the local cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+import native_progs
+from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python, run_source_over
+
+from gpuprof.collector import pyframes, schema
+from gpuprof.collector.pyframes import (
+    DEBUG_COOKIE,
+    LAYOUTS,
+    PyFrameNamer,
+    find_interpreter,
+    frame_label,
+    layout_from_debug_offsets,
+    line_of,
+)
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+from gpuprof.collector.symbolize import folded_stacks, merge_python_frames, stack_names
+
+CALLTREE = str(Path(__file__).resolve().parent / "progs" / "py_calltree.py")
+HERE = (sys.version_info.major, sys.version_info.minor)
+
+
+# --- layouts -------------------------------------------------------------------------------------
+_OFFSETS_C = r"""
+#define Py_BUILD_CORE 1
+#include <Python.h>
+#include <internal/pycore_frame.h>
+#include <internal/pycore_interp.h>
+#include <internal/pycore_runtime.h>
+#include <stddef.h>
+#include <stdio.h>
+#define P(name, s, f) printf("%s %zu\n", name, offsetof(s, f))
+int main(void) {
+    P("runtime_interp_head", _PyRuntimeState, interpreters.head);
+    P("interp_next", PyInterpreterState, next);
+    P("interp_threads_head", PyInterpreterState, threads.head);
+    P("tstate_next", PyThreadState, next);
+    P("tstate_thread_id", PyThreadState, native_thread_id);
+    P("tstate_frame", PyThreadState, cframe);
+    P("cframe_frame", _PyCFrame, current_frame);
+    P("frame_code", _PyInterpreterFrame, f_code);
+    P("frame_previous", _PyInterpreterFrame, previous);
+    P("frame_instr", _PyInterpreterFrame, prev_instr);
+    P("frame_is_entry", _PyInterpreterFrame, is_entry);
+    P("code_filename", PyCodeObject, co_filename);
+    P("code_name", PyCodeObject, co_qualname);
+    P("code_linetable", PyCodeObject, co_linetable);
+    P("code_firstlineno", PyCodeObject, co_firstlineno);
+    P("code_adaptive", PyCodeObject, co_code_adaptive);
+    P("runtime_gil_holder", _PyRuntimeState, gilstate.tstate_current);
+    printf("unicode_ascii_size %zu\nunicode_compact_size %zu\n", sizeof(PyASCIIObject),
+           sizeof(PyCompactUnicodeObject));
+    return 0;
+}
+"""
+
+
+def test_311_layout_is_the_headers_own(tmp_path: Path) -> None:
+    """Every offset of the 3.11 table, against offsetof() over the installed headers."""
+    if HERE != (3, 11):
+        pytest.skip(f"the test interpreter is {HERE}, the headers checked here are 3.11's")
+    inc = sysconfig.get_paths()["include"]
+    if not Path(inc, "internal", "pycore_frame.h").exists() or shutil.which("gcc") is None:
+        pytest.skip("python3.11-dev headers (internal/) or gcc missing: apt-get install python3.11-dev gcc")
+    src = tmp_path / "off.c"
+    src.write_text(_OFFSETS_C)
+    subprocess.run(["gcc", f"-I{inc}", str(src), "-o", str(tmp_path / "off")], check=True)
+    out = subprocess.run([str(tmp_path / "off")], check=True, capture_output=True, text=True).stdout
+    want = {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+    lay = LAYOUTS[(3, 11)]
+    got = {k: getattr(lay, k) for k in want}
+    assert got == want
+
+
+def test_311_is_the_only_layout_marked_tested() -> None:
+    assert [v for v, lay in LAYOUTS.items() if lay.tested] == [(3, 11)]
+
+
+def test_313_layout_comes_from_the_process_debug_offsets() -> None:
+    n = len(pyframes._DEBUG_OFFSETS_313)
+    values = list(range(1000, 1000 + n))
+    values[0] = 0x030D02F0  # 3.13.2 final
+    values[1] = 0  # not free-threaded
+    raw = DEBUG_COOKIE + struct.pack(f"<{n}Q", *values)
+    lay = layout_from_debug_offsets(raw)
+    idx = {name: 1000 + i for i, name in enumerate(pyframes._DEBUG_OFFSETS_313)}
+    assert lay.version == (3, 13) and not lay.tested
+    assert lay.runtime_interp_head == idx["runtime_state.interpreters_head"]
+    assert lay.tstate_thread_id == idx["thread_state.native_thread_id"]
+    assert lay.tstate_frame == idx["thread_state.current_frame"] and lay.cframe_frame == pyframes.NONE
+    assert lay.frame_instr == idx["interpreter_frame.instr_ptr"]
+    assert lay.code_name == idx["code_object.qualname"]
+    with pytest.raises(ValueError, match="cookie"):
+        layout_from_debug_offsets(b"notdebug" + raw[8:])
+    values[0] = 0x030E00F0
+    with pytest.raises(ValueError, match="3.14"):
+        layout_from_debug_offsets(DEBUG_COOKIE + struct.pack(f"<{n}Q", *values))
+    values[0], values[1] = 0x030D00F0, 1
+    with pytest.raises(ValueError, match="free-threaded"):
+        layout_from_debug_offsets(DEBUG_COOKIE + struct.pack(f"<{n}Q", *values))
+    with pytest.raises(ValueError, match="bytes read"):
+        layout_from_debug_offsets(raw[:64])
+
+
+# --- line numbers --------------------------------------------------------------------------------
+def _all_code(c: Any) -> list[Any]:
+    out = [c]
+    for k in c.co_consts:
+        if hasattr(k, "co_code"):
+            out.extend(_all_code(k))
+    return out
+
+
+def test_line_numbers_match_the_interpreters_own_table() -> None:
+    """line_of() over every instruction of every function of a few stdlib modules, against
+    code.co_positions() (3.11+ location table)."""
+    if HERE < (3, 11):
+        pytest.skip("the 3.11 location table format")
+    import argparse as m1
+    import inspect
+    import json.decoder as m2
+    import threading as m3
+
+    checked = 0
+    for mod in (m1, m2, m3):
+        code = compile(inspect.getsource(mod), mod.__file__ or "?", "exec")
+        for c in _all_code(code):
+            for i, pos in enumerate(c.co_positions()):
+                want = pos[0] if pos[0] is not None else 0
+                got = line_of(c.co_linetable, c.co_firstlineno, i, "3.11")
+                assert got == want, (c.co_name, i, got, want)
+                checked += 1
+    assert checked > 10000
+
+
+def test_line_numbers_of_the_310_table() -> None:
+    # (bytecode bytes, line delta) pairs from line 10: 4 bytes on 10, 6 on 12, 2 with no line,
+    # 2 on 11 (a negative delta), as 3.10 writes them
+    table = bytes([4, 0, 6, 2, 2, 0x80, 2, 0xFF])
+    lines = [line_of(table, 10, i, "3.10") for i in range(8)]
+    assert lines == [10, 10, 12, 12, 12, 0, 11, 0]
+
+
+# --- naming code objects of a live process --------------------------------------------------------
+def test_names_code_objects_of_a_live_process() -> None:
+    """The namer reads this very process: the caller's frame, named from its code object's
+    address and instruction, gives its function, file and current line."""
+    if HERE not in LAYOUTS or not LAYOUTS[HERE].tested:
+        pytest.skip(f"no tested layout for Python {HERE}")
+    proc = find_interpreter(os.getpid())
+    assert proc.layout.version == HERE
+    assert proc.eval_ranges, "no _PyEval_EvalFrameDefault in " + proc.path
+    namer = PyFrameNamer(proc)
+    frame = sys._getframe()
+    code = frame.f_code
+    # prev_instr of this frame, and its line, read on one line
+    instr, lineno = id(code) + proc.layout.code_adaptive + frame.f_lasti, frame.f_lineno
+    name, filename, line = namer.name(id(code), instr)
+    assert (name, filename, line) == ("test_names_code_objects_of_a_live_process", __file__, lineno)
+    # an address that is no code object: unknown, counted, never an exception
+    assert namer.name(16, 0) == pyframes.UNKNOWN_FRAME and namer.read_errors == 1
+
+
+def test_not_python_says_why() -> None:
+    p = subprocess.Popen(["sleep", "5"])
+    try:
+        with pytest.raises(pyframes.NotPython, match="no mapped python"):
+            find_interpreter(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_label_keeps_the_line_of_long_paths() -> None:
+    label = frame_label("f", "/very" + "/long" * 60 + "/train.py", 12)
+    assert label.startswith("py::f (...") and label.endswith("/train.py:12)") and len(label) < 200
+
+
+# --- merging Python frames into native stacks -------------------------------------------------------
+EVAL = (1, 500)
+
+
+def _is_eval(f: tuple[int, int]) -> bool:
+    return f == EVAL
+
+
+def test_merge_replaces_each_eval_frame_with_its_python_run() -> None:
+    # native: leaf C function, eval, PyObject_Call, eval, main (innermost first)
+    native = [(2, 1), EVAL, (1, 10), EVAL, (1, 20)]
+    chunks = [[(9, 0), (9, 1)], [(9, 2)]]
+    assert merge_python_frames(native, chunks, _is_eval) == [(2, 1), (9, 0), (9, 1), (1, 10), (9, 2), (1, 20)]
+
+
+def test_merge_without_eval_frames_puts_python_at_the_outer_end() -> None:
+    # frame-pointer-less interpreter: the native unwinder lost the loop's frames
+    native = [(2, 1), (2, 2)]
+    assert merge_python_frames(native, [[(9, 0)], [(9, 1)]], _is_eval) == [(2, 1), (2, 2), (9, 0), (9, 1)]
+
+
+def test_merge_leftover_runs_go_outside_the_last_eval_frame() -> None:
+    native = [(2, 1), EVAL, (1, 20)]
+    assert merge_python_frames(native, [[(9, 0)], [(9, 1)]], _is_eval) == [(2, 1), (9, 0), (9, 1), (1, 20)]
+    # more eval frames than runs (a truncated Python stack): the extra ones stay
+    assert merge_python_frames([EVAL, EVAL], [[(9, 0)]], _is_eval) == [(9, 0), EVAL]
+
+
+# --- real programs under BPF ---------------------------------------------------------------------------
+def _skip_bpf() -> None:
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if HERE not in LAYOUTS or not LAYOUTS[HERE].tested:
+        pytest.skip(f"no tested layout for Python {HERE}")
+
+
+def run_calltree(tmp_path: Path, args: list[str], python_frames: bool = True) -> tuple[Any, dict[str, Any], Any,
+                                                                                       BpfStacksSource]:
+    src = BpfStacksSource(99, python_frames=python_frames)
+    gated = GatedProcess([python(), CALLTREE, *args])
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
+    assert rc == 0, err
+    assert not errors, errors
+    path = tmp_path / "node.h5"
+    native_progs.sealed_file(path, [src], batches, ("stacks",))
+    return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(path), src
+
+
+KNOWN_CHAIN = ("py::run_for", "py::train_step", "py::forward")
+
+
+def _py(names: list[str]) -> list[str]:
+    """The Python frames of a stack, root first, as `py::function`."""
+    return [n.split(" (")[0] for n in reversed(names) if n.startswith("py::")]
+
+
+def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], root: tuple[str, ...],
+                     outermost: bool = False, t_work_ns: int = 0) -> dict[str, Any]:
+    """The samples of the worker threads against the program's call tree: every Python stack of the
+    work (in run_for) holds `root` (from the outermost frame when `outermost`) then the known
+    chain, in order. Counted: the samples of windows that started after t_work_ns (the work, not
+    the interpreter's start-up before the collector found it)."""
+    mine = rows[np.isin(rows["tid"], tids) & (rows["t_ns"] >= t_work_ns)]
+    total = int(mine["count"].sum())
+    with_py = 0
+    leaves: Counter[str] = Counter()
+    layer_with_native = 0
+    for r in mine:
+        stack = names.get(int(r["user_stack"]), [])
+        py = _py(stack)
+        n = int(r["count"])
+        if not py:
+            continue
+        with_py += n
+        if "py::run_for" not in py:
+            continue  # interpreter start-up, imports (site.main, numpy.random): not the known tree
+        assert root[-1] in py, py
+        at = py.index(root[-1]) + 1
+        assert tuple(py[at - len(root): at]) == root and (at == len(root) or not outermost), py
+        assert tuple(py[at: at + 3]) == KNOWN_CHAIN[: len(py) - at], py
+        leaves[py[-1]] += n
+        if py[-1] == "py::layer" and not stack[0].startswith("py::"):
+            layer_with_native += n  # numpy's C code above the Python frame that called it
+    assert total > 0
+    return {"total": total, "with_py": with_py, "leaves": leaves, "layer_with_native": layer_with_native}
+
+
+@pytest.mark.bpf
+def test_python_call_tree_single_thread(tmp_path: Path) -> None:
+    _skip_bpf()
+    rows, info, f, src = run_calltree(tmp_path, ["3"])
+    names = stack_names(f)
+    got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
+                           t_work_ns=info["t_work_ns"])
+    assert got["with_py"] >= 0.95 * got["total"], got
+    assert got["layer_with_native"] >= 0.8 * got["leaves"]["py::layer"], got
+    # both leaves of the tree show, each a real share of the time
+    assert got["leaves"]["py::layer"] >= 0.2 * got["total"], got
+    assert got["leaves"]["py::activation"] >= 0.1 * got["total"], got
+    # forward()'s frame under layer() is at the line of that call: the sampled line, not the def's
+    src_lines = Path(CALLTREE).read_text().splitlines()
+    call_line = next(i for i, t in enumerate(src_lines, 1) if "x = layer(x)" in t)
+    callers = {st[i + 1] for st in names.values() for i, n in enumerate(st[:-1])
+               if n.startswith("py::layer (") and st[i + 1].startswith("py::forward (")}
+    assert callers == {f"py::forward ({CALLTREE}:{call_line})"}, callers
+    sym = f["stacks/symbols"][()]
+    assert b"py_calltree.py" in set(sym["module"][np.char.startswith(sym["name"], b"py::")].tolist())
+    folded = folded_stacks(f)
+    assert any(";py::layer (" in k and "matmul" not in k.split(";py::layer")[0] for k in folded)
+    assert src.python is not None
+    # (stacks past 64 frames happen: numpy's nested imports at start-up; the work's are 7 deep)
+    walked, _missing, not_stored, _truncated = src.python.last_counts
+    assert walked > 0 and not_stored == 0
+
+
+@pytest.mark.bpf
+def test_python_call_tree_threads(tmp_path: Path) -> None:
+    """Three threads in the same tree: each sample is named from its own thread's frames."""
+    _skip_bpf()
+    rows, info, f, _ = run_calltree(tmp_path, ["3", "3"])
+    names = stack_names(f)
+    assert len(info["tids"]) == 3
+    for tid in info["tids"]:
+        got = check_known_tree(rows, names, [tid], ("py::Thread._bootstrap_inner", "py::Thread.run",
+                                                    "py::spawn_workers.<locals>.work"), t_work_ns=info["t_work_ns"])
+        assert got["with_py"] >= 0.9 * got["total"], (tid, got)
+    # the main thread waits in join: never a worker's stack
+    main_rows = rows[rows["tid"] == info["pid"]]
+    for r in main_rows:
+        assert "py::run_for" not in _py(names.get(int(r["user_stack"]), [])), "a worker's frames on the main thread"
+
+
+@pytest.mark.bpf
+def test_python_frames_off_gives_native_stacks_only(tmp_path: Path) -> None:
+    _skip_bpf()
+    rows, _, f, src = run_calltree(tmp_path, ["1.5"], python_frames=False)
+    assert src.python is None
+    names = stack_names(f)
+    assert int(rows["count"].sum()) > 0
+    assert not any(n.startswith("py::") for st in names.values() for n in st)
+
+
+# --- the same program under Slurm -----------------------------------------------------------------------
+@pytest.mark.slurm
+@pytest.mark.bpf
+def test_python_stacks_under_sbatch(cluster: Any, test_user: str, user_tmpdir: Path) -> None:
+    """`sbatch --profile-gpu=stacks` of the call-tree program: the node file's stacks read as the
+    program's Python code, with numpy's C code above `layer`."""
+    _skip_bpf()
+    job = cluster.sbatch(["-N1", "--profile-gpu=stacks", "--wrap", f"{python()} {CALLTREE} 3"], user=test_user,
+                         cwd=user_tmpdir)
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    node = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    deadline = time.monotonic() + 30
+    while not node.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = json.loads((user_tmpdir / f"slurm-{job}.out").read_text().strip().splitlines()[-1])
+    with h5py.File(node, "r") as f:
+        attach = json.loads(f.attrs["attach_json"])
+        if attach.get("stacks", {}).get("state") != "attached":
+            pytest.skip(f"BPF unavailable on the nodes: {attach.get('stacks')}")
+        rows = f["stacks/samples"][()]
+        names = stack_names(f)
+    got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
+                           t_work_ns=info["t_work_ns"])
+    assert got["with_py"] >= 0.95 * got["total"], got
+    assert got["leaves"]["py::layer"] > 0 and got["leaves"]["py::activation"] > 0, got
+
+
+def test_namer_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    if HERE not in LAYOUTS or not LAYOUTS[HERE].tested:
+        pytest.skip(f"no tested layout for Python {HERE}")
+    monkeypatch.setattr(pyframes, "MAX_CODES_PER_PID", 8)
+    namer = PyFrameNamer(find_interpreter(os.getpid()))
+    codes = [c for c in _all_code(compile("def a(): pass\ndef b(): pass\n" * 10, "x", "exec"))]
+    for c in codes:
+        namer.name(id(c), id(c) + namer.proc.layout.code_adaptive)
+    assert len(namer.codes) <= 8
+
+
+def test_a_thread_state_walk_of_this_process_finds_this_thread() -> None:
+    """The thread list as bpf/pyframes.h walks it (interpreters -> thread states, native ids),
+    read from this process with the same offsets: it holds every live thread of ours."""
+    if HERE not in LAYOUTS or not LAYOUTS[HERE].tested:
+        pytest.skip(f"no tested layout for Python {HERE}")
+    proc = find_interpreter(os.getpid())
+    lay = proc.layout
+    mem = pyframes.ProcessMemory(os.getpid())
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        found = set()
+        interp = mem.u64(proc.runtime + lay.runtime_interp_head)
+        while interp:
+            ts = mem.u64(interp + lay.interp_threads_head)
+            while ts:
+                found.add(mem.u64(ts + lay.tstate_thread_id))
+                ts = mem.u64(ts + lay.tstate_next)
+            interp = mem.u64(interp + lay.interp_next)
+        assert {threading.get_native_id(), t.native_id} <= found
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_process_that_exited_before_the_drain_gives_unknown_frames() -> None:
+    """Names are read from the live process: once it is gone its code objects are [unknown],
+    counted, and no exception reaches the drain."""
+    if HERE not in LAYOUTS or not LAYOUTS[HERE].tested:
+        pytest.skip(f"no tested layout for Python {HERE}")
+    script = "import sys, time; print(id(sys._getframe().f_code), flush=True); time.sleep(30)"
+    p = subprocess.Popen([python(), "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        code_addr = int(p.stdout.readline())
+        namer = PyFrameNamer(find_interpreter(p.pid))
+        assert namer.name(code_addr, code_addr + namer.proc.layout.code_adaptive)[0] == "<module>"
+        namer.codes.clear()  # as if first seen after the exit
+    finally:
+        p.kill()
+        p.wait()
+    assert namer.name(code_addr, code_addr) == pyframes.UNKNOWN_FRAME and namer.read_errors == 1
+    assert frame_label(*pyframes.UNKNOWN_FRAME) == "py::[unknown]"
