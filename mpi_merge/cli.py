@@ -7,7 +7,6 @@ message instead of leaving the others waiting.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -93,27 +92,48 @@ def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_n
 
 @click.command()
 @click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def report(job_file: str, fmt: str) -> None:
-    """Print the report stored in a merged job file."""
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "html"]), default="text", show_default=True)
+@click.option("--text", "fmt", flag_value="text", help="The text report (same as --format text).")
+@click.option("--json", "fmt", flag_value="json", help="The JSON report (same as --format json).")
+@click.option("--html", "fmt", flag_value="html",
+              help="Redraw the HTML page from the job file (written beside it as STEM.gpuprof.html unless -o).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Write the report to this file instead of stdout (html: instead of beside the job file).")
+def report(job_file: str, fmt: str, output: str | None) -> None:
+    """Print or regenerate a report from a merged job file: text, JSON or the HTML page."""
     from gpuprof.mpi_merge.export import load_report
-    from gpuprof.mpi_merge.report import render_text
+    from gpuprof.mpi_merge.report import render_json, render_text, write_report
 
     try:
+        if fmt == "html":
+            from gpuprof.mpi_merge.html_report import html_path_of, render_html_file
+
+            out = Path(output) if output else html_path_of(Path(job_file))
+            write_report(out, render_html_file(job_file))
+            click.echo(f"wrote {out}", err=True)
+            return
         r = load_report(job_file)
-    except GpuprofError as e:
+        text = render_json(r) if fmt == "json" else render_text(r)
+        if output:
+            write_report(Path(output), text)
+            click.echo(f"wrote {output}", err=True)
+            return
+    except (GpuprofError, OSError) as e:  # OSError: the output path (a directory, no permission)
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(r, indent=1, sort_keys=True) if fmt == "json" else render_text(r), nl=fmt == "json")
+    click.echo(text, nl=False)
 
 
 @click.command()
 @click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["perfetto", "collapsed", "speedscope", "csv"]), required=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
+@click.option("--format", "fmt", type=click.Choice(["perfetto", "chrome-json", "perfetto-proto", "otf2", "collapsed",
+                                                   "speedscope", "csv"]), required=True,
+              help="perfetto/chrome-json: Chrome trace JSON; perfetto-proto: Perfetto's protobuf; otf2: an OTF2 "
+                   "archive directory (open OUTPUT/traces.otf2 in Vampir or Scalasca)")
+@click.option("--output", "-o", type=click.Path(), required=True, help="The file (otf2: the archive's directory).")
 @click.option("--series", default="gpu0:util_gpu", show_default=True,
               help="csv: TABLE:COLUMN of one series across nodes, e.g. gpu/samples:util_gpu, host/node:cpu_busy")
 def export(job_file: str, fmt: str, output: str, series: str) -> None:
-    """Export a merged job file: Perfetto/Chrome trace JSON, collapsed stacks, speedscope JSON or CSV."""
+    """Export a merged job file: Chrome trace JSON, Perfetto protobuf, OTF2, collapsed stacks, speedscope JSON or CSV."""
     from gpuprof.mpi_merge import export as ex
 
     try:

@@ -10,31 +10,34 @@ from __future__ import annotations
 import csv
 import json
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.errors import TraceFormatError
-from gpuprof.mpi_merge.clock import NodeClockModel
+from gpuprof.mpi_merge.jobclock import node_time_mapper
 from gpuprof.mpi_merge.jobfile import JOB_SCHEMA
-from gpuprof.mpi_merge.loading import ClockMap
 
-FORMATS = ("perfetto", "collapsed", "speedscope", "csv")
+# perfetto = chrome-json (Chrome trace event JSON, which Perfetto opens too); perfetto-proto is
+# Perfetto's native protobuf (perfetto_export.py), otf2 an OTF2 archive directory (otf2_export.py)
+FORMATS = ("perfetto", "chrome-json", "perfetto-proto", "otf2", "collapsed", "speedscope", "csv")
 
 
-def _open(path: Path) -> h5py.File:
+def open_job_file(path: Path) -> h5py.File:
     try:
         f = h5py.File(path, "r")
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot open job file: {e}") from None
-    if f.attrs.get("schema") != JOB_SCHEMA:
-        f.close()
-        raise TraceFormatError(f"{path}: not a slurm-gpuprof job file (schema {f.attrs.get('schema')!r})")
+    found = f.attrs.get("schema")
+    if found != JOB_SCHEMA:
+        f.close()  # (read before closing: the message names what the file says it is)
+        raise TraceFormatError(f"{path}: not a slurm-gpuprof job file (schema {found!r})")
     return f
+
+
+_open = open_job_file
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
@@ -42,51 +45,11 @@ def load_report(path: str | Path) -> dict[str, Any]:
         return dict(json.loads(f["analysis"].attrs["report_json"]))
 
 
-def _models(f: h5py.File) -> dict[str, NodeClockModel]:
-    """Clock models back from /clock/nodes and /clock/segments (times relative to the epoch)."""
-    epoch = int(f.attrs["epoch_realtime_ns"])
-    nodes = f["clock/nodes"][()]
-    segs = f["clock/segments"][()] if "node" in (f["clock/segments"].dtype.names or ()) else None
-    out = {}
-    for row in nodes:
-        name = row["node"].decode() if isinstance(row["node"], bytes) else str(row["node"])
-        if segs is not None:
-            sel = np.array([(s.decode() if isinstance(s, bytes) else str(s)) == name for s in segs["node"]])
-            rs = segs[sel]
-        else:
-            rs = np.zeros(0)
-        out[name] = NodeClockModel(
-            name, bool(row["aligned"]), "",
-            (rs["t_start_ns"] - epoch).astype(np.float64) if len(rs) else np.zeros(0),
-            rs["offset_ns"].astype(np.float64) if len(rs) else np.zeros(0),
-            rs["drift_ppm"].astype(np.float64) if len(rs) else np.zeros(0),
-        )
-    return out
-
-
-def node_time_mapper(f: h5py.File, node: str) -> Callable[[np.ndarray], np.ndarray]:
-    """A node's CLOCK_MONOTONIC ns -> aligned ns since the epoch on the reference clock."""
-    epoch = int(f.attrs["epoch_realtime_ns"])
-    g = f[f"nodes/{node}"]
-    pairs = g["clock/pairs"][()] if "clock/pairs" in g else np.zeros(0, schema.CLOCK_PAIRS.dtype)
-    if len(pairs):
-        mono = pairs["monotonic_ns"].astype(np.int64)
-        cm = ClockMap(mono, pairs["realtime_ns"].astype(np.int64) - mono, "pairs")
-    else:
-        m = int(g.attrs["start_monotonic_ns"])
-        cm = ClockMap(np.array([m]), np.array([int(g.attrs["start_realtime_ns"]) - m]), "start attributes")
-    model = _models(f)[node]
-
-    def conv(t: np.ndarray) -> np.ndarray:
-        rel = (cm.to_realtime(t) - epoch).astype(np.float64)
-        return np.round(model.align(rel)).astype(np.int64) + epoch
-
-    return conv
-
-
 def export_perfetto(f: h5py.File, out: Path) -> int:
     """Chrome trace event JSON (opens in Perfetto UI and chrome://tracing): one process per node,
-    one thread per rank, one complete event per collective call on the aligned clock (us)."""
+    one thread per (communicator, rank) (tid = communicator index * TID_STRIDE + rank: ranks of two
+    communicators never share a track), one complete event per collective call on the aligned
+    clock (us)."""
     nodes = json.loads(f.attrs["nodes"])
     epoch = int(f.attrs["epoch_realtime_ns"])
     ops = schema.COLLECTIVE_OPS
@@ -104,16 +67,17 @@ def export_perfetto(f: h5py.File, out: Path) -> int:
 
         for i, node in enumerate(nodes):
             emit({"ph": "M", "name": "process_name", "pid": i, "args": {"name": node}})
-        for name in sorted(f["collectives"]):
+        for ci, name in enumerate(sorted(f["collectives"])):
             g = f["collectives"][name]
             node_of = json.loads(g.attrs["node_of_rank_json"])
+            tid0 = ci * TID_STRIDE
             E, X, OP = g["enter_aligned_ns"], g["exit_aligned_ns"], g["op"]
             W = g["wait_ns"]
             for r, node in enumerate(node_of):
                 if node is None:
                     continue
                 pid = nodes.index(node)
-                emit({"ph": "M", "name": "thread_name", "pid": pid, "tid": r, "args": {"name": f"{name} rank {r}"}})
+                emit({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid0 + r, "args": {"name": f"{name} rank {r}"}})
             for i0 in range(0, E.shape[0], 4096):
                 e, x, op, w = E[i0:i0 + 4096], X[i0:i0 + 4096], OP[i0:i0 + 4096], W[i0:i0 + 4096]
                 for k in range(e.shape[0]):
@@ -121,11 +85,14 @@ def export_perfetto(f: h5py.File, out: Path) -> int:
                         if node is None or e[k, r] < 0 or x[k, r] < 0:
                             continue
                         emit({"ph": "X", "name": ops[int(op[k, r])], "cat": "collective", "pid": nodes.index(node),
-                              "tid": r, "ts": (int(e[k, r]) - epoch) / 1e3, "dur": (int(x[k, r]) - int(e[k, r])) / 1e3,
+                              "tid": tid0 + r, "ts": (int(e[k, r]) - epoch) / 1e3, "dur": (int(x[k, r]) - int(e[k, r])) / 1e3,
                               "args": {"seq": i0 + k, "wait_us": (int(w[k, r]) / 1e3) if w[k, r] >= 0 else None}})
                         n += 1
         fh.write("\n]}\n")
     return n
+
+
+TID_STRIDE = 1 << 20  # above any communicator size (MPI ranks are int, jobs here stay below 2^20 ranks)
 
 
 def _stack_rows(f: h5py.File, table: str = "stacks/samples", weight: str = "count") -> Counter[str]:
@@ -213,9 +180,19 @@ def export_csv(f: h5py.File, out: Path, series: str) -> int:
 def export(job_file: Path, fmt: str, out: Path, *, series: str = "gpu0:util_gpu") -> int:
     if fmt not in FORMATS:
         raise TraceFormatError(f"unknown export format {fmt!r}; one of {FORMATS}")
+    if fmt != "otf2" and out.is_dir():
+        raise TraceFormatError(f"{out}: is a directory; {fmt} is written to a file")
     with _open(job_file) as f:
-        if fmt == "perfetto":
+        if fmt in ("perfetto", "chrome-json"):
             return export_perfetto(f, out)
+        if fmt == "perfetto-proto":
+            from gpuprof.mpi_merge.perfetto_export import export_perfetto_proto
+
+            return export_perfetto_proto(f, out).events
+        if fmt == "otf2":
+            from gpuprof.mpi_merge.otf2_export import export_otf2
+
+            return export_otf2(f, out).events
         if fmt == "collapsed":
             return export_collapsed(f, out)
         if fmt == "speedscope":

@@ -1,0 +1,245 @@
+"""The HTML report's payload and page (mpi_merge/html_report.py), without a browser: what each section
+is given, escaping, the summaries of large jobs, the roofline classes, `gpuprof report --html`.
+tests/test_browser.py loads the same pages in Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gpuprof.collector import schema
+from gpuprof.mpi_merge import html_report, roofline
+from gpuprof.mpi_merge import synthetic as syn
+from gpuprof.mpi_merge.cli import report as report_cmd
+from gpuprof.mpi_merge.merge import merge
+
+RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def payload_of(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="gp-data">(.*?)</script>', page, re.DOTALL)
+    assert m, "no payload in the page"
+    return json.loads(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def demo_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real demo recording (4 nodes, stacks and off-CPU, node3 the injected slow rank), one
+    stack symbol renamed to markup: a name from a trace."""
+    d = tmp_path_factory.mktemp("demo") / "demo.gpuprof.d"
+    shutil.copytree(RECORDING, d)
+    with h5py.File(d / "node3.h5", "r+") as f:
+        sym = f["stacks/symbols"][()]
+        sym["name"][0] = (HOSTILE + "poll_markup").encode()
+        f["stacks/symbols"][...] = sym
+    res = merge(str(d))
+    assert res is not None
+    return res.job_file
+
+
+@pytest.fixture(scope="module")
+def synth_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("syn") / "job.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=4, gpus_per_node=2, idle_gpus=[(2, 1)], seed=5,
+                                 stragglers=[syn.Straggler(1, "gpu", 1.0, 3.5)]), d)
+    with h5py.File(d / "node000.h5", "r+") as f:
+        f.attrs["hostname"] = HOSTILE
+    res = merge(str(d))
+    assert res is not None
+    return res.job_file
+
+
+def test_merge_writes_the_page_the_report_command_redraws(synth_job: Path, tmp_path: Path) -> None:
+    written = synth_job.with_suffix(".html").read_text()
+    out = tmp_path / "again.html"
+    r = CliRunner().invoke(report_cmd, [str(synth_job), "--html", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert payload_of(out.read_text()) == payload_of(written)
+    # --text and --json regenerate the other two from the same file
+    r = CliRunner().invoke(report_cmd, [str(synth_job), "--text"])
+    # (the job file's report dict has its keys sorted: the wait patterns may come in another order)
+    assert r.exit_code == 0 and sorted(r.output.splitlines()) == sorted(synth_job.with_suffix(".txt").read_text().splitlines())
+    r = CliRunner().invoke(report_cmd, [str(synth_job), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output) == json.loads(synth_job.with_suffix(".json").read_text())
+
+
+def test_report_command_rejects_a_file_that_is_not_a_job_file(tmp_path: Path) -> None:
+    bad = tmp_path / "x.h5"
+    with h5py.File(bad, "w") as f:
+        f.attrs["schema"] = "something else"
+    r = CliRunner().invoke(report_cmd, [str(bad), "--html"])
+    assert r.exit_code == 1 and "not a slurm-gpuprof job file" in r.output and str(bad) in r.output
+
+
+def test_page_is_self_contained(synth_job: Path) -> None:
+    page = synth_job.with_suffix(".html").read_text()
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=|@import|url\(http", page)
+    assert "Apache ECharts" in page and html_report.CHART_LIBRARY in page
+
+
+def test_names_stay_inside_the_payload_escaped(synth_job: Path, demo_job: Path) -> None:
+    for job in (synth_job, demo_job):
+        page = job.with_suffix(".html").read_text()
+        assert HOSTILE not in page  # not as markup anywhere: '<' in the payload is \\u003c
+        body = page.split('id="gp-data">', 1)[1].split("</script>", 1)[0]
+        assert "<" not in body and ">" not in body
+    host = {n["node"]: n["host"] for n in payload_of(synth_job.with_suffix(".html").read_text())["clock_table"]}
+    assert host["node000"] == HOSTILE  # the name itself survives, as text
+    assert any(s.startswith(HOSTILE) for s in payload_of(demo_job.with_suffix(".html").read_text())["strings"])
+
+
+def test_synthetic_job_sections(synth_job: Path) -> None:
+    p = payload_of(synth_job.with_suffix(".html").read_text())
+    assert p["synthetic"] is True and "SYNTHETIC" in p["synthetic_banner"]
+    assert [s["node"] for s in p["summary"]["stragglers"]] == ["node001"]
+    (c,) = p["comms"]
+    assert c["size"] == 4 and len(c["heat"]["ms"]) == 4 and c["cells"]
+    # every drawn call lies in the window, on the job's time grid
+    s0, s1 = c["window"]
+    t1 = p["grid"]["t0"] + p["grid"]["dt"] * p["grid"]["bins"]
+    assert all(s0 <= x[1] < s1 and x[2] <= x[3] and p["grid"]["t0"] - 1 <= x[2] <= t1 + 1 for x in c["cells"])
+    # one last arrival per instance drawn
+    per_seq = {}
+    for x in c["cells"]:
+        per_seq[x[1]] = per_seq.get(x[1], 0) + x[6]
+    assert set(per_seq.values()) == {1}
+    keys = {m["key"] for m in p["metrics"]}
+    assert {"util_gpu", "sm_activity", "power_w", "cpu_busy"} <= keys
+    util = next(m for m in p["metrics"] if m["key"] == "util_gpu")
+    assert util["band"] is None and len(util["series"]) == 8  # 4 nodes x 2 GPUs, all drawn
+    assert all(len(s["v"]) == p["grid"]["bins"] for s in util["series"])
+    # the idle GPU (node002 gpu1) reads ~0 where the others are busy
+    idle = next(s for s in util["series"] if s["node"] == "node002" and s["gpu"] == 1)
+    busy = next(s for s in util["series"] if s["node"] == "node000" and s["gpu"] == 0)
+    assert np.nanmean([v for v in idle["v"] if v is not None]) < 1 < np.nanmean([v for v in busy["v"] if v is not None])
+    # bins no narrower than the 10 Hz sampling: a line, not isolated points between gaps
+    assert p["grid"]["dt"] >= 0.09 and sum(v is None for v in busy["v"]) <= 2
+    # the synthetic generator writes no stacks and no kernels (the page says "not recorded"), and no NVTX range
+    assert all(r["samples"] is None and r["kernels"] is None and not r["nvtx"] for r in p["node_rows"].values())
+    assert {g["roofline"] for g in p["gpus"] if g["node"] == "node002" and g["gpu"] == 1} == {"underused"}
+    # at 4 nodes only the 400 instances are summarized: in heat map groups and a window of lanes
+    assert [x.split(":")[1].split("(")[0].strip() for x in p["summarized"]] == [
+        "wait heat map of 400 instances in 200 groups", "time lanes of instances 221-300 of 400"]
+
+
+def test_demo_recording_has_stacks_for_flames_and_drill_down(demo_job: Path) -> None:
+    p = payload_of(demo_job.with_suffix(".html").read_text())
+    assert [s["node"] for s in p["summary"]["stragglers"]] == ["node3"]
+    assert len(p["comms"]) == 3
+    rows = p["node_rows"]["node3"]
+    assert rows["samples"] and rows["offcpu"] and rows["stacks"]
+    assert rows["nvtx"] is None and rows["kernels"] is None  # the demo ran without those modes
+    names = {p["strings"][i] for st in rows["stacks"] for i in st}
+    assert "poll" in names
+    # the lanes' window lies where every node has stacks (the probes attached after the job began)
+    first = max(min(r[0] for r in n["samples"]) for n in p["node_rows"].values())
+    world = max(p["comms"], key=lambda c: c["size"])
+    assert min(x[2] for x in world["cells"] if x[1] == world["worst_seq"]) >= first
+    assert {m["key"] for m in p["metrics"]} >= {"cpu_busy", "offcpu"}
+    assert p["gpus"] == []  # no GPU on the recording's nodes
+    # the analysis's per-process differential of the finding, as stored in the job file
+    with h5py.File(demo_job, "r") as f:
+        stored = f["analysis/flames/finding_0/cpu"][()]
+    (ff,) = p["finding_flames"]
+    assert len(ff["cpu"]) == len(stored)
+    assert sum(r[1] for r in ff["cpu"]) == pytest.approx(float(stored["late"].sum()), rel=1e-3)
+    assert {";".join(p["strings"][i] for i in r[0]) for r in ff["cpu"]} == {x.decode() for x in stored["stack"]}
+
+
+def test_large_jobs_are_summarized(synth_job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(html_report, "ALL_SERIES_NODES", 2)
+    monkeypatch.setattr(html_report, "TOP_SERIES", 3)
+    monkeypatch.setattr(html_report, "MAX_LANE_RANKS", 2)
+    monkeypatch.setattr(html_report, "HEAT_COLUMNS", 10)
+    p = payload_of(html_report.render_html_file(synth_job))
+    util = next(m for m in p["metrics"] if m["key"] == "util_gpu")
+    assert util["band"] is not None and len(util["series"]) == 3
+    assert util["series"][0]["node"] == "node001"  # the straggler's node first
+    (c,) = p["comms"]
+    assert len(c["ranks"]) == 2 and 1 in c["ranks"]  # node001's rank kept
+    assert len(c["heat"]["edges"]) == 11
+    text = " ".join(p["summarized"])
+    assert "GPU utilization: 8 series of 4 nodes" in text and "lanes of 2 of its 4 ranks" in text
+    assert "wait heat map" in text
+
+
+@pytest.mark.parametrize("name,means,expected,flagged", [
+    ("NVIDIA H100 80GB HBM3", {"sm_activity": 85, "tensor_activity": 70, "dram_bw_util": 30}, "compute-bound", False),
+    ("NVIDIA H100 80GB HBM3", {"sm_activity": 70, "tensor_activity": 1, "dram_bw_util": 80}, "memory-bound", True),
+    ("NVIDIA A100-SXM4-80GB", {"sm_activity": 75, "tensor_activity": 0, "dram_bw_util": 20}, "compute-bound", True),
+    ("NVIDIA A100-SXM4-80GB", {"sm_activity": 45, "tensor_activity": 10, "dram_bw_util": 20}, "latency-bound", False),
+    ("Tesla T4", {"sm_activity": 5, "tensor_activity": 0, "dram_bw_util": 2}, "underused", False),
+])
+def test_roofline_classes(name: str, means: dict, expected: str, flagged: bool) -> None:
+    m = {"sm_occupancy": float("nan"), "util_gpu": float("nan"), **{k: float(v) for k, v in means.items()}}
+    c = roofline.classify(name, m)
+    assert c["roofline"] == expected, c
+    assert bool(c["flags"]) == flagged
+    assert c["peaks_model"] is not None and c["mem_tb_s_est"] is not None
+
+
+def test_roofline_without_gpm() -> None:
+    nan = float("nan")
+    base = {"sm_activity": nan, "sm_occupancy": nan, "tensor_activity": nan, "dram_bw_util": nan}
+    assert roofline.classify("Unknown GPU", {**base, "util_gpu": nan})["roofline"] == "unknown"
+    assert roofline.classify("Unknown GPU", {**base, "util_gpu": 3.0})["roofline"] == "underused"
+    assert roofline.peaks_of("NVIDIA H100 PCIe")[0] == "H100 PCIe"  # the longest matching model name
+
+
+def test_roofline_per_nvtx_phase(synth_job: Path, tmp_path: Path) -> None:
+    """NVTX ranges added to node001 (the GPU straggler) in a copy of the job file: each range name's
+    class comes from the GPM samples inside its ranges, on the node's own clock."""
+    job = tmp_path / "job.gpuprof.h5"
+    shutil.copy(synth_job, job)
+    with h5py.File(job, "r+") as f:
+        g = f["nodes/node001"]
+        gpm = g["gpu/gpm"][()]
+        t0, t1 = int(gpm["t_ns"].min()), int(gpm["t_ns"].max())
+        mid = (t0 + t1) // 2
+        for path in ("nvtx/ranges", "nvtx/strings"):
+            if path in g:
+                del g[path]
+        r = np.zeros(2, schema.TABLES_BY_PATH["/nvtx/ranges"].dtype)
+        r["t_start_ns"], r["t_end_ns"] = [t0, mid], [mid, t1]
+        r["pid"], r["name_id"] = 5, [1, 2]
+        g.create_dataset("nvtx/ranges", data=r)
+        s = np.zeros(2, schema.TABLES_BY_PATH["/nvtx/strings"].dtype)
+        s["pid"], s["string_id"], s["text"] = 5, [1, 2], [HOSTILE.encode(), b"second half"]
+        g.create_dataset("nvtx/strings", data=s)
+        phases = roofline.phase_classes(f, "node001", 0, "")
+        g0 = gpm[gpm["gpu"] == 0]
+        first = g0[g0["t_ns"] <= mid]
+    assert [p["range"] for p in phases] == [HOSTILE, "second half"] or [p["range"] for p in phases] == ["second half", HOSTILE]
+    p0 = next(p for p in phases if p["range"] == HOSTILE)
+    assert p0["samples"] == len(first)
+    want = roofline.classify("", {"sm_activity": float(first["sm_activity"].mean()),
+                                  "tensor_activity": float(first["tensor_activity"].mean()),
+                                  "dram_bw_util": float(first["dram_bw_util"].mean()),
+                                  "sm_occupancy": float("nan"), "util_gpu": float("nan")})
+    assert p0["roofline"] == want["roofline"]
+    page = html_report.render_html_file(job)
+    assert HOSTILE not in page
+    gp = next(x for x in payload_of(page)["gpus"] if x["node"] == "node001" and x["gpu"] == 0)
+    assert {p["range"] for p in gp["phases"]} == {HOSTILE, "second half"}
+    assert payload_of(page)["node_rows"]["node001"]["nvtx"]  # the drill-down has them too
+
+
+def test_a_job_without_metrics_or_stacks(tmp_path: Path) -> None:
+    """Clocks and collectives only (the generator's --no-bulk): every section is there, saying what
+    was not recorded."""
+    d = tmp_path / "bare.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=3, duration_s=2, write_bulk=False, seed=2), d)
+    res = merge(str(d))
+    assert res is not None
+    p = payload_of(res.job_file.with_suffix(".html").read_text())
+    assert p["metrics"] == [] and p["gpus"] == [] and len(p["comms"]) == 1
+    cov = {c["source"]: c["nodes"] for c in p["coverage"]}
+    assert cov["collective calls"] == 3 and cov["GPU metrics (NVML)"] == 0 and cov["CPU stacks"] == 0
