@@ -50,13 +50,16 @@ def _modes(value: str | None) -> tuple[str, ...]:
 @click.option("--uid", type=int, metavar="UID", help="Job owner's uid (narrows the cgroup lookup).")
 @click.option("--modes", metavar="MODES", default=None, help="Comma list of metrics,stacks,collectives,kernels "
               "(default: metrics,stacks,collectives).")
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False), help="Node trace file to write (.h5).")
+@click.option("--output", "-o", required=False, type=click.Path(dir_okay=False),
+              help="Node trace file to write (.h5); required unless --continuous.")
 @click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
               help="Unix socket for status/flush/seal (mode 0600).")
 @click.option("--duration", type=float, default=None, metavar="S", help="Stop and seal after S seconds.")
 @click.option("--nice", type=int, default=None, help="Nice value (default: config hooks.collector_nice).")
 @click.option("--gpus", type=click.Choice(["job", "all"]), default=None,
               help="Which GPUs: the job's (default, from config sources.nvml.gpus) or all.")
+@click.option("--continuous", is_flag=True, help="Always-on node collector: every job of the node, the last "
+              "[continuous] retention_min minutes kept for `gpuprof export --last` (docs/continuous.md).")
 @click.pass_context
 def collect(
     ctx: click.Context,
@@ -70,10 +73,16 @@ def collect(
     duration: float | None,
     nice: int | None,
     gpus: str | None,
+    continuous: bool,
 ) -> None:
     """Record one node's trace for a job (or a process tree) until SIGINT/SIGTERM, --duration or seal."""
     from gpuprof.collector.daemon import Collector, CollectorOptions
 
+    if continuous:
+        _collect_continuous(ctx, node, modes, control_socket, duration, nice)
+        return
+    if output is None:
+        raise click.UsageError("Missing option '--output' / '-o'.")
     if job_id is None and pid is None:
         raise click.UsageError("give --job JOBID or --pid PID")
     if duration is not None and duration <= 0:
@@ -112,6 +121,124 @@ def collect(
         sys.stderr.flush()
         os._exit(rc)
     ctx.exit(rc)
+
+
+def _collect_continuous(ctx: click.Context, node: str | None, modes: str | None, control_socket: str | None,
+                        duration: float | None, nice: int | None) -> None:
+    """`gpuprof collect --continuous`: the always-on collector of collector/continuous.py."""
+    from gpuprof.collector.continuous import ContinuousCollector, continuous_config
+    from gpuprof.collector.daemon import CollectorOptions
+
+    if duration is not None and duration <= 0:
+        raise click.BadParameter("must be positive", param_hint="--duration")
+    try:
+        cfg = continuous_config(_config(ctx))
+    except GpuprofError as e:
+        click.echo(f"gpuprof collect: {e}", err=True)
+        ctx.exit(2)
+    _setup_logging(str(cfg["paths"]["log_file"]))
+    c = cfg["continuous"]
+    here = node or environment.get(environment.SLURMD_NODENAME) or os.uname().nodename
+    for key in ("spill_dir", "export_dir"):  # {node}: several slurmd on one host, one collector each
+        c[key] = str(c[key]).replace("{node}", here)
+    opts = CollectorOptions(
+        output=Path(str(c["spill_dir"]) or "/dev/null"),
+        modes=_modes(modes or str(c["modes"])),
+        config=cfg,
+        node=here,
+        duration_s=duration,
+        nice=nice if nice is not None else int(cfg["hooks"]["collector_nice"]),
+    )
+    try:
+        from gpuprof.collector.watch import socket_for
+
+        assert opts.node is not None
+        sock = Path(control_socket or socket_for(str(c["socket"]), opts.node))
+        collector = ContinuousCollector(opts, socket_path=sock)
+        from gpuprof.collector.prometheus import attach_prometheus
+
+        attach_prometheus(collector, cfg["prometheus"])
+        rc = collector.run()
+    except GpuprofError as e:
+        click.echo(f"gpuprof collect: {e}", err=True)
+        ctx.exit(2)
+    ctx.exit(rc)
+
+
+@click.command("export-window")
+@click.option("--last", "last", required=True, metavar="DURATION", help="How far back: 300s, 5m, 1h.")
+@click.option("--job", "job_id", default=None, metavar="JOBID", help="Only this job's processes (yours, or any as root).")
+@click.option("--node", "nodes", default=None, metavar="NODES",
+              help="Comma list of nodes: each exports through `srun --overlap` on it (default: this node).")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=True),
+              help="Node file (.h5); with several nodes, a directory of <node>.h5 for `gpuprof merge`.")
+@click.option("--socket", "socket_path", default=None, help="Continuous collector socket (default: config).")
+@click.option("--json", "as_json", is_flag=True, help="Print the collector's reply as JSON.")
+@click.pass_context
+def export_window(ctx: click.Context, last: str, job_id: str | None, nodes: str | None, output: str,
+                  socket_path: str | None, as_json: bool) -> None:
+    """Write a v1 node file of the last DURATION from this node's continuous collector."""
+    from gpuprof.collector.continuous import export_to_file, parse_duration
+
+    try:
+        last_s = parse_duration(last)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--last") from None
+    if job_id is not None and not job_id.isdigit():
+        raise click.BadParameter("a job id is digits", param_hint="--job")
+    try:
+        cfg = _config(ctx)
+    except GpuprofError as e:
+        click.echo(f"gpuprof export: {e}", err=True)
+        ctx.exit(2)
+    from gpuprof.collector.watch import socket_for
+
+    here = environment.get(environment.SLURMD_NODENAME) or os.uname().nodename
+    sock = socket_path or socket_for(str(cfg["continuous"]["socket"]), here)
+    targets = [n for n in (nodes or "").split(",") if n] or [here]
+    if targets != [here]:
+        _export_nodes(ctx, targets, last, job_id, Path(output), sock)
+        return
+    out = Path(output)
+    if out.is_dir():
+        out = out / f"{here}.h5"
+    try:
+        reply = export_to_file(sock, out, last_s=last_s, job=job_id)
+    except GpuprofError as e:
+        click.echo(f"gpuprof export: {e}", err=True)
+        ctx.exit(2)
+    if as_json:
+        click.echo(json.dumps(reply, sort_keys=True))
+    elif reply.get("ok"):
+        w = reply["window"]
+        click.echo(f"{out}: {w['have_s']:.0f} s of {w['asked_s']:.0f} s asked, {reply['bytes']} bytes"
+                   + (f"; {w['note']}" if w.get("note") else ""))
+    else:
+        click.echo(f"gpuprof export: {reply.get('error')}", err=True)
+    ctx.exit(0 if reply.get("ok") else 1)
+
+
+def _export_nodes(ctx: click.Context, nodes: list[str], last: str, job_id: str | None, out_dir: Path,
+                  sock: str) -> None:
+    """One `srun --overlap` step per node runs the export there, into OUT_DIR/<node>.h5 (a shared
+    filesystem, like the job's output directory); the files merge with `gpuprof merge OUT_DIR`."""
+    import shutil
+    import subprocess
+
+    srun = shutil.which("srun")
+    if srun is None:
+        click.echo("gpuprof export: --node needs srun (an allocation or a job to step into)", err=True)
+        ctx.exit(2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for n in nodes:
+        cmd = [srun, "--overlap", "-N1", "-n1", "-w", n] + (["--jobid", job_id] if job_id else []) + [
+            "gpuprof", "export", "--last", last, "--socket", sock, "-o", str(out_dir / f"{n}.h5")
+        ] + (["--job", job_id] if job_id else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        click.echo(f"{n}: " + (r.stdout.strip() or r.stderr.strip()))
+        failed += r.returncode != 0
+    ctx.exit(1 if failed else 0)
 
 
 def format_summary(s: dict[str, Any]) -> str:

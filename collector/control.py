@@ -14,6 +14,7 @@ learn about a job's processes; the file mode is the access check, no credentials
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
@@ -186,11 +187,26 @@ def request(socket_path: str | os.PathLike[str], cmd: str, timeout_s: float = 5.
     """Send one command to a collector and return its reply; CollectorError on any failure."""
     if cmd not in COMMANDS:
         raise CollectorError(f"unknown control command {cmd!r}; known: {', '.join(COMMANDS)}")
+    return exchange(socket_path, {"cmd": cmd}, timeout_s=timeout_s)
+
+
+def exchange(socket_path: str | os.PathLike[str], req: dict[str, Any], *, fd: int | None = None,
+             timeout_s: float = 5.0, who: str = "collector",
+             absent: str = "collector not started or exited") -> dict[str, Any]:
+    """One JSON line to a collector's unix socket (with a file descriptor beside it when `fd` is
+    given: SCM_RIGHTS) and its one-line JSON object reply; CollectorError naming the socket and
+    the request on any failure. `who`/`absent` word the errors (the job collector's control socket,
+    the continuous collector's API)."""
+    what = req.get("cmd")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
     try:
         s.connect(os.fspath(socket_path))
-        s.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
+        payload = json.dumps(req).encode() + b"\n"
+        if fd is not None:
+            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        else:
+            s.sendall(payload)
         data = b""
         while not data.endswith(b"\n"):
             chunk = s.recv(65536)
@@ -198,19 +214,19 @@ def request(socket_path: str | os.PathLike[str], cmd: str, timeout_s: float = 5.
                 break
             data += chunk
     except FileNotFoundError:
-        raise CollectorError(f"{socket_path}: no collector socket (collector not started or exited)") from None
+        raise CollectorError(f"{socket_path}: no {who} socket ({absent})") from None
     except ConnectionRefusedError:
-        raise CollectorError(f"{socket_path}: nobody listening (collector exited)") from None
+        raise CollectorError(f"{socket_path}: nobody listening ({who} exited)") from None
     except TimeoutError:
-        raise CollectorError(f"{socket_path}: no reply to '{cmd}' within {timeout_s} s") from None
+        raise CollectorError(f"{socket_path}: no reply to '{what}' within {timeout_s} s") from None
     except OSError as e:
-        raise CollectorError(f"{socket_path}: control request '{cmd}' failed: {e.strerror or e}") from None
+        raise CollectorError(f"{socket_path}: request '{what}' failed: {e.strerror or e}") from None
     finally:
         s.close()
     try:
         reply = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CollectorError(f"{socket_path}: reply to '{cmd}' is not JSON: {data[:200]!r}") from None
+        raise CollectorError(f"{socket_path}: reply to '{what}' is not JSON: {data[:200]!r}") from None
     if not isinstance(reply, dict):
-        raise CollectorError(f"{socket_path}: reply to '{cmd}' is not a JSON object")
+        raise CollectorError(f"{socket_path}: reply to '{what}' is not a JSON object")
     return reply

@@ -24,7 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("gpuprof.collector.cli", "inspect"),
     "merge": ("gpuprof.mpi_merge.cli", "merge"),
     "report": ("gpuprof.mpi_merge.cli", "report"),
-    "export": ("gpuprof.mpi_merge.cli", "export"),
+    # --last: the continuous collector's window, else mpi_merge.cli's export, unchanged (mpi_merge/continuous_cli.py)
+    "export": ("gpuprof.mpi_merge.continuous_cli", "export"),
+    "watch": ("gpuprof.mpi_merge.continuous_cli", "watch"),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuprof.collector import config as config_mod
 from gpuprof.collector import environment as env
-from gpuprof.collector.errors import GpuprofError, JobLookupError
+from gpuprof.collector.errors import CollectorError, GpuprofError, JobLookupError
 from gpuprof.collector.jobwatch import LIVE_STATES
 from gpuprof.collector.schema import parse_modes
 from gpuprof.slurm_hooks import log as log_mod
@@ -60,6 +60,8 @@ class NodeJobState:
     attached: bool = False  # every source was in place before the prolog returned
     late_sources: list[str] | None = None  # sources still not attached when the prolog gave up
     problem: str = ""  # why this node records nothing or less (told to the user by the epilog)
+    # the node's continuous collector records the job (no collector of its own): its socket, or ''
+    continuous_socket: str = ""
 
 
 def _job_node_dir(cfg: dict[str, Any], job_id: str, node: str) -> Path:
@@ -175,9 +177,18 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         return
     log.info("DCGM lock held by %d holder(s), action %s (%s)", len(dcgm.holders), dcgm.action, dcgm.dcgmi)
 
-    ring_dir = _make_ring_dir(job_id, node, modes, job, log)
     trace = state_dir / f"{node}.h5"
     socket = state_dir / "control.sock"
+    continuous = _join_continuous(cfg, job_id, node, log)
+    if continuous:
+        # the always-on collector records the job: no second collector, no rings (it drains none)
+        why_state = _write_state(state_dir, NodeJobState(
+            job_id, node, list(modes), job.uid, job.gid, None, str(trace), continuous, time.time(), True, dcgm.dcgmi,
+            attached=True, continuous_socket=continuous))
+        if why_state:
+            log.error("%s; the epilog will not know the continuous collector has the job", why_state)
+        return
+    ring_dir = _make_ring_dir(job_id, node, modes, job, log)
     python = cfg["hooks"]["collector_python"] or sys.executable
     cmd = collector_command(config_path or env.get(env.GPUPROF_CONFIG), job, node, modes, trace, socket, python)
     state = NodeJobState(job_id, node, list(modes), job.uid, job.gid, None, str(trace), str(socket), time.time(),
@@ -221,6 +232,24 @@ def _prolog(config_path: str | None, job_id: str, node: str, log: logging.Logger
         log.error("%s", why_state)
 
 
+def _join_continuous(cfg: dict[str, Any], job_id: str, node: str, log: logging.Logger) -> str:
+    """The socket of this node's continuous collector (docs/continuous.md) when one runs and takes the
+    job ('' otherwise: the prolog starts a collector of the job's own)."""
+    from gpuprof.collector.continuous import join_job, running_collector
+    from gpuprof.collector.watch import socket_for
+
+    sock = socket_for(str(cfg["continuous"]["socket"]), node)
+    if not Path(sock).is_socket() or not running_collector(sock):
+        return ""
+    try:
+        join_job(sock, job_id)
+    except CollectorError as e:
+        log.warning("continuous collector at %s: %s; starting a collector for the job", sock, e)
+        return ""
+    log.info("continuous collector at %s records the job (its modes and rates)", sock)
+    return sock
+
+
 def _write_state(state_dir: Path, state: NodeJobState) -> str:
     """state.json, replaced atomically ('' when written, else why not): a full disk leaves the
     previous version whole instead of an empty file."""
@@ -255,8 +284,9 @@ def _fs_full_note(path: Path) -> str:
 def _make_ring_dir(job_id: str, node: str, modes: tuple[str, ...], job: JobInfo,
                    log: logging.Logger) -> Path | None:
     """The fast path's per-job directory, made by root for the job's uid (mode 0700) before any of
-    the job's processes run (docs/probes.md, "Who may write a ring"); None without mode collectives."""
-    if "collectives" not in modes:
+    the job's processes run (docs/probes.md, "Who may write a ring"); None without mode collectives
+    or kernels (CUPTI's kernel times cross the same rings)."""
+    if "collectives" not in modes and "kernels" not in modes:
         return None
     from gpuprof.collector.sources.fastpath import job_ring_dir
 
@@ -480,6 +510,8 @@ def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Pa
     if state.problem:
         problems.append(f"prolog: {state.problem}")
     trace = Path(state.trace)
+    if state.continuous_socket:
+        return _from_continuous(cfg, state, trace, problems, log)
     sealed = False
     why = ""
     if state.collector_started and Path(state.socket).exists():
@@ -508,6 +540,22 @@ def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Pa
     finally:
         if to_place.parent.name.startswith(RECOVER_PREFIX):
             shutil.rmtree(to_place.parent, ignore_errors=True)
+
+
+def _from_continuous(cfg: dict[str, Any], state: NodeJobState, trace: Path, problems: list[str],
+                     log: logging.Logger) -> Path | None:
+    """The job's node file from the continuous collector (its processes from the prolog on), placed
+    like a job collector's."""
+    from gpuprof.collector.continuous import end_job
+
+    try:
+        end_job(state.continuous_socket, state.job_id, trace, nodelist=env.get(env.SLURM_JOB_NODELIST) or "")
+    except (CollectorError, OSError) as e:
+        log.error("continuous collector at %s: %s", state.continuous_socket, e)
+        problems.append(f"the node's continuous collector did not write the job's node file: {e}")
+        return None
+    log.info("continuous collector wrote %s", trace)
+    return _place_node_file(cfg, state.job_id, state.node, trace, problems, log)
 
 
 def _recover(trace: Path, state_dir: Path, node: str, why: str, problems: list[str],
@@ -659,12 +707,23 @@ def task_prolog_lines(raw_modes: str | None, cfg: dict[str, Any]) -> list[str]:
         return []
     modes = parse_modes(raw_modes)
     lines = [f"export {env.GPUPROF_MODES}={','.join(modes)}"]
-    if "collectives" in modes:
+    # collectives: the interposers, NCCL's profiler plugin, NVTX; kernels: CUPTI's injection
+    if "collectives" in modes or "kernels" in modes:
         try:
-            from gpuprof.collector.sources.fastpath import fastpath_exports
+            from gpuprof.collector.sources.fastpath import fastpath_exports, job_ring_dir
         except ImportError:
             return lines
-        lines += fastpath_exports(modes, cfg)
+        job_id = env.get(env.SLURM_JOB_ID)
+        try:
+            ring_dir = job_ring_dir(job_id, env.get(env.SLURMD_NODENAME) or os.uname().nodename) if job_id else None
+        except ValueError:
+            ring_dir = None
+        if ring_dir is None or not ring_dir.is_dir():
+            # the prolog made no ring directory for the job: the node's continuous collector records
+            # it (it drains no rings), or making it failed (said in the prolog's log); nothing would
+            # read what the interposers and plugins wrote
+            return lines
+        lines += fastpath_exports(modes, cfg, job_id, ring_dir=ring_dir)
     return lines
 
 

@@ -253,3 +253,60 @@ def test_prolog_waits_for_probes_or_marks_them_late(cluster: Cluster, user_tmpdi
         assert f"job={job} node=node1: sources" in log and "not attached within" in log
     else:
         assert late_sources == [], attach
+
+
+def test_a_node_with_a_continuous_collector_starts_none_for_the_job(cluster: Cluster, user_tmpdir: Path,
+                                                                    test_user: str, hook_config, fake_dcgmi_log: Path,
+                                                                    tmp_path: Path) -> None:
+    """node1 runs the always-on collector (docs/continuous.md): the prolog hands it the job instead of
+    starting a second collector and sets up no fast path, the epilog gets the job's node file from
+    it and places it like any other; node2, without one, starts its own."""
+    import subprocess
+    import sys
+
+    run = Path("/tmp") / f"gpuprof-cont-{os.getpid()}"
+    run.mkdir(mode=0o755)
+    sock = run / "node1.sock"
+    conf = run / "continuous.toml"
+    conf.write_text(f'[collector]\nflush_interval_s = 1.0\n[continuous]\nsocket = "{run}/{{node}}.sock"\n'
+                    f'spill_dir = "{run}/spill"\nexport_dir = "{run}/exports"\nsegment_s = 1.0\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUPROF_"))}
+    env["GPUPROF_NVML_LIBRARY"] = "/nonexistent/libnvidia-ml.so.1"  # no GPU here
+    collector = subprocess.Popen([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "--config", str(conf), "collect",
+                                  "--continuous", "--node", "node1"], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert collector.poll() is None and time.monotonic() < deadline, collector.communicate()[1][-2000:]
+            time.sleep(0.2)
+        hook_config(base_config(cluster, fake_dcgmi_log, f'[continuous]\nsocket = "{run}/{{node}}.sock"\n'))
+        job = cluster.sbatch(["-N2", "--profile-gpu", "--wrap", "srun sh -c 'env | grep -c GPUPROF_FASTPATH; sleep 6'"],
+                             user=test_user, cwd=user_tmpdir)
+        state_root = cluster.dir / "state" / "gpuprof" / "jobs"
+        seen: dict[str, dict] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(seen) < 2:
+            for n in ("node1", "node2"):
+                f = state_root / f"{job}@{n}" / "state.json"
+                if f.exists() and n not in seen:
+                    st = json.loads(f.read_text())
+                    if st.get("collector_started"):
+                        seen[n] = st
+            time.sleep(0.2)
+        assert seen["node1"]["continuous_socket"] == str(sock) and seen["node1"]["collector_pid"] is None
+        assert seen["node2"]["continuous_socket"] == "" and seen["node2"]["collector_pid"]
+        assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+        node_dir = user_tmpdir / f"slurm-{job}.gpuprof.d"
+        wait_files(node_dir, ["node1.h5", "node2.h5"])
+        from_continuous = open_node_trace(node_dir / "node1.h5")
+        assert from_continuous.sealed and from_continuous.attrs["modes"] == "metrics"  # the collector's modes
+        assert (node_dir / "node1.h5").stat().st_uid == pwd.getpwnam(test_user).pw_uid
+        # node2's tasks got the fast path, node1's none (nothing there drains rings)
+        counts = (user_tmpdir / f"slurm-{job}.out").read_text().split()
+        assert sorted(counts) == ["0", "2"], counts
+    finally:
+        collector.terminate()
+        collector.wait(timeout=30)
+        import shutil
+
+        shutil.rmtree(run, ignore_errors=True)

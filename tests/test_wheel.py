@@ -81,10 +81,20 @@ def test_installed_cli_doctor_and_merge_without_source_tree(wheel_venv: tuple[Pa
 
 def test_installed_task_prolog_finds_its_venv(wheel_venv: tuple[Path, Path], tmp_path: Path) -> None:
     _, venv = wheel_venv
-    r = _run(venv, str(venv / "etc/task-prolog"), cwd=tmp_path,
-             env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77",
-                  "SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu": "collectives"})
+    job_env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "wheelnode",
+               "SPANK__SLURM_SPANK_OPTION_gpuprof_profile_gpu": "collectives"}
+    # without the ring directory the prolog makes, nothing would read the rings: no fast path
+    # (what a node whose continuous collector records the job gets)
+    r = _run(venv, str(venv / "etc/task-prolog"), cwd=tmp_path, env=job_env)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["export GPUPROF_MODES=collectives"], r.stdout
+    ring_dir = Path("/dev/shm/gpuprof-77@wheelnode")
+    ring_dir.mkdir(mode=0o700)
+    try:
+        r = _run(venv, str(venv / "etc/task-prolog"), cwd=tmp_path, env=job_env)
+    finally:
+        ring_dir.rmdir()
     assert r.returncode == 0
     preload = [ln for ln in r.stdout.splitlines() if ln.startswith("export LD_PRELOAD=")]
     assert preload and str(venv) in preload[0], r.stdout
     assert all(os.path.exists(p) for p in preload[0].split("=", 1)[1].split(":"))
+    assert f"export GPUPROF_FASTPATH_DIR={ring_dir}" in r.stdout.splitlines()
