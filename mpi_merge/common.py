@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeAlias, TypeVar
 
 import h5py
@@ -136,35 +141,234 @@ class SerialSpread:
         return [fn(i) for i in range(n)]
 
 
-class _AllGather(Protocol):
-    def Get_rank(self) -> int: ...
-    def Get_size(self) -> int: ...
-    def allgather(self, obj: Any) -> list[Any]: ...
-
-
-class CommSpread:
-    """Items dealt round robin over the ranks of an MPI communicator (mpi4py's allgather of the
-    results). Consecutive items (windows of the job) have about the same cost, so a round robin
-    balances them."""
-
-    def __init__(self, comm: _AllGather):
-        self.comm = comm
-
-    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
-        rank, size = self.comm.Get_rank(), self.comm.Get_size()
-        mine = {i: fn(i) for i in range(rank, n, size)}
-        out: dict[int, T] = {}
-        for part in self.comm.allgather(mine):
-            out.update(part)
-        return [out[i] for i in range(n)]
-
-
 class _PointToPoint(Protocol):
     def Get_rank(self) -> int: ...
     def Get_size(self) -> int: ...
     def bcast(self, obj: Any, root: int = 0) -> Any: ...
     def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Any: ...
+    def iprobe(self, source: int = 0, tag: int = 0) -> bool: ...
+
+
+TAG_POOL_ITEM = 31  # a worker's result of one item, to rank 0: (worker rank, item, result)
+TAG_POOL_ASSIGN = 32  # rank 0's next item for a worker (an int), or None: no item left in this map
+# Items a worker holds at once (the one it computes and two queued on it): its next item is
+# there when it sends a result, even while rank 0 is busy with an item of its own.
+DEAL_DEPTH = 3
+
+
+def _any_source() -> int:
+    from mpi4py import MPI  # only where there are other ranks: library use needs no MPI
+
+    return int(MPI.ANY_SOURCE)
+
+
+@dataclass
+class DealStats:
+    """What rank 0's dealing did, over every map of a pool: the items each rank computed (a copy
+    rank 0 made again counts on both), the items rank 0 computed again because their rank was late,
+    and the most results rank 0 held at once (the window's bound, checked by the tests)."""
+
+    items_by_rank: list[int]
+    recomputed: int = 0
+    most_held: int = 0
+
+
+# A wanted item that a worker has been computing this many times rank 0's mean item time is computed
+# again on rank 0 (the worker's copy is dropped when it comes): a rank that stalls costs the others
+# at most about that long per item.
+LATE_FACTOR = 2.0
+POLL_S = 0.0005  # rank 0's sleep between looks for a result while it waits (leaves the core to others)
+
+
+class WorkerQueues:
+    """On rank 0: the items each worker holds, in the order it computes them ((map, item), over the
+    maps of a pool: a late copy may still be in a worker's queue when the next map begins), and
+    when the one it computes now began (its previous result came in, or it was handed out to an
+    idle worker)."""
+
+    def __init__(self, workers: range):
+        self.held: dict[int, deque[tuple[int, int]]] = {w: deque() for w in workers}
+        self.started: dict[int, float] = dict.fromkeys(workers, 0.0)
+
+    def given(self, w: int, key: tuple[int, int]) -> None:
+        if not self.held[w]:
+            self.started[w] = time.monotonic()
+        self.held[w].append(key)
+
+    def taken(self, w: int) -> None:
+        """Worker w's oldest item came back (a worker computes its items in the order given)."""
+        self.held[w].popleft()
+        self.started[w] = time.monotonic()
+
+    def due(self, key: tuple[int, int], item_s: float) -> float:
+        """When the item should be back if each item takes LATE_FACTOR x item_s: from the start of
+        what its worker computes now, counting the items queued before it."""
+        for w, q in self.held.items():
+            if key in q:
+                return self.started[w] + item_s * (list(q).index(key) + 1)
+        return math.inf  # not held by a worker (it is on its way back)
+
+
+class _Dealer:
+    """Rank 0's side of one map: items handed out on demand, results taken in item order.
+
+    Every worker holds up to DEAL_DEPTH items; when it returns one it gets the next item not yet
+    handed out, so a rank slowed down by other load computes fewer items instead of holding the
+    others back (a fixed round robin makes every rank wait for the slowest one's share). Rank 0
+    computes items too, whenever the next one it needs is not there and no result is waiting. No
+    item is handed out `window` or more items past the one rank 0 needs next: the results rank 0
+    holds are bounded by `window`. When rank 0 can only wait for the item it needs (the window is
+    full, or every item is handed out) and the worker holding it has been at it LATE_FACTOR times
+    rank 0's mean item time (from when it began it, behind the items queued before it: WorkerQueues),
+    rank 0 computes it itself (`recompute`); the late copy is dropped when it comes,
+    in this map or a later one (WorkerQueues: what each worker still has to send, over all maps).
+    Which rank computes an item changes nothing in it (Task), so the results are the same."""
+
+    def __init__(self, comm: _PointToPoint, compute: Callable[[int], Any], n: int, window: int, stats: DealStats,
+                 map_id: int, queues: WorkerQueues, recompute: bool):
+        self.comm, self.compute, self.n, self.window, self.stats = comm, compute, n, max(window, 1), stats
+        self.map_id, self.queues, self.recompute = map_id, queues, recompute
+        self.any_source = _any_source()
+        self.workers = range(1, comm.Get_size())
+        self.told: set[int] = set()
+        self.results: dict[int, Any] = {}
+        self.next_free = 1 if n else 0  # item 0 is rank 0's own: it starts on it at once
+        self.own: list[int] = [0] if n else []
+        self.wanted = 0  # the item rank 0 yields next
+        self.own_seconds, self.own_items = 0.0, 0
+
+    def _give(self, w: int) -> bool:
+        if self.next_free < self.n and self.next_free < self.wanted + self.window:
+            self.comm.send((self.map_id, self.next_free), dest=w, tag=TAG_POOL_ASSIGN)
+            self.queues.given(w, (self.map_id, self.next_free))
+            self.next_free += 1
+            return True
+        return False
+
+    def _top_up(self) -> None:
+        # near the end of the map one item per worker: what is queued on a worker when nothing is left
+        # to hand out is what rank 0 waits for (it cannot take those back)
+        left = self.n - self.next_free
+        most = DEAL_DEPTH if left > DEAL_DEPTH * len(self.workers) else 1
+        for depth in range(1, most + 1):  # in rounds: every worker gets one before any gets two
+            for w in self.workers:
+                if len(self.queues.held[w]) < depth:
+                    self._give(w)
+        if self.next_free >= self.n:  # nothing left to hand out: every worker ends this map
+            for w in self.workers:
+                if w not in self.told:
+                    self.comm.send(None, dest=w, tag=TAG_POOL_ASSIGN)
+                    self.told.add(w)
+
+    def _take(self, msg: tuple[int, int, int, Any]) -> None:
+        w, map_id, item, result = msg
+        self.queues.taken(w)
+        self.stats.items_by_rank[w] += 1
+        if map_id != self.map_id or item < self.wanted or item in self.results:
+            return  # a late copy of an item rank 0 computed itself
+        self.results[item] = result
+        self.stats.most_held = max(self.stats.most_held, len(self.results))
+
+    def _wait(self, k: int) -> bool:
+        """Wait for a result; False when item k is late enough to compute it here instead."""
+        deadline = math.inf
+        if self.recompute and self.own_items:
+            deadline = self.queues.due((self.map_id, k), LATE_FACTOR * self.own_seconds / self.own_items)
+        while not self.comm.iprobe(source=self.any_source, tag=TAG_POOL_ITEM):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        self._take(self.comm.recv(source=self.any_source, tag=TAG_POOL_ITEM))
+        return True
+
+    def _run(self, item: int) -> None:
+        t0 = time.monotonic()
+        self.results[item] = self.compute(item)
+        self.own_seconds += time.monotonic() - t0
+        self.own_items += 1
+        self.stats.items_by_rank[0] += 1
+        self.stats.most_held = max(self.stats.most_held, len(self.results))
+
+    def __iter__(self) -> Iterator[Any]:
+        self._top_up()
+        for k in range(self.n):
+            self.wanted = k
+            while k not in self.results:
+                while self.comm.iprobe(source=self.any_source, tag=TAG_POOL_ITEM):
+                    self._take(self.comm.recv(source=self.any_source, tag=TAG_POOL_ITEM))
+                self._top_up()
+                if k in self.results:
+                    break
+                if self.own:
+                    self._run(self.own.pop(0))
+                elif self.next_free < self.n and self.next_free < k + self.window:
+                    item = self.next_free
+                    self.next_free += 1
+                    self._top_up()  # the last item claimed: the workers are told before rank 0 computes it
+                    self._run(item)
+                elif not self._wait(k):
+                    self.stats.recomputed += 1
+                    self._run(k)
+            # every worker was told before the last result came in: nothing is left to do after the last yield
+            yield self.results.pop(k)
+
+
+def _drain(comm: _PointToPoint, queues: WorkerQueues) -> None:
+    """Take (and drop) every result the workers still owe (late copies of items rank 0 computed
+    again): before the pool closes, so that no send is left unmatched."""
+    any_source = _any_source()
+    while any(queues.held.values()):
+        while not comm.iprobe(source=any_source, tag=TAG_POOL_ITEM):
+            time.sleep(POLL_S)
+        queues.taken(comm.recv(source=any_source, tag=TAG_POOL_ITEM)[0])
+
+
+def _serve_items(comm: _PointToPoint, compute: Callable[[int], Any], pending: list[Any]) -> None:
+    """A worker's side of one map: compute the items rank 0 hands out until it says there are none
+    left. A result goes out while the next item is computed (isend); `pending`: the sends not yet
+    taken, over the maps (rank 0 takes every one, dropping late copies, before the pool closes)."""
+    rank = comm.Get_rank()
+    while True:
+        msg = comm.recv(source=0, tag=TAG_POOL_ASSIGN)
+        if msg is None:
+            return
+        map_id, item = msg
+        result = compute(item)
+        pending[:] = [r for r in pending if not r.test()[0]]
+        pending.append(comm.isend((rank, map_id, item, result), dest=0, tag=TAG_POOL_ITEM))
+
+
+class CommSpread:
+    """Items dealt on demand over the ranks of an MPI communicator (rank 0 hands them out, _Dealer),
+    every rank gets every result (rank 0's broadcast of the list). All ranks call map with the same
+    function and n; a rank slowed down by other load computes fewer items. Every result is kept
+    (the list is the answer), so the window bounds nothing here, and nothing is computed twice: a
+    map ends with every result taken."""
+
+    def __init__(self, comm: _PointToPoint):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.stats = DealStats([0] * self.size)  # on rank 0
+        self.queues = WorkerQueues(range(1, self.size))  # on rank 0
+        self.maps = 0
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        if self.size == 1:
+            return [fn(i) for i in range(n)]
+        self.maps += 1
+        got: list[T] | None = None
+        if self.rank == 0:
+            got = list(_Dealer(self.comm, fn, n, n, self.stats, self.maps, self.queues, recompute=False))
+        else:
+            pending: list[Any] = []
+            _serve_items(self.comm, fn, pending)
+            for r in pending:
+                r.wait()
+        out = self.comm.bcast(got, root=0)
+        assert out is not None
+        return list(out)
 
 
 C_contra = TypeVar("C_contra", contravariant=True)
@@ -201,39 +405,48 @@ class SerialPool:
             yield task(self.context, i)
 
 
-TAG_POOL_ITEM = 31  # a worker's result of one item, to rank 0
-
-
 class RankPool:
-    """Items dealt round robin over the ranks of an MPI communicator: rank 0 calls map (bcast of the
-    task), the other ranks run serve() until rank 0 calls close(). Rank 0 takes the results in item
-    order, one message per item as it needs it, so it never holds more than one result per rank
-    and a result may be as large as a block: a worker's next item waits until rank 0 took its last.
-    Rank 0 computes its own items (0, size, 2 size, ...) in between."""
+    """Items dealt on demand over the ranks of an MPI communicator: rank 0 calls map (bcast of the
+    task), the other ranks run serve() until rank 0 calls close(). Rank 0 hands out the items as the
+    ranks return their last ones and computes items itself in between (_Dealer), and yields the
+    results in item order. It holds at most `window` results (6 per rank, at least 12), and a
+    result may be as large as a block. stats: on rank 0, what the dealing did."""
 
     def __init__(self, comm: _PointToPoint, context: Any):
         self.comm = comm
         self.context = context
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.window = max(12, 6 * self.size)
+        self.stats = DealStats([0] * self.size)
+        self.queues = WorkerQueues(range(1, self.size))  # on rank 0: the results each worker still sends
+        self.maps = 0
 
     def map(self, task: Task[Any, T], n: int) -> Iterator[T]:
         if self.rank != 0:
             raise RuntimeError("RankPool.map runs on rank 0; the other ranks serve()")
+        if self.size == 1:
+            for i in range(n):
+                self.stats.items_by_rank[0] += 1
+                yield task(self.context, i)
+            return
         self.comm.bcast((task, n), root=0)
-        for i in range(n):
-            owner = i % self.size
-            yield task(self.context, i) if owner == 0 else self.comm.recv(source=owner, tag=TAG_POOL_ITEM)
+        self.maps += 1
+        yield from _Dealer(self.comm, partial(task, self.context), n, self.window, self.stats, self.maps,
+                           self.queues, recompute=True)
 
     def serve(self) -> None:
-        """On the ranks other than 0: run the items of every map until close()."""
+        """On the ranks other than 0: run the items rank 0 hands out, map after map, until close()."""
+        pending: list[Any] = []
         while True:
             msg = self.comm.bcast(None, root=0)
             if msg is None:
+                for r in pending:  # rank 0 took them all before it closed the pool
+                    r.wait()
                 return
-            task, n = msg
-            for i in range(self.rank, n, self.size):
-                self.comm.send(task(self.context, i), dest=0, tag=TAG_POOL_ITEM)
+            task, _n = msg
+            _serve_items(self.comm, partial(task, self.context), pending)
 
     def close(self) -> None:
         if self.rank == 0 and self.size > 1:
+            _drain(self.comm, self.queues)
             self.comm.bcast(None, root=0)

@@ -12,6 +12,7 @@ driver on rank 0, whose memory then holds one block at a time, whatever the node
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import h5py
@@ -208,6 +209,15 @@ def job_comm_shapes(per_node: list[dict[int, tuple[int, int]]]) -> dict[int, tup
     return out
 
 
+def _runs(sorted_ints: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) positions of the runs of consecutive values in a sorted array of distinct ints."""
+    if not len(sorted_ints):
+        return []
+    cut = np.flatnonzero(np.diff(sorted_ints) != 1) + 1
+    edges = [0, *cut.tolist(), len(sorted_ints)]
+    return list(pairwise(edges))
+
+
 @dataclass
 class StoredComm:
     """One communicator of a CommStore. Tables are rank-major, [size, n_seq]: a node writes its
@@ -271,17 +281,25 @@ class CommStore:
             }
             if p["device_timed"].any():
                 c.device_timed = True
-            for rr in np.unique(r):
+            ranks = np.unique(r)
+            for rr in ranks:
                 mine = r == rr
                 c.pid_of_rank[rr] = int(p["pid"][mine][0])
                 c.last_seq[rr] = max(int(c.last_seq[rr]), int(s[mine].max()))
-                for name, dtype, fill in STORE_FIELDS:
-                    if name == "host_enter" and not c.device_timed:
-                        continue  # all NaN, the fill value: an MPI communicator never writes it
-                    row = c.data[name][rr] if c.written[rr] else np.full(c.n_seq, fill, dtype)
-                    row[s[mine]] = values[name][mine]
-                    c.data[name][rr] = row
-                c.written[rr] = True
+            # the node's ranks as one [ranks, n_seq] array per field, written at once: one write per run
+            # of consecutive ranks (a node's ranks usually are one run) instead of one per rank, the
+            # rows read back first only for a rank an earlier node has written too
+            slot = np.searchsorted(ranks, r)
+            for name, dtype, fill in STORE_FIELDS:
+                if name == "host_enter" and not c.device_timed:
+                    continue  # all NaN, the fill value: an MPI communicator never writes it
+                rows = np.full((len(ranks), c.n_seq), fill, dtype)
+                for j in np.flatnonzero(c.written[ranks]):
+                    rows[j] = c.data[name][int(ranks[j])]
+                rows[slot, s] = values[name]
+                for a, b in _runs(ranks):
+                    c.data[name][int(ranks[a]):int(ranks[b - 1]) + 1] = rows[a:b]
+            c.written[ranks] = True
 
     def exclude_cut_ranks(self, cut_nodes: set[int]) -> list[tuple[int, list[int], int]]:
         """Leave out, from the instances they miss, the ranks of nodes whose file was cut short (from

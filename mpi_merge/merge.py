@@ -26,7 +26,7 @@
      root attributes to the job file, renames it into place, then writes the reports the same way.
 
 Rank 0's memory therefore holds the per-node summaries (bounded per node), per-instance vectors,
-per-rank sums and one block of the tables (or one result per rank): not the calls, not the
+per-rank sums and one block of the tables (or its window of results): not the calls, not the
 [instance x node] tables, not the bulk data; the other ranks hold one block, per-instance vectors
 and a few numbers per process (docs/merge.md, "Rank 0's memory", "At scale"). Most of the copying
 runs on the writer, beside rank 0's analysis. An exception on any rank propagates to the CLI, which
@@ -41,6 +41,7 @@ import contextlib
 import math
 import os
 import re
+import resource
 import shutil
 import sys
 import time
@@ -53,10 +54,19 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import environment
-from gpuprof.collector.errors import MergeError
-from gpuprof.mpi_merge.analysis import AnalysisContext, ClockInput, JobAnalyzer, Selection, p2p_rows
+from gpuprof.collector.errors import MergeError, TraceFormatError
+from gpuprof.mpi_merge import nccl_log
+from gpuprof.mpi_merge.analysis import (
+    AnalysisContext,
+    ClockInput,
+    JobAnalysis,
+    JobAnalyzer,
+    Selection,
+    p2p_rows,
+)
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from gpuprof.mpi_merge.common import CommSpread, RankPool, SerialSpread
+from gpuprof.mpi_merge.common import CommSpread, DealStats, RankPool, SerialSpread
+from gpuprof.mpi_merge.html_report import render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
     CollectivesWriter,
@@ -67,6 +77,7 @@ from gpuprof.mpi_merge.jobfile import (
 )
 from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
 from gpuprof.mpi_merge.matching import CommStore, CommTable, InstanceTable, StoredComm
+from gpuprof.mpi_merge.progress_bar import TerminalProgress
 from gpuprof.mpi_merge.report import render_reports, write_rendered
 from gpuprof.mpi_merge.stragglers import DEFAULT_STRAGGLER_PARAMS, StragglerParams
 from gpuprof.mpi_merge.waitstates import CommSummary, CommWaits
@@ -88,6 +99,8 @@ class Comm(Protocol):
     def bcast(self, obj: Any, root: int = 0) -> Any: ...
     def send(self, obj: Any, dest: int, tag: int = 0) -> None: ...
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any: ...
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Any: ...
+    def iprobe(self, source: int = 0, tag: int = 0) -> bool: ...
     def allgather(self, obj: Any) -> list[Any]: ...
 
 
@@ -108,6 +121,12 @@ class SerialComm:
 
     def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
         raise MergeError("SerialComm has no peers to receive from")
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Any:
+        raise MergeError("SerialComm has no peers to send to")
+
+    def iprobe(self, source: int = 0, tag: int = 0) -> bool:
+        return False  # no peer, no message
 
     def allgather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -135,6 +154,14 @@ class StepTimes:
         self.on = environment.get(environment.GPUPROF_MERGE_TIMING) == "1"
         self.t0 = self.last = time.monotonic()
         self.steps: list[tuple[str, float]] = []
+        self.dealt: list[tuple[str, DealStats]] = []
+        # the process's peak RSS (MB) when each step ended: which step set the peak
+        self.peak_mb: list[tuple[str, float]] = []
+
+    def deal(self, step: str, stats: DealStats) -> None:
+        """How a step's items were dealt (rank 0): printed on a line of its own."""
+        if self.on:
+            self.dealt.append((step, stats))
 
     def mark(self, step: str) -> None:
         """The step that just ended."""
@@ -142,12 +169,18 @@ class StepTimes:
             now = time.monotonic()
             self.steps.append((step, now - self.last))
             self.last = now
+            self.peak_mb.append((step, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))  # KB on Linux
 
     def report(self) -> None:
         if self.on:
             steps = " ".join(f"{name}={sec:.3f}" for name, sec in self.steps)
             print(f"gpuprof merge timing rank {self.rank}: {steps} total={time.monotonic() - self.t0:.3f}",
                   file=sys.stderr, flush=True)
+            peaks = " ".join(f"{name}={mb:.1f}" for name, mb in self.peak_mb)
+            print(f"gpuprof merge peak rss MB rank {self.rank}: {peaks}", file=sys.stderr, flush=True)
+            for step, d in self.dealt:
+                print(f"gpuprof merge items {step}: by rank {d.items_by_rank}, computed again on rank 0 "
+                      f"{d.recomputed}, most held {d.most_held}", file=sys.stderr, flush=True)
 
 
 class Progress:
@@ -229,7 +262,9 @@ class ChunkPacker:
 
     def block(self, blk: CommTable, enter_al: np.ndarray, exit_al: np.ndarray, w: CommWaits) -> dict[str, Any]:
         c = self.comm_of[blk.comm_id]
-        with h5py.File(f"block-{os.getpid()}.h5", "w", driver="core", backing_store=False) as mem:
+        # libver "latest" as rank 0's part file: a communicator of more than about 8000 ranks has
+        # attributes (node_of_rank_json, pid_of_rank) beyond the 64 KB the oldest format allows
+        with h5py.File(f"block-{os.getpid()}.h5", "w", driver="core", backing_store=False, libver="latest") as mem:
             writer = CollectivesWriter(mem, self.names, self.epoch_rt)
             writer.begin(c)
             writer.block(blk, enter_al, exit_al, w)
@@ -336,7 +371,9 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     #    saved for rank 0 to load one node at a time (step 3) and for this rank to align (step 4)
     summaries: list[NodeSummary] = []
     mine: set[str] = set()
-    progress = Progress(rank == 0 and show_progress)
+    # bars (tqdm) on a terminal; in a batch log the plain lines
+    progress: Progress | TerminalProgress = (TerminalProgress if sys.stderr.isatty() else Progress)(
+        rank == 0 and show_progress)
     # with progress on, every rank leaves a marker per file it has read, which rank 0 counts
     read_marker_of = {f: parts_dir / f"{i:06d}.read" for i, f in enumerate(files)}
     progress("reading node files", 0, len(files), "files read")
@@ -429,6 +466,8 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         with h5py.File(instances_file, "w") as inst_f:
             clock_in = job.scan(reference, clock_params, inst_f, scan_pool if size > 1 else None, on_scanned)
         scan_pool.close()
+        if size > 1:
+            steps.deal("scan", scan_pool.stats)
         progress(SCAN_STEP, n_scan, n_scan, "instances analysed", force=True)
     else:
         RankPool(c, AnalysisContext(tables, names)).serve()
@@ -440,6 +479,8 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         table = InstanceTable.existing(inst_f, clock_in.n_rows) if clock_in.names else None
         spread = CommSpread(c) if size > 1 else SerialSpread()
         clock = clock_in.fit(table, spread)
+    if isinstance(spread, CommSpread) and rank == 0:
+        steps.deal("fit_clocks", spread.stats)
     steps.mark("fit_clocks")
     progress("clock fit", clock_in.n_rows, clock_in.n_rows, f"instances on {size} rank(s)", force=True)
     models: dict[str, NodeClockModel] = {m.node: m for m in clock.models}
@@ -489,21 +530,31 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     with h5py.File(collectives_part, "w", libver="latest", rdcc_nbytes=0) as cf:
         progress(WAITS_STEP, 0, n_instances, "instances analysed")
         sink = RankZeroCollectives(CollectivesWriter(cf, job.names, decision["epoch"]))
-        pool = RankPool(c, AnalysisContext(tables, names, models, sink)) if size > 1 else None
+        # with other ranks, rank 0 packs the blocks it computes as they do: items are dealt on demand,
+        # so rank 0 may compute a block ahead of the one it writes (of another communicator, even),
+        # and a packed block is written in order by the loop that takes the results (the same chunks)
+        packer = ChunkPacker(tables, names, decision["epoch"])
+        pool = RankPool(c, AnalysisContext(tables, names, models, packer)) if size > 1 else None
         analysis = job.finish(sink, straggler_params, pool, on_block)
         if pool is not None:
             pool.close()
+            steps.deal("finish_analysis", pool.stats)
     steps.mark("finish_analysis")
     progress("wait states, stragglers", n_instances, n_instances,
              f"instances analysed in {len(job.store.comms)} communicator(s)", force=True)
+    nccl = _nccl_log(files, analysis)
     texts = render_reports(analysis)
     steps.mark("render")
     if writer != 0:
         c.recv(source=writer, tag=TAG_NODES)
     steps.mark("wait_writer")
     finish_job_file(job_tmp, analysis, collectives_part, merge_ranks=size, merged_at_ns=time.time_ns())
+    if nccl is not None:
+        nccl_log.write_into_job_file(job_tmp, nccl)
     outs = output_paths(Path(plan["stem"]))
     os.replace(job_tmp, outs["h5"])
+    # the page is drawn from the job file, the same code as `gpuprof report --html`
+    texts["html"] = render_html_file(outs["h5"])
     reports = write_rendered(texts, outs)
     steps.mark("job_file_reports")
     steps.report()
@@ -514,6 +565,25 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         job_id=analysis.job_id, stragglers=analysis.report["stragglers"], seconds=time.monotonic() - t_start,
         bytes_read=sum(os.path.getsize(f) for f in files if os.path.exists(f)),
     )
+
+
+def _nccl_log(files: list[str], analysis: JobAnalysis) -> nccl_log.NcclLog | None:
+    """The job's NCCL_DEBUG log when it left one (mpi_merge/nccl_log.py): its summary and NCCL's own
+    counts against the collectors' go into the report (`nccl_log`), the parsed log into the job
+    file (/nccl_log). A log that cannot be read is said in the report; the merge goes on."""
+    if not files:
+        return None
+    nodes = [(s.node, s.hostname, Path(s.file)) for s in analysis.nodes]
+    try:
+        found = nccl_log.for_merge(Path(files[0]).parent, nodes)
+    except (OSError, TraceFormatError) as e:
+        analysis.report["nccl_log"] = {"error": str(e)}
+        return None
+    if found is None:
+        return None
+    log, entry = found
+    analysis.report["nccl_log"] = entry
+    return log
 
 
 def _files_read(parts_dir: Path) -> int:

@@ -433,6 +433,9 @@ def _sweep_range(sw: _Sweep, times: Sequence[AlignedRows], g0: int, g1: int) -> 
     return {**f, "ptr": ptr, "waitee": waitee, "proc": proc_l, "attributed": attributed}
 
 
+SWEEP_RANGES_PER_RANK = 4  # ranges of the sweep per merge rank (each starts from a warmed ring)
+
+
 def sweep_cuts(comms: Sequence[CommSummary], gcomm: np.ndarray, parts: int) -> np.ndarray:
     """[parts + 1] boundaries of `parts` ranges of the global time order with about as many cells
     (instances x ranks) each: the items of the sweep (which cuts changes no number)."""
@@ -458,7 +461,9 @@ def delay_analysis(comms: Sequence[CommSummary], times: Sequence[AlignedRows] | 
     gcomm, gseq, gids, seqs = _instance_order(comms)
     base = exit_baselines(comms, pool)
     units = [comm_units(c) for c in comms]
-    cuts = sweep_cuts(comms, gcomm, pool.size)
+    # several ranges per merge rank: they are dealt on demand, so a rank slowed down by other load
+    # sweeps fewer of them (one range per rank would make every rank wait for the slowest)
+    cuts = sweep_cuts(comms, gcomm, pool.size * SWEEP_RANGES_PER_RANK if pool.size > 1 else 1)
     task = _Sweep(comms, gcomm, gseq, gids, procs, n_proc, base, units, cuts, span_cells)
     parts = list(pool.map(task, len(cuts) - 1))
     keys = (*BLAME_FIELDS, "ptr", "waitee", "proc", "attributed")

@@ -194,3 +194,138 @@ def test_rank_killed_mid_analysis_aborts_without_a_job_file(job: Path, tmp_path:
     assert p.returncode != 0
     assert "signal 9" in p.stderr or "Killed" in p.stderr, p.stderr[-2000:]
     assert not list(tmp_path.glob("x.gpuprof.*"))
+
+
+POOL_SCRIPT = '''
+import time
+from mpi4py import MPI
+from gpuprof.mpi_merge.common import CommSpread, RankPool
+
+SLOW_RANK = 1
+
+class SleepsLongerOnOneRank:
+    """A test double's task: the item's value, after a sleep 20x longer on SLOW_RANK (a rank that
+    other load slows down)."""
+    def __call__(self, ctx, i):
+        time.sleep(0.2 if MPI.COMM_WORLD.Get_rank() == SLOW_RANK else 0.01)
+        return (ctx, i, i * i)
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+pool = RankPool(comm, "ctx")
+if rank == 0:
+    t0 = time.monotonic()
+    got = list(pool.map(SleepsLongerOnOneRank(), 60))
+    seconds = time.monotonic() - t0
+    assert list(pool.map(SleepsLongerOnOneRank(), 0)) == []
+    assert list(pool.map(SleepsLongerOnOneRank(), 1)) == [("ctx", 0, 0)]
+    pool.close()
+    assert got == [("ctx", i, i * i) for i in range(60)], got
+    print("POOL", seconds, pool.stats.items_by_rank, pool.stats.recomputed, pool.stats.most_held, pool.window)
+else:
+    pool.serve()
+
+def sleeps_longer(i):
+    time.sleep(0.1 if rank == SLOW_RANK else 0.005)
+    return i * 3
+
+spread = CommSpread(comm)
+assert spread.map(sleeps_longer, 40) == [i * 3 for i in range(40)]
+assert spread.map(sleeps_longer, 0) == []
+if rank == 0:
+    print("SPREAD", spread.stats.items_by_rank, spread.stats.recomputed)
+'''
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_slow_rank_does_not_hold_the_others_back(ranks: int, tmp_path: Path) -> None:
+    """Items are dealt on demand: a rank 20x slower than the others computes a few of them, rank 0
+    computes again an item that rank has held too long, and the results come in item order, the
+    same as computed on one rank; rank 0 never holds more than its window of results."""
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    p = mpirun(ranks, str(script), timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pool_line = next(x for x in p.stdout.splitlines() if x.startswith("POOL")).split(maxsplit=2)
+    seconds = float(pool_line[1])
+    by_rank_s, recomputed, most_held, window = pool_line[2].rsplit(maxsplit=3)
+    by_rank = json.loads(by_rank_s)
+    # the slow rank's share by a round robin: 60 / ranks items of 0.2 s, at least 4 s
+    assert by_rank[1] <= 6, by_rank
+    assert sum(by_rank) >= 61 and int(recomputed) >= 1
+    assert int(most_held) <= int(window)
+    assert seconds < 0.75 * (60 / ranks) * 0.2, seconds
+    spread_line = next(x for x in p.stdout.splitlines() if x.startswith("SPREAD"))
+    spread_by_rank = json.loads(spread_line.split(maxsplit=1)[1].rsplit(maxsplit=1)[0])
+    assert spread_by_rank[1] <= 8 and sum(spread_by_rank) == 40, spread_line
+
+
+@pytest.mark.parametrize("which", ["straggler", "sub_communicators"])
+def test_merge_with_a_slow_rank_is_the_same(which: str, job: Path, tmp_path: Path) -> None:
+    """Rank 1 of 2 sleeps before every item it computes (as if other work held its core): it
+    computes fewer of them, results come back out of item order, rank 0 computes blocks ahead of
+    the one it writes (of the next communicator, in the demo recording's sub-communicators), and
+    the job file and reports are the same bit for bit as on one rank."""
+    if which == "sub_communicators":
+        job = tmp_path / "demo.gpuprof.d"
+        shutil.copytree(RECORDINGS / "demo-4nodes", job)
+    script = tmp_path / "slow_rank.py"
+    script.write_text(
+        "import sys, time\n"
+        "from mpi4py import MPI\n"
+        "from gpuprof.mpi_merge import common\n"
+        f"common.BLOCK_CELLS = {SMALL_BLOCK}\n"
+        "real = common._serve_items\n"
+        "def slow(comm, compute, pending):\n"
+        "    def late(i):\n"
+        "        time.sleep(0.05)\n"
+        "        return compute(i)\n"
+        "    return real(comm, late, pending)\n"
+        "common._serve_items = slow\n"
+        "from gpuprof.slurm_hooks.cli import main\n"
+        "sys.argv = ['gpuprof', 'merge', sys.argv[1], '--output-stem', sys.argv[2], '--quiet']\n"
+        "main()\n"
+    )
+    one = merge_with_small_blocks(1, job, tmp_path / "k1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert MPIRUN is not None
+    p = subprocess.run(
+        [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py", str(script),
+         str(job), str(tmp_path / "slow")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), GPUPROF_MERGE_TIMING="1"), check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / "slow.gpuprof.h5") == []
+    for ext in ("json", "txt", "html"):
+        assert (tmp_path / f"slow.gpuprof.{ext}").read_text() == (tmp_path / f"k1.gpuprof.{ext}").read_text(), ext
+    dealt = {line.split()[3].rstrip(":"): json.loads(line.split("by rank ")[1].split("]")[0] + "]")
+             for line in p.stderr.splitlines() if line.startswith("gpuprof merge items")}
+    assert set(dealt) == {"scan", "fit_clocks", "finish_analysis"}, p.stderr[-2000:]
+    # the slow rank computed fewer items than rank 0 in every step (none at all where rank 0 had
+    # computed every item again before the slow rank's copy came), but some
+    assert all(by_rank[1] < by_rank[0] for by_rank in dealt.values()), dealt
+    assert sum(by_rank[1] for by_rank in dealt.values()) > 0, dealt
+
+
+def test_blocks_of_a_communicator_of_10000_ranks_are_packed_on_other_ranks() -> None:
+    """The other ranks' blocks of pass 2 go through an in-memory HDF5 file whose communicator group
+    carries a JSON list of every rank's node and a pid per rank: beyond about 8000 ranks those
+    attributes exceed the oldest format's 64 KB (the 2-rank merge of the 4096 x 8-rank job failed
+    there); the packer writes the newest format, as rank 0's part file does."""
+    from gpuprof.mpi_merge.matching import CommStore
+    from gpuprof.mpi_merge.merge import ChunkPacker
+    from gpuprof.mpi_merge.waitstates import compute_waits
+
+    n_ranks, n_seq = 10000, 4
+    store = CommStore({7: (n_ranks, n_seq)}, 0)
+    c = store.comms[0]
+    c.node_of_rank[:] = np.arange(n_ranks) // 8
+    for name in ("enter", "exit"):
+        c.data[name][:] = np.arange(n_seq)[None, :] * 1e6 + np.arange(n_ranks)[:, None]
+    c.data["op"][:] = 1
+    blk = store.block(0, 0, n_seq)
+    chunks = ChunkPacker(store, [f"node{i:05d}" for i in range(n_ranks // 8)], 0).block(
+        blk, blk.enter, blk.exit, compute_waits(blk, blk.enter, blk.exit))
+    assert set(chunks) == {"enter_aligned_ns", "exit_aligned_ns", "enter_raw_ns", "exit_raw_ns", "op", "bytes",
+                           "wait_ns"}
+    assert all(len(data) > 0 for _mask, data in chunks.values())

@@ -3,15 +3,19 @@ on 2 merge ranks, interleaved, median with min and max; the largest peak RSS of 
 seconds per (job rank x instance) of each step (GPUPROF_MERGE_TIMING), for the cost model in
 docs/merge.md.
 
-    .venv/bin/python tests/bench/bench_scaling.py [--quick] [--jobs 256x4,1024x4] [--repeats 3] [--cache DIR]
+    .venv/bin/python tests/bench/bench_scaling.py [--quick] [--jobs 256x4,1024x4:10,4096x8:2:1] [--repeats 3]
+        [--cache DIR]
 
-A job `NxR` is N nodes of R ranks each, 120 s with a collective every 10 ms on each communicator
-(--quick: 64x4 for 30 s, one run each); --cache keeps the generated jobs in DIR and reuses them (the
-same configuration gives the same files). The 1-minute load average before and after is printed with
+A job `NxR` is N nodes of R ranks each, 120 s (or --duration-s, or `NxR:SECONDS[:RUNS]` for that job,
+with that many interleaved pairs of runs instead of --repeats) with a
+collective every 10 ms on each communicator (--quick: 64x4 for 30 s, one run each); --cache keeps the
+generated jobs in DIR and reuses them (the same configuration gives the same files). The 1-minute load average before and after is printed with
 the figures: the machine is shared, and a 2-rank run loses more to other work than a 1-rank one.
 One JSON line per job size:
 {"bench": "merge_scaling", "ranks_in_job": ..., "seconds_1rank": ..., "seconds_2ranks": ...,
  "speedup_2ranks": ..., "max_rss_mb_any_rank": ..., "seconds_per_rank_instance": {...}, "synthetic": true}
+and, with more than one job size, the largest RSS of any merge rank per size against the smallest:
+{"bench": "merge_scaling_memory", "max_rss_mb_any_rank": {ranks_in_job: MB}, "rss_ratio_largest_to_smallest": ...}
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = re.compile(r"gpuprof merge timing rank (\d+): (.*) total=([\d.]+)")
+PEAKS = re.compile(r"gpuprof merge peak rss MB rank (\d+): (.*)")
+# the steps after the analysis: the job file and the reports (the HTML page is drawn from the job file)
+REPORT_STEPS = ("job_file_reports",)
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -61,12 +68,19 @@ def run_merge(n: int, src: Path, stem: Path) -> dict[str, Any]:
     for m in TIMING.finditer(p.stderr):
         if m.group(1) == "0":
             steps = {k: float(v) for k, v in (kv.split("=") for kv in m.group(2).split())}
+    # each rank's peak RSS when the analysis ended (before the job file and the reports)
+    analysis_peak = 0.0
+    for m in PEAKS.finditer(p.stderr):
+        at_step = [(k, float(v)) for k, v in (kv.split("=") for kv in m.group(2).split())]
+        analysis_peak = max([analysis_peak] + [mb for k, mb in at_step if k not in REPORT_STEPS])
     for f in stem.parent.glob(f"{stem.name}.gpuprof.*"):
         f.unlink()
-    return {"seconds": seconds, "rss_mb": rss / 1024, "steps": steps}
+    return {"seconds": seconds, "rss_mb": rss / 1024, "analysis_rss_mb": analysis_peak, "steps": steps,
+            "load1": round(os.getloadavg()[0], 2)}
 
 
-def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, repeats: int, cache: Path | None) -> None:
+def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, repeats: int,
+              cache: Path | None) -> dict[str, Any]:
     from gpuprof.mpi_merge import synthetic as syn
 
     name = f"job{nodes}x{ranks_per_node}-{duration_s:g}s.gpuprof.d"
@@ -97,19 +111,25 @@ def bench_job(tmp: Path, nodes: int, ranks_per_node: int, duration_s: float, rep
     def per_cell(n: int) -> dict[str, float]:
         return {k: v / (job_ranks * instances) for k, v in steps(n).items()}
 
-    emit({"bench": "merge_scaling", "ranks_in_job": job_ranks, "nodes": nodes, "duration_s": duration_s,
-          "instances_per_communicator": instances, "node_files_mb": round(mb, 1), "generate_s": round(gen_s, 1),
-          "seconds_1rank": statistics.median(s1), "seconds_1rank_min_max": [min(s1), max(s1)],
-          "seconds_2ranks": statistics.median(s2), "seconds_2ranks_min_max": [min(s2), max(s2)],
-          "speedup_2ranks": statistics.median(s1) / statistics.median(s2),
-          "max_rss_mb_any_rank": max(r["rss_mb"] for r in runs[1] + runs[2]),
-          "steps_rank0_1rank_s": steps(1), "steps_rank0_2ranks_s": steps(2),
-          "seconds_per_rank_instance": per_cell(1), "seconds_per_rank_instance_2ranks": per_cell(2),
-          "seconds_1rank_all": s1, "seconds_2ranks_all": s2,
-          "load1_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
-          "runs": repeats, "synthetic": True})
+    line = {"bench": "merge_scaling", "ranks_in_job": job_ranks, "nodes": nodes, "duration_s": duration_s,
+            "instances_per_communicator": instances, "node_files_mb": round(mb, 1), "generate_s": round(gen_s, 1),
+            "seconds_1rank": statistics.median(s1), "seconds_1rank_min_max": [min(s1), max(s1)],
+            "seconds_2ranks": statistics.median(s2), "seconds_2ranks_min_max": [min(s2), max(s2)],
+            "speedup_2ranks": statistics.median(s1) / statistics.median(s2),
+            "max_rss_mb_any_rank": max(r["rss_mb"] for r in runs[1] + runs[2]),
+            "max_rss_mb_any_rank_before_reports": max(r["analysis_rss_mb"] for r in runs[1] + runs[2]),
+            "steps_rank0_1rank_s": steps(1), "steps_rank0_2ranks_s": steps(2),
+            "seconds_per_rank_instance": per_cell(1), "seconds_per_rank_instance_2ranks": per_cell(2),
+            "seconds_1rank_all": s1, "seconds_2ranks_all": s2,
+            "load1_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)], "cores": os.cpu_count(),
+            "speedup_per_pair": [round(x / y, 3) for x, y in zip(s1, s2)],
+            "seconds_per_rank_instance_whole_1rank": statistics.median(s1) / (job_ranks * instances),
+            "load1_per_run": {n: [r["load1"] for r in runs[n]] for n in runs},
+            "runs": repeats, "synthetic": True}
+    emit(line)
     if cache is None:
         shutil.rmtree(d)
+    return line
 
 
 def main() -> None:
@@ -123,10 +143,22 @@ def main() -> None:
     jobs = a.jobs or ("64x4" if a.quick else "256x4")
     repeats = a.repeats or (1 if a.quick else 3)
     duration = a.duration_s or (30.0 if a.quick else 120.0)
+    lines = []
     with tempfile.TemporaryDirectory(prefix="bench_scaling-", dir="/var/tmp") as t:
         for spec in jobs.split(","):
-            nodes, rpn = (int(x) for x in spec.lower().split("x"))
-            bench_job(Path(t), nodes, rpn, duration, repeats, a.cache)
+            shape, seconds, runs = ([*spec.lower().split(":"), "", ""])[:3]
+            nodes, rpn = (int(x) for x in shape.split("x"))
+            lines.append(bench_job(Path(t), nodes, rpn, float(seconds) if seconds else duration,
+                                   int(runs) if runs else repeats, a.cache))
+    if len(lines) > 1:
+        rss = {ln["ranks_in_job"]: round(ln["max_rss_mb_any_rank"], 1) for ln in lines}
+        before = {ln["ranks_in_job"]: round(ln["max_rss_mb_any_rank_before_reports"], 1) for ln in lines}
+        smallest, largest = min(rss), max(rss)
+        emit({"bench": "merge_scaling_memory", "max_rss_mb_any_rank": rss,
+              "rss_ratio_largest_to_smallest": round(rss[largest] / rss[smallest], 3),
+              "max_rss_mb_any_rank_before_reports": before,
+              "before_reports_ratio_largest_to_smallest": round(before[largest] / before[smallest], 3),
+              "durations_s": {ln["ranks_in_job"]: ln["duration_s"] for ln in lines}, "synthetic": True})
 
 
 if __name__ == "__main__":
