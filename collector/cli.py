@@ -299,3 +299,51 @@ def inspect(ctx: click.Context, file: str, as_json: bool) -> None:
         click.echo(f"gpuprof inspect: {e}", err=True)
         ctx.exit(2)
     click.echo(json.dumps(s, sort_keys=True) if as_json else format_summary(s))
+
+
+@click.command("status")
+@click.argument("job_id", metavar="JOBID")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: node -> the collector's status.")
+@click.pass_context
+def status(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """Ask the running collectors of JOBID on this host what they have recorded so far (rows per
+    table, drops, sources, errors). Root only: the control sockets are root's (docs/collector.md).
+    Exit 1 when no collector of the job answers here."""
+    from gpuprof.collector.control import request
+
+    if not job_id.replace("_", "").isdigit():
+        raise click.BadParameter("a job id is digits (array jobs: <array>_<task>)", param_hint="JOBID")
+    if os.geteuid() != 0:
+        click.echo("gpuprof status: root only (the collectors' control sockets are root's); on the node: "
+                   f"sudo gpuprof status {job_id}", err=True)
+        ctx.exit(2)
+    cfg = _config(ctx)
+    jobs = Path(str(cfg["paths"]["state_dir"])) / "jobs"
+    found: dict[str, dict[str, Any]] = {}
+    for d in sorted(jobs.glob(f"{job_id}@*")) if jobs.is_dir() else []:
+        node = d.name.split("@", 1)[1]
+        sock = d / "control.sock"
+        if d.is_symlink() or not sock.is_socket():
+            found[node] = {"state": "no collector socket (continuous collector, or not started)"}
+            continue
+        try:
+            found[node] = request(sock, "status", timeout_s=5.0)
+        except GpuprofError as e:
+            found[node] = {"state": "not answering", "error": str(e)}
+    if as_json:
+        click.echo(json.dumps(found, sort_keys=True))
+    elif not found:
+        click.echo(f"gpuprof status: no collector of job {job_id} on this host ({jobs})", err=True)
+    for node, st in sorted(found.items()) if not as_json else ():
+        rows = st.get("records") or {}
+        drops = sum((st.get("drops") or {}).values())
+        click.echo(f"{node}: {st.get('state')}, {st.get('pids', 0)} job processes, "
+                   + ", ".join(f"{k} {v}" for k, v in sorted(rows.items()) if v) + f"; drops {drops}"
+                   + (f"; errors: {'; '.join(_error_text(e) for e in st['errors'][:3])}" if st.get("errors") else "")
+                   + (f"; {st['error']}" if st.get("error") else ""))
+    ctx.exit(0 if any(s.get("state") == "recording" for s in found.values()) else 1)
+
+
+def _error_text(e: Any) -> str:
+    """A collector's error row as one phrase: 'source: message'."""
+    return f"{e.get('source', '?')}: {e.get('message', '')}" if isinstance(e, dict) else str(e)

@@ -572,6 +572,12 @@ class PayloadBuilder:
             "nvtx_phases": [{"node": n["node"], "pid": pid, "range": name, "s": sec}
                             for n in r.get("nodes", []) for pid, ph in sorted((n.get("nvtx_phases_s") or {}).items())
                             for name, sec in sorted(ph.items(), key=lambda kv: -kv[1])][:MAX_RANK_ROWS],
+            # per node and process: GPU seconds per kernel (CUPTI), when recorded
+            "kernel_time": [{"node": n["node"], "pid": pid, "kernel": name, "s": sec}
+                            for n in r.get("nodes", []) for pid, kt in sorted((n.get("kernel_time_s") or {}).items())
+                            for name, sec in sorted(kt.items(), key=lambda kv: -kv[1])][:MAX_RANK_ROWS],
+            # the job's NCCL_DEBUG log, when one was found (mpi_merge/nccl_log.py)
+            "nccl_log": r.get("nccl_log"),
         }
         payload["coverage"] = self.coverage()
         payload["finding_flames"] = self.finding_flames(len(r.get("stragglers", [])))

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dcgm": ("gpuprof.slurm_hooks.commands", "dcgm"),
     "collect": ("gpuprof.collector.cli", "collect"),
     "inspect": ("gpuprof.collector.cli", "inspect"),
+    "status": ("gpuprof.collector.cli", "status"),
     "merge": ("gpuprof.mpi_merge.cli", "merge"),
     "report": ("gpuprof.mpi_merge.cli", "report"),
     # --last: the continuous collector's window, else mpi_merge.cli's export, unchanged (mpi_merge/continuous_cli.py)

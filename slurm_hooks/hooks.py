@@ -549,7 +549,9 @@ def _from_continuous(cfg: dict[str, Any], state: NodeJobState, trace: Path, prob
     from gpuprof.collector.continuous import end_job
 
     try:
-        end_job(state.continuous_socket, state.job_id, trace, nodelist=env.get(env.SLURM_JOB_NODELIST) or "")
+        # bounded like a job collector's seal (a 10-minute retention exports in about 2 s: docs/continuous.md)
+        end_job(state.continuous_socket, state.job_id, trace, nodelist=env.get(env.SLURM_JOB_NODELIST) or "",
+                timeout_s=float(cfg["hooks"]["seal_timeout_s"]))
     except (CollectorError, OSError) as e:
         log.error("continuous collector at %s: %s", state.continuous_socket, e)
         problems.append(f"the node's continuous collector did not write the job's node file: {e}")

@@ -31,7 +31,7 @@ if chromium() is None:
 RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
 ARTIFACTS = Path(__file__).parent / "artifacts" / "browser"
 HOSTILE = "<img src=x onerror=window.gpXss=1>"  # would set gpXss if it ever became an element
-SECTIONS = ["summary", "lanes", "drill", "metrics", "flames", "clocks", "ranks", "gpus", "phases"]
+SECTIONS = ["summary", "lanes", "drill", "metrics", "flames", "clocks", "ranks", "gpus", "phases", "kernels", "nccl"]
 CHARTED = {"lanes": 2, "metrics": 1, "clocks": 1}  # sections and the canvases they hold at least
 
 

@@ -310,3 +310,41 @@ def test_a_node_with_a_continuous_collector_starts_none_for_the_job(cluster: Clu
         import shutil
 
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_status_asks_the_running_collectors(cluster: Cluster, user_tmpdir: Path, test_user: str, hook_config,
+                                            fake_dcgmi_log: Path) -> None:
+    """`gpuprof status JOB` (root, on the host): each node's collector of the job says what it has
+    recorded so far; an ordinary user is told it is root's; after the job, nothing answers."""
+    import subprocess
+    import sys
+
+    hook_config(base_config(cluster, fake_dcgmi_log))
+    job = cluster.sbatch(["-N2", "--profile-gpu=metrics,collectives", "--wrap", "sleep 8"], user=test_user,
+                         cwd=user_tmpdir)
+    state_root = cluster.dir / "state" / "gpuprof" / "jobs"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            (state_root / f"{job}@{n}" / "state.json").exists()
+            and json.loads((state_root / f"{job}@{n}" / "state.json").read_text()).get("collector_started")
+            for n in ("node1", "node2")):
+        time.sleep(0.2)
+    time.sleep(2)  # a flush: rows to count
+    cmd = [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "--config", str(cluster.dir / "gpuprof.toml"), "status", job]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["node1", "node2"], r.stdout
+    assert all("recording" in ln and "/clock/pairs" in ln for ln in lines), r.stdout
+    assert "nvml: unavailable: NVML not available" in lines[0]  # its errors, as phrases (no GPU here)
+    as_user = subprocess.run(["runuser", "-u", test_user, "--", *cmd], capture_output=True, text=True, timeout=60,
+                             check=False, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert as_user.returncode == 2 and "root only" in as_user.stderr
+    assert cluster.wait_job(job)["JobState"] == "COMPLETED"
+    deadline = time.monotonic() + 30  # the epilogs remove the job's state as they end
+    while True:
+        after = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+        if after.returncode == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert after.returncode == 1 and "no collector of job" in after.stderr, after.stdout + after.stderr

@@ -211,5 +211,6 @@ def test_the_merge_reads_the_jobs_nccl_log(tmp_path: Path) -> None:
     row = next(r for r in nl["calls_against_ours"] if r["pid"] == 10000 and r["op"] == "AllReduce")
     assert (row["log_calls"], row["our_calls"], row["agree"]) == (3, ours, False)
     assert "NCCL log: 2.21.5+cuda12.4" in res.reports["txt"].read_text()
+    assert "2.21.5+cuda12.4" in res.reports["html"].read_text()  # the page's NCCL section has it (browser: test_browser)
     with h5py.File(res.job_file) as f:
         assert len(f["nccl_log/ops"]) == 3

@@ -4,6 +4,7 @@ mid-job is the time_to_detect bench (tests/bench/bench_continuous.py --time-to-d
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -126,3 +127,29 @@ def test_a_rank_probed_late_counts_its_seq_from_later_and_is_realigned() -> None
     b_ranks = balanced[1]["communicators"]["77"]["ranks"]
     b_ranks["1"] = [[q - 7, a, b] for q, a, b in b_ranks["1"] if q >= 7]
     assert live_findings(combine(balanced))[0] == []
+
+
+def test_a_finding_goes_to_syslog_and_the_jobs_comment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpuprof watch --log --comment`: each new finding once to `logger` (syslog, tag gpuprof-watch)
+    and into the job's Slurm comment (`scontrol update`), what an alert picks up. The two commands
+    are stand-ins on PATH that record their arguments; the view is a real live_findings result."""
+    from click.testing import CliRunner
+
+    from gpuprof.mpi_merge import continuous_cli
+
+    calls = tmp_path / "calls"
+    for name in ("logger", "scontrol"):
+        exe = tmp_path / name
+        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    findings, views = live_findings(combine(summaries(200, {2: (150, 15.0)})))
+    view = {"job": "42", "state": "live", "nodes": ["node1"], "communicators": views, "nodes_without_summary": {},
+            "findings": [f.__dict__ | {"line": f.line()} for f in findings]}
+    monkeypatch.setattr(continuous_cli, "watch_once", lambda job, template, params=None: view)
+    r = CliRunner().invoke(continuous_cli.watch, ["42", "--once", "--log", "--comment"], obj={})
+    assert r.exit_code == 3, r.output  # a finding
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("logger -t gpuprof-watch job 42: ") and "node3" in lines[0]
+    assert lines[1].startswith("scontrol update JobId=42 Comment=gpuprof: ") and "node3" in lines[1]

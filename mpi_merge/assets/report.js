@@ -723,6 +723,20 @@
     if (!D.nvtx_phases.length) notRecorded(ph, "NVTX ranges");
     else ph.appendChild(el("div", { cls: "tablewrap" }, [table(["node", "pid", "range", "seconds"],
       D.nvtx_phases.map(function (r) { return [r.node, r.pid, r.range, r.s]; }))]));
+    var kt = section("kernels", "GPU kernel time per node and process", "Seconds each kernel ran on the GPU (CUPTI), from the analysis.");
+    if (!D.kernel_time.length) notRecorded(kt, "CUDA kernel times (mode kernels, CUPTI)");
+    else kt.appendChild(el("div", { cls: "tablewrap" }, [table(["node", "pid", "kernel", "seconds"],
+      D.kernel_time.map(function (r) { return [r.node, r.pid, r.kernel, r.s]; }))]));
+    var nl = section("nccl", "NCCL's own log", "What the job's NCCL_DEBUG output says (topology, operation counts), and NCCL's counts against ours.");
+    if (!D.nccl_log) notRecorded(nl, "NCCL_DEBUG log");
+    else if (D.nccl_log.error) nl.appendChild(el("p", { text: "not read: " + D.nccl_log.error }));
+    else {
+      nl.appendChild(el("pre", { text: D.nccl_log.summary.join("\n") }));
+      nl.appendChild(el("p", { text: "NCCL's operation counts agree with the collectors' for " + D.nccl_log.processes_agreeing +
+        " of " + D.nccl_log.processes_compared + " (process, operation) pairs" }));
+      nl.appendChild(el("div", { cls: "tablewrap" }, [table(["host", "pid", "op", "NCCL calls", "our calls", "NCCL bytes", "our bytes", "agree"],
+        D.nccl_log.calls_against_ours.map(function (r) { return [r.host, r.pid, r.op, r.log_calls, r.our_calls, r.log_bytes, r.our_bytes, r.agree ? "yes" : "no"]; }))]));
+    }
     g.appendChild(el("h3", { text: "Peaks per GPU model (dense, datasheet)" }));
     g.appendChild(table(["model", "FP32 TFLOP/s", "FP16/BF16 tensor TFLOP/s", "memory TB/s", "source"], D.roofline_peaks.map(function (p) {
       return [p.model, p.fp32_tflops, p.tensor_fp16_dense_tflops, p.mem_tb_s, p.source]; })));
