@@ -534,6 +534,12 @@ static ncclResult_t init_v6(void **c, uint64_t id, int *m, const char *name, int
     return do_init(c, m, 6, id, name, nnodes, nranks, rank);
 }
 
+static ncclResult_t init_v7(void **c, uint64_t id, int *m, const char *name, int nnodes, int nranks, int rank,
+                            ncclDebugLogger_t log)
+{
+    return do_init(c, m, 7, id, name, nnodes, nranks, rank);
+}
+
 static ncclResult_t start_v1(void *c, void **h, void *descr)
 {
     gp_ncclProfilerEventDescr_v1_t *e = descr;
@@ -618,7 +624,8 @@ static ncclResult_t start_v3(void *c, void **h, void *descr)
     return do_start(c, h, &d);
 }
 
-/* v4, v5 and v6 descriptors agree on every member read here (type widened to 64 bits in v5). */
+/* v4..v7 descriptors agree on every member read here (type widened to 64 bits in v5; v7 appends its
+ * user tag after them): the offsets are asserted in tests/doubles/nccl_profiler_host.c. */
 #define START_V4PLUS(e)                                \
     struct np_desc d = {0};                            \
     COMMON_DESC(e);                                    \
@@ -655,6 +662,22 @@ static ncclResult_t start_v5(void *c, void **h, void *descr)
     START_V4PLUS(e);
 }
 
+/* v7: the same members at the same offsets (asserted below); a user tag is not recorded yet. */
+_Static_assert(offsetof(gp_ncclProfilerEventDescr_v7_t, coll.nChannels) ==
+                   offsetof(gp_ncclProfilerEventDescr_v6_t, coll.nChannels) &&
+               offsetof(gp_ncclProfilerEventDescr_v7_t, coll.parentGroup) ==
+                   offsetof(gp_ncclProfilerEventDescr_v6_t, coll.parentGroup) &&
+               offsetof(gp_ncclProfilerEventDescr_v7_t, p2p.nChannels) ==
+                   offsetof(gp_ncclProfilerEventDescr_v6_t, p2p.nChannels) &&
+               offsetof(gp_ncclProfilerEventDescr_v7_t, kernelCh.pTimer) ==
+                   offsetof(gp_ncclProfilerEventDescr_v6_t, kernelCh.pTimer),
+               "v7 reads v6's members");
+static ncclResult_t start_v7(void *c, void **h, void *descr)
+{
+    gp_ncclProfilerEventDescr_v7_t *e = descr;
+    START_V4PLUS(e);
+}
+
 static ncclResult_t record_v1(void *h, int state, void *args)
 {
     return do_record(h, state, 0, 0);
@@ -673,3 +696,4 @@ GP_EXPORT gp_ncclProfiler_v1_t ncclProfiler_v3 = {NAME, init_v3, start_v3, do_st
 GP_EXPORT gp_ncclProfiler_v4_t ncclProfiler_v4 = {NAME, init_v4, start_v4, do_stop, record_v4, do_finalize};
 GP_EXPORT gp_ncclProfiler_v5_t ncclProfiler_v5 = {NAME, init_v5, start_v5, do_stop, record_v4, do_finalize};
 GP_EXPORT gp_ncclProfiler_v5_t ncclProfiler_v6 = {NAME, init_v6, start_v5, do_stop, record_v4, do_finalize};
+GP_EXPORT gp_ncclProfiler_v5_t ncclProfiler_v7 = {NAME, init_v7, start_v7, do_stop, record_v4, do_finalize};

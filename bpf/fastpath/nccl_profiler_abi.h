@@ -1,6 +1,6 @@
-/* NCCL's profiler plugin interface (ncclProfiler_v1 .. v6), re-declared in C from NCCL's
+/* NCCL's profiler plugin interface (ncclProfiler_v1 .. v7), re-declared in C from NCCL's
  * documentation of it (plugins/profiler/README.md and the versioned profiler_vN.h of NCCL 2.23 ..
- * 2.30): only the layout of what NCCL passes, one struct per version. NCCL dlopens the plugin and
+ * 2.32; v7 checked against the strings of the nvidia-nccl-cu12 2.32.3 wheel): only the layout of what NCCL passes, one struct per version. NCCL dlopens the plugin and
  * looks up the newest `ncclProfiler_vN` it knows, then older ones; the plugin exports every
  * version below (gpuprof_nccl_profiler.c), so each NCCL gets the newest both sides know.
  *
@@ -35,6 +35,7 @@ enum {
     ncclProfileCeColl = 1 << 12, /* v6 */
     ncclProfileCeSync = 1 << 13,
     ncclProfileCeBatch = 1 << 14,
+    ncclProfileKernelPhase = 1 << 15, /* v7: a kernel's barrier phases (not asked for here) */
 };
 
 /* event states (recordEventState), one enum for every version */
@@ -43,6 +44,7 @@ enum {
     ncclProfilerProxyStepSendWait = 9,
     ncclProfilerProxyStepRecvWait = 10,
     ncclProfilerKernelChStop = 22, /* v4 and later: with the kernel's stop timestamp */
+    ncclProfilerKernelPhaseStop = 31, /* v7 */
 };
 
 /* --- v1 (NCCL 2.23): function, datatype, algorithm and protocol as enum values ------------------- */
@@ -359,6 +361,118 @@ typedef gp_ncclProfilerEventDescr_v6_t gp_ncclProfilerEventDescr_v5_t;
 typedef gp_ncclProfilerEventStateArgs_v4_t gp_ncclProfilerEventStateArgs_v5_t;
 typedef gp_ncclProfilerEventStateArgs_v4_t gp_ncclProfilerEventStateArgs_v6_t;
 
+/* --- v7 (2.32): a user tag appended to the API, Coll, P2p and CE descriptors, kernel phases -------- */
+typedef struct {
+    uint64_t type;
+    void *parentObj;
+    int rank;
+    union {
+        struct {
+            _Bool graphCaptured;
+            int groupDepth;
+        } groupApi;
+        struct {
+            const char *func;
+            size_t count;
+            const char *datatype;
+            int root;
+            void *stream;
+            _Bool graphCaptured;
+            uint64_t userTag;
+        } collApi;
+        struct {
+            const char *func;
+            size_t count;
+            const char *datatype;
+            void *stream;
+            _Bool graphCaptured;
+            uint64_t userTag;
+        } p2pApi;
+        struct {
+            void *stream;
+        } kernelLaunch;
+        struct {
+            uint64_t seqNumber;
+            const char *func;
+            const void *sendBuff;
+            void *recvBuff;
+            size_t count;
+            int root;
+            const char *datatype;
+            uint8_t nChannels;
+            uint8_t nWarps;
+            const char *algo;
+            const char *proto;
+            void *parentGroup;
+            const char *kernelVariant;
+            _Bool isSymColl;
+            uint64_t userTag; /* 0: untagged */
+        } coll;
+        struct {
+            const char *func;
+            void *buff;
+            const char *datatype;
+            size_t count;
+            int peer;
+            uint8_t nChannels;
+            void *parentGroup;
+            uint64_t userTag;
+        } p2p;
+        struct {
+            pid_t pid;
+            uint8_t channelId;
+            int peer;
+            int nSteps;
+            int chunkSize;
+            int isSend;
+        } proxyOp;
+        struct {
+            int step;
+        } proxyStep;
+        struct {
+            uint8_t channelId;
+            uint64_t pTimer;
+        } kernelCh;
+        struct {
+            int64_t id;
+            void *data;
+        } netPlugin;
+        struct {
+            uint64_t seqNumber;
+            const char *func;
+            const void *sendBuff;
+            void *recvBuff;
+            size_t count;
+            int root;
+            const char *datatype;
+            const char *syncStrategy;
+            _Bool intraBatchSync;
+            uint32_t batchSize;
+            uint32_t numBatches;
+            uint32_t ceSeqNum;
+            void *stream;
+            uint64_t userTag;
+        } ceColl;
+        struct {
+            _Bool isComplete;
+            int nRanks;
+        } ceCollSync;
+        struct {
+            int numOps;
+            size_t totalBytes;
+            _Bool useIntraSync;
+        } ceCollBatch;
+        struct {
+            uint8_t channelId;
+            uint8_t phaseId; /* 0 initial_sync, 1 compute, 2 final_sync */
+            const char *phaseName;
+            uint64_t pTimer;
+        } kernelPhase;
+    };
+} gp_ncclProfilerEventDescr_v7_t;
+/* v7's state arguments are v4's (a kernel phase's stop reuses kernelCh.pTimer) */
+typedef gp_ncclProfilerEventStateArgs_v4_t gp_ncclProfilerEventStateArgs_v7_t;
+
 /* The exported structs: init's signature changed in v4 and v5, the rest only in its types. */
 typedef struct {
     const char *name;
@@ -387,6 +501,6 @@ typedef struct {
     ncclResult_t (*stopEvent)(void *eHandle);
     ncclResult_t (*recordEventState)(void *eHandle, int eState, void *eStateArgs);
     ncclResult_t (*finalize)(void *context);
-} gp_ncclProfiler_v5_t; /* also v6 */
+} gp_ncclProfiler_v5_t; /* also v6 and v7 (their init is v5's) */
 
 #endif

@@ -1,7 +1,7 @@
 /* TEST DOUBLE of NCCL's side of the profiler plugin interface: it loads a profiler plugin exactly
  * as NCCL does (dlopen the file NCCL_PROFILER_PLUGIN names, look up the newest ncclProfiler_vN
  * symbol it knows, then older ones; init per communicator; startEvent / stopEvent /
- * recordEventState in the order NCCL 2.23..2.30 issues them; finalize) and plays one rank of a
+ * recordEventState in the order NCCL 2.23..2.32 issues them; finalize) and plays one rank of a
  * communicator. It is not NCCL and runs no GPU: its "GPU timer" is the host's CLOCK_MONOTONIC
  * with an offset and a drift (--offset-ns, --drift-ppm), and a kernel channel's start and stop are
  * reported to the plugin `latency` after they "happened", as NCCL's proxy thread sees them late.
@@ -10,7 +10,7 @@
  * measurement of NCCL. Layouts: bpf/fastpath/nccl_profiler_abi.h, checked below against offsets
  * counted by hand from NCCL's documentation.
  *
- * Usage: nccl_profiler_host PLUGIN.so --knows 6,5,4,3,2,1 --rank R --nranks N --hash H --ops K
+ * Usage: nccl_profiler_host PLUGIN.so --knows 7,6,5,4,3,2,1 --rank R --nranks N --hash H --ops K
  *        [--sleep-us U] [--offset-ns O] [--drift-ppm D] [--fork] [--bench]
  * Exit 0; 3 when no known version is exported (NCCL then goes on without a plugin: so does this).
  */
@@ -32,6 +32,10 @@ _Static_assert(offsetof(gp_ncclProfilerEventDescr_v4_t, coll.proto) == 96, "v4 c
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v4_t, kernelCh.pTimer) == 32, "v4 kernelCh.pTimer");
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v6_t, coll.nChannels) == 80, "v5/v6 coll.nChannels");
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v6_t, p2p.peer) == 56, "v5/v6 p2p.peer");
+_Static_assert(offsetof(gp_ncclProfilerEventDescr_v7_t, coll.nChannels) == 80, "v7 coll.nChannels");
+_Static_assert(offsetof(gp_ncclProfilerEventDescr_v7_t, coll.userTag) == 128, "v7 coll.userTag");
+_Static_assert(offsetof(gp_ncclProfilerEventDescr_v7_t, p2p.peer) == 56, "v7 p2p.peer");
+_Static_assert(offsetof(gp_ncclProfilerEventDescr_v7_t, kernelPhase.pTimer) == 40, "v7 kernelPhase.pTimer");
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v3_t, coll.count) == 72, "v3 coll.count");
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v2_t, coll.algo) == 112, "v2 coll.algo");
 _Static_assert(offsetof(gp_ncclProfilerEventDescr_v1_t, coll.algo) == 106, "v1 coll.algo");
@@ -117,6 +121,7 @@ union descr {
     gp_ncclProfilerEventDescr_v3_t v3;
     gp_ncclProfilerEventDescr_v4_t v4;
     gp_ncclProfilerEventDescr_v6_t v6;
+    gp_ncclProfilerEventDescr_v7_t v7;
 };
 
 static void set_common(union descr *d, unsigned long long type, void *parent, int rank)
@@ -149,7 +154,15 @@ static void *start_task(int p2p, const char *func, size_t count, int root_or_pee
     void *h = NULL;
     set_common(&d, p2p ? ncclProfileP2p : ncclProfileColl, parent, rank_);
     if (version >= 4) {
-        /* v4's and v5/v6's coll/p2p members read here are at the same offsets (asserted above) */
+        /* v4's and v5..v7's coll/p2p members read here are at the same offsets (asserted above) */
+        if (version >= 7) { /* what v7 appends: a tag the application set on the call */
+            if (!p2p) {
+                d.v7.coll.kernelVariant = "ring_simple";
+                d.v7.coll.userTag = 0x7a67;
+            } else {
+                d.v7.p2p.userTag = 0x7a67;
+            }
+        }
         if (!p2p) {
             d.v4.coll.seqNumber = seqn;
             d.v4.coll.func = func;
@@ -375,7 +388,7 @@ static void play(int ops, unsigned long long sleep_us, int bench)
 
 int main(int argc, char **argv)
 {
-    const char *knows = "6,5,4,3,2,1";
+    const char *knows = "7,6,5,4,3,2,1"; /* what NCCL 2.32 looks up, newest first */
     int ops = 10, do_fork = 0, bench = 0;
     unsigned long long sleep_us = 0;
     rank_ = 0;

@@ -25,3 +25,4 @@ static ncclResult_t fin(void *c) { return 0; }
 __attribute__((visibility("default"))) gp_ncclProfiler_v1_t ncclProfiler_v3 = {"null", init1, start, stop, record, fin};
 __attribute__((visibility("default"))) gp_ncclProfiler_v4_t ncclProfiler_v4 = {"null", init4, start, stop, record, fin};
 __attribute__((visibility("default"))) gp_ncclProfiler_v5_t ncclProfiler_v6 = {"null", init5, start, stop, record, fin};
+__attribute__((visibility("default"))) gp_ncclProfiler_v5_t ncclProfiler_v7 = {"null", init5, start, stop, record, fin};
