@@ -12,7 +12,11 @@ rank entered). Every constraint is a difference constraint between two nodes' co
 so the feasible set is closed under componentwise min and max. Per piece of the job (a window of
 `window_s`, split in halves where one constant correction cannot satisfy its instances because the
 clocks drift within it):
-  1. relax from the prior upwards and downwards (Bellman-Ford sweeps over the instances, through
+  0. the target is the prior, except for a node whose instances in the piece are synchronous by
+     construction (N-to-N NCCL on its kernels' device times, InstanceRows.synchronous): there it
+     is the correction that makes their ends coincide (_exit_sync_target), clipped into the
+     constraints like the prior (docs/merge.md, "NCCL on device times");
+  1. relax from the target upwards and downwards (Bellman-Ford sweeps over the instances, through
      the top-two trick: O(instances x nodes) a sweep): the least feasible correction >= the prior
      and the greatest <= the prior; both satisfy every constraint, so their mean does, and it is
      the prior itself whenever the prior is feasible: a clock moves only as far as the data require
@@ -190,6 +194,11 @@ class InstanceRows(Protocol):
         """(enter_max, exit_min, exit_med) of the given rows, each [len(rows), n_cols]."""
         ...
 
+    def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] bool: the rows whose exits are synchronous by construction (N-to-N NCCL
+        collectives on their kernels' device times), which the minimal fit aims at (EXIT_SYNC_MIN_ROWS)."""
+        ...
+
 
 def _chunked_take(src: InstanceRows, rows: np.ndarray,
                   reduce: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -225,6 +234,9 @@ class _Subset:
         cols = self.cols
         return _chunked_take(self.src, self.rows[rows], lambda E, Xn, Xm: (E[:, cols], Xn[:, cols], Xm[:, cols]))
 
+    def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        return self.src.synchronous(self.rows[rows])
+
 
 @dataclass
 class _Collapsed:
@@ -249,6 +261,9 @@ class _Collapsed:
                         np.column_stack([np.nanmedian(Xm[:, g], axis=1) for g in self.groups]))
 
         return _chunked_take(self.src, rows, collapse)
+
+    def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        return self.src.synchronous(rows)
 
 
 def _all(k0: int, k1: int) -> np.ndarray:
@@ -863,13 +878,50 @@ def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarr
 
 
 def _piece_point(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece], base: np.ndarray, ref: int,
-                 i: int) -> np.ndarray | None:
-    """Piece i's joint correction back towards the prior (_joint), None when its constraints contradict."""
+                 q: float, i: int) -> np.ndarray | None:
+    """Piece i's joint correction towards its target (_joint), None when its constraints contradict.
+    The target is the prior (the node's wall clock), except for a node whose instances in the piece
+    include synchronous exits (_exit_sync_target): there it is the correction that makes them
+    synchronous. Either way the constraints decide: the target is only where, inside them, to go."""
     pc = pieces[i]
     if not pc.consistent:
         return None
     E, X = _residual(rows, clocks, pc.r0, pc.r1)
-    return _joint(E, X, -base[i], *_ref_box(rows.n_cols, ref))
+    target = -base[i]
+    sync = _exit_sync_target(rows, clocks, pc, ref, q)
+    if sync is not None:
+        target = np.where(np.isfinite(sync), sync, target)
+    return _joint(E, X, target, *_ref_box(rows.n_cols, ref))
+
+
+EXIT_SYNC_MIN_ROWS = 8  # synchronous instances of a node in a piece before they, not its wall clock, are aimed at
+
+
+def _exit_sync_target(rows: InstanceRows, clocks: RankClocks, pc: _Piece, ref: int, q: float) -> np.ndarray | None:
+    """Per node, the correction (on the current models) that makes the piece's synchronous instances
+    end together with the reference's: a median polish of their exits (per instance the median
+    over nodes, per node the quantile q of its exits against it), NaN for a node with fewer than
+    EXIT_SYNC_MIN_ROWS of them; None when the reference has too few.
+
+    Why only those: an NCCL kernel ends when the last data reached its rank, which on every rank
+    of an N-to-N collective is the same step of the algorithm (a ring's last all-gather step, a
+    tree's broadcast): the ends differ by a link's latency, microseconds, whoever was late. MPI
+    calls on host times have no such property (their exits differ by the algorithm's asymmetry,
+    which read as an offset moved real clocks by milliseconds), so they keep the prior."""
+    idx = np.arange(pc.r0, pc.r1)
+    sel = idx[rows.synchronous(idx)]
+    if len(sel) < EXIT_SYNC_MIN_ROWS:
+        return None
+    X = clocks.align(rows.take(sel)[2])
+    counts = np.isfinite(X).sum(axis=0)
+    if counts[ref] < EXIT_SYNC_MIN_ROWS:
+        return None
+    d = np.zeros(X.shape[1])
+    for _ in range(3):
+        c = nanmedian_rows(X - d[None, :])
+        d = nanquantile_cols(X - c[:, None], q)
+        d = np.where(np.isfinite(d), d - d[ref], 0.0)
+    return np.where(counts >= EXIT_SYNC_MIN_ROWS, d, np.nan)
 
 
 def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, p: ClockParams,
@@ -915,7 +967,7 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         if it < p.iterations:
             # jointly per piece: the correction nearest the prior that the piece's constraints allow;
             # then per node the path nearest those points with bounded drift inside the node's tube
-            joint = functools.partial(_piece_point, rows, clocks, pieces, base, ref)
+            joint = functools.partial(_piece_point, rows, clocks, pieces, base, ref, p.exit_quantile)
             want = base.copy()
             for i, d in enumerate(spread.map(joint, len(pieces))):
                 if d is not None:  # else: contradicting (what stays out of order is judged at the end)

@@ -670,6 +670,9 @@ class NodeInstances:
     exit_med: np.ndarray
     comm_id: np.ndarray  # [n_inst]
     seq: np.ndarray
+    # [n_inst]: True where the exits are synchronous by construction (clock.InstanceRows.exit_sync);
+    # None: no such instance (MPI calls, messages)
+    exit_sync: np.ndarray | None = None
 
     # clock.InstanceRows: what the clock fit reads
     @property
@@ -682,6 +685,11 @@ class NodeInstances:
 
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.enter_max[rows], self.exit_min[rows], self.exit_med[rows]
+
+    def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        if self.exit_sync is None:
+            return np.zeros(len(rows), bool)
+        return self.exit_sync[rows]
 
 
 class InstanceTable:
@@ -701,12 +709,17 @@ class InstanceTable:
             else:
                 self.data[name] = scratch.create_dataset(f"instances/{name}", shape=(max_rows, n_nodes),
                                                          dtype="<f8", fillvalue=np.nan)
+        # one column, so that read_rows reads it as it reads the others
+        self.sync: ArrayLike2D = (np.zeros((max_rows, 1), bool) if scratch is None else
+                                  scratch.create_dataset("instances/exit_sync", shape=(max_rows, 1), dtype="?",
+                                                         fillvalue=False))
 
     @classmethod
     def existing(cls, group: h5py.Group, n_rows: int) -> InstanceTable:
         """A table another process wrote into `group` (read only), its first n_rows rows filled."""
         self = cls.__new__(cls)
         self.data = {name: group[f"instances/{name}"] for name in cls.FIELDS}
+        self.sync = group["instances/exit_sync"]
         self._n_cols = int(self.data["enter_max"].shape[1])
         self._n_rows = n_rows
         return self
@@ -718,6 +731,8 @@ class InstanceTable:
         if k1 > k0:
             for name in self.FIELDS:
                 self.data[name][k0:k1] = getattr(inst, name)
+            if inst.exit_sync is not None and inst.exit_sync.any():
+                self.sync[k0:k1] = inst.exit_sync[:, None]
         self._n_rows = k1
 
     @property
@@ -735,6 +750,9 @@ class InstanceTable:
         E, Xn, Xm = (read_rows(self.data[name], rows) for name in self.FIELDS)
         return E, Xn, Xm
 
+    def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        return read_rows(self.sync, np.asarray(rows, dtype=np.int64))[:, 0]
+
 
 def p2p_instances(p: P2PPairs, n_nodes: int) -> NodeInstances:
     """Matched messages between two nodes as rows of the clock fit's input: the sender's node has only
@@ -750,16 +768,22 @@ def p2p_instances(p: P2PPairs, n_nodes: int) -> NodeInstances:
 
 
 def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = CLOCK_OPS_DEFAULT) -> NodeInstances:
-    Es, Xn, Xm, cids, seqs = [], [], [], [], []
+    """The clock fit's rows: the N-to-N instances of `ops` (host times), and N-to-N NCCL instances
+    whose every call has its kernels' device times (exit_sync: a kernel of such a collective ends
+    when the last data reached its rank, at about the same instant on every rank)."""
+    Es, Xn, Xm, cids, seqs, syncs = [], [], [], [], [], []
     for t in comms:
         maj = _row_mode(t.op)
         rows = np.isin(maj, list(ops))
+        device = np.zeros(len(maj), bool)
         if t.host_enter is not None:
             called = t.op >= 0
             on_device = np.where(called, np.isfinite(t.host_enter), True).all(axis=1) & called.any(axis=1)
-            rows |= np.isin(maj, list(DEVICE_CLOCK_OPS)) & on_device
+            device = np.isin(maj, list(DEVICE_CLOCK_OPS)) & on_device
+            rows |= device
         if not rows.any():
             continue
+        syncs.append(device[rows])
         ok = (t.op[rows] == maj[rows][:, None]) & np.isfinite(t.exit[rows])
         enter = np.where(ok, t.enter[rows], np.nan)
         exit_ = np.where(ok, t.exit[rows], np.nan)
@@ -781,7 +805,9 @@ def node_instances(comms: list[CommTable], n_nodes: int, ops: frozenset[int] = C
     if not Es:
         z = np.zeros((0, n_nodes))
         return NodeInstances(z, z.copy(), z.copy(), np.zeros(0, np.uint64), np.zeros(0, np.int64))
-    return NodeInstances(np.vstack(Es), np.vstack(Xn), np.vstack(Xm), np.concatenate(cids), np.concatenate(seqs))
+    sync = np.concatenate(syncs)
+    return NodeInstances(np.vstack(Es), np.vstack(Xn), np.vstack(Xm), np.concatenate(cids), np.concatenate(seqs),
+                         sync if sync.any() else None)
 
 
 def describe(m: Mismatch) -> dict[str, Any]:

@@ -90,7 +90,37 @@ def test_an_nccl_only_job_is_aligned_from_device_times(tmp_path: Path) -> None:
         if not m.is_reference:
             x = np.linspace(5e9, 25e9, 9)
             tru = syn.true_relative_offset_ns(truth, m.node, (x + epoch - syn.EPOCH_NS) / 1e9)
-            assert np.abs(m.offset_ns(x) - tru).max() < 200e3, m.node  # 10 ms offsets, drift, to < 0.2 ms
+            # 10 ms offsets and drift, to a few us: the kernels' ends are synchronous (5 us jitter, 1 us
+            # device-timer mapping error in the generator), and the fit aims at that inside the bounds
+            assert np.abs(m.offset_ns(x) - tru).max() < 10e3, m.node
+    assert inst.exit_sync is not None and inst.exit_sync.all()
+
+
+def test_mpi_host_times_keep_the_wall_clock_as_the_target(tmp_path: Path) -> None:
+    """Only device-timed NCCL rows are synchronous: an MPI job's exits (host times, an algorithm's
+    asymmetry in them) never become the target, so its fit is the minimal correction it was."""
+    syn.generate(syn.SynthConfig(nodes=4, duration_s=20, seed=11, exit_bias_us=40.0), tmp_path / "m")
+    S = [summarize_node(p) for p in discover(tmp_path / "m")]
+    epoch = min(s.span_rt[0] for s in S)
+    inst = node_instances(build_comms([s.calls for s in S], epoch), len(S))
+    assert len(inst.comm_id) and inst.exit_sync is None
+    assert not inst.synchronous(np.arange(inst.n_rows)).any()
+
+
+def test_biased_kernel_ends_stay_inside_the_bounds(tmp_path: Path) -> None:
+    """Kernel ends that are not synchronous (here up to 40 us later along the ring, as a deep tree
+    would end them) move the estimate at most by that, and never out of the constraints."""
+    syn.generate(syn.SynthConfig(nodes=6, duration_s=20, seed=12, nccl=True, exit_bias_us=40.0), tmp_path / "b")
+    S = [summarize_node(p) for p in discover(tmp_path / "b")]
+    a = analyze(S)
+    assert a.clock.causality_violations == 0
+    truth = json.loads((tmp_path / "b" / "ground_truth.json").read_text())
+    epoch = min(s.span_rt[0] for s in S)
+    for m in a.clock.models:
+        if not m.is_reference:
+            x = np.linspace(3e9, 17e9, 8)
+            tru = syn.true_relative_offset_ns(truth, m.node, (x + epoch - syn.EPOCH_NS) / 1e9)
+            assert np.abs(m.offset_ns(x) - tru).max() < 60e3, m.node
 
 
 def test_nccl_on_host_times_alone_is_not_aligned(tmp_path: Path) -> None:

@@ -96,8 +96,9 @@ def bench_clock(tmp: Path, quick: bool) -> None:
 def bench_nccl_clock(tmp: Path, quick: bool) -> None:
     """NCCL-only jobs aligned on their kernels' device-side times (the profiler plugin's records, with
     a 1 us error mapping the GPU timer to the host clock), against the same job as blocking MPI
-    calls (the host times of the same instants) in the same run, and the cause of a GPU and a host
-    straggler from the enqueue against the kernel start."""
+    calls (the host times of the same instants) in the same run, the same job with kernel ends that
+    are not synchronous (biased along the ring), and the cause of a GPU and a host straggler from
+    the enqueue against the kernel start."""
     dur = 120.0 if quick else 600.0
     base = {"nodes": 16, "duration_s": dur, "period_ms": 10.0, "offset_ms": 10.0, "drift_ppm": 20.0, "ntp_rate_ppm": 2.0,
             "ntp_interval_s": 200.0, "exit_jitter_us": 5.0, "write_bulk": False, "seed": 2025}
@@ -107,6 +108,10 @@ def bench_nccl_clock(tmp: Path, quick: bool) -> None:
         syn.generate(syn.SynthConfig(**base, nccl=nccl), d)  # type: ignore[arg-type]
         r[nccl] = clock_rms(d, ["minimal", "bounds", "none"])
         shutil.rmtree(d)
+    # kernel ends that are not synchronous: up to 20 us later along the ring (the generator's exit bias)
+    syn.generate(syn.SynthConfig(**base, nccl=True, exit_bias_us=20.0), d)  # type: ignore[arg-type]
+    biased = clock_rms(d, ["minimal"])["minimal"]
+    shutil.rmtree(d)
     causes_ok, cases = 0, 0
     for i, cause in enumerate(("gpu", "host") * (1 if quick else 3)):
         syn.generate(syn.SynthConfig(nodes=8, duration_s=45, seed=300 + i, nccl=True,
@@ -119,6 +124,7 @@ def bench_nccl_clock(tmp: Path, quick: bool) -> None:
     emit({"bench": "nccl_alignment", "rms_error_us": mn["rms_us"], "interval_coverage": mn["coverage"],
           "interval_half_width_us": mn["half_width_us"], "causality_violations": int(mn["violations"]),
           "mpi_host_times_same_job_us": r[False]["minimal"]["rms_us"],
+          "biased_kernel_ends_rms_error_us": biased["rms_us"], "biased_violations": int(biased["violations"]),
           "exit_sync_bounds_us": r[True]["bounds"]["rms_us"], "no_correction_us": r[True]["none"]["rms_us"],
           "straggler_named_with_cause": f"{causes_ok}/{cases}", "nodes": 16, "duration_s": dur,
           "device_map_error_us": 1.0, "synthetic": True})
