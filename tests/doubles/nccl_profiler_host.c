@@ -12,6 +12,12 @@
  *
  * Usage: nccl_profiler_host PLUGIN.so --knows 7,6,5,4,3,2,1 --rank R --nranks N --hash H --ops K
  *        [--sleep-us U] [--offset-ns O] [--drift-ppm D] [--fork] [--bench]
+ *        [--coord FILE [--late-gpu-us L | --late-host-us L] [--late-ops A:B]]
+ * --coord (v4+): the ranks' AllReduce kernels depend on each other as on a GPU: each rank posts its
+ * kernel's start into FILE (shared, ops x nranks), and every rank's kernel ends `dur` after the
+ * last one started, on the GPU timer, however late its host sees it (the ends are synchronous, as
+ * a ring's last step makes them). --late-gpu-us: in ops A..B-1 this rank's kernel starts L later
+ * than its enqueue (its GPU busy with earlier work); --late-host-us: its host enqueues L later.
  * Exit 0; 3 when no known version is exported (NCCL then goes on without a plugin: so does this).
  */
 #define _GNU_SOURCE
@@ -19,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -51,6 +59,9 @@ static unsigned long long t_origin;
 static unsigned long long calls; /* plugin calls made */
 static unsigned seed = 12345;
 static int bench_mode; /* --bench: no waiting, only the plugin's calls */
+static unsigned long long *coord; /* --coord: [ops][nranks] kernel starts (host ns), 0 = not yet */
+static unsigned long long late_gpu_ns, late_host_ns;
+static int late_from = -1, late_to = -1;
 
 static unsigned long long now_ns(void)
 {
@@ -237,10 +248,45 @@ static void *start_task(int p2p, const char *func, size_t count, int root_or_pee
     return h;
 }
 
-/* The device side of one task: nch kernel channels (v3+) or proxy ops with two steps (v1, v2),
- * plus a PXN proxy op of another process's operation. Returns (through *s, *e) the true host times. */
-static void run_device(void *task, int nch, unsigned long long dur_ns, unsigned long long *s, unsigned long long *e)
+static int is_late(int op) { return op >= late_from && op < late_to; }
+
+static void sleep_until(unsigned long long t)
 {
+    for (unsigned long long now = now_ns(); now < t; now = now_ns()) {
+        struct timespec ts = {0, (long)(t - now < 200000 ? t - now : 200000)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* --coord: post this rank's kernel start of op `op`, wait for every rank's; the kernel's end. */
+static unsigned long long coordinated_end(int op, unsigned long long start, unsigned long long dur_ns)
+{
+    unsigned long long *row = coord + (size_t)op * (size_t)nranks;
+    __atomic_store_n(&row[rank_], start, __ATOMIC_RELEASE);
+    unsigned long long last = 0, give_up = now_ns() + 20000000000ULL;
+    for (int r = 0; r < nranks; r++) {
+        unsigned long long t;
+        while (!(t = __atomic_load_n(&row[r], __ATOMIC_ACQUIRE))) {
+            if (now_ns() > give_up) {
+                fprintf(stderr, "--coord: rank %d never started op %d\n", r, op);
+                exit(4);
+            }
+            usleep(50);
+        }
+        if (t > last)
+            last = t;
+    }
+    return last + dur_ns;
+}
+
+/* The device side of one task: nch kernel channels (v3+) or proxy ops with two steps (v1, v2),
+ * plus a PXN proxy op of another process's operation. Returns (through *s, *e) the true host times.
+ * coord_op >= 0: the AllReduce of that index under --coord. */
+static void run_device(void *task, int nch, unsigned long long dur_ns, unsigned long long *s, unsigned long long *e,
+                       int coord_op)
+{
+    if (coord_op >= 0 && late_gpu_ns && is_late(coord_op))
+        sleep_until(now_ns() + late_gpu_ns); /* the GPU still runs this rank's earlier work */
     union descr d;
     *s = ~0ULL;
     *e = 0;
@@ -293,10 +339,19 @@ static void run_device(void *task, int nch, unsigned long long dur_ns, unsigned 
     start(&pxn_step, &d);
     stop(pxn_step);
     stop(pxn);
-    if (version >= 3)
+    unsigned long long coord_end = 0;
+    if (coord_op >= 0) {
+        /* every channel of every rank started (a channel the proxy saw late started late here) */
+        unsigned long long started = 0;
+        for (int c = 0; c < nch; c++)
+            started = t_start[c] > started ? t_start[c] : started;
+        coord_end = coordinated_end(coord_op, started, dur_ns);
+        sleep_until(coord_end);
+    } else if (version >= 3) {
         spin_until(now_ns() + dur_ns);
+    }
     for (int c = 0; c < nch; c++) {
-        unsigned long long l = latency_ns(), end = now_ns();
+        unsigned long long l = latency_ns(), end = coord_end ? coord_end : now_ns();
         if (version >= 4) {
             if (!bench_mode)
                 spin_until(end + l); /* seen l after it ended */
@@ -354,6 +409,8 @@ static void play(int ops, unsigned long long sleep_us, int bench)
             start(&coll_api, &d);
             parent = coll_api;
         }
+        if (coord && late_host_ns && is_late(i))
+            sleep_until(now_ns() + late_host_ns); /* the host reaches the collective late */
         unsigned long long t0 = now_ns();
         void *task = start_task(0, "AllReduce", 1024, -1, seq_ar++, parent, nch);
         stop(task);
@@ -363,7 +420,9 @@ static void play(int ops, unsigned long long sleep_us, int bench)
         if (group)
             stop(group);
         unsigned long long s, e;
-        run_device(task, nch, bench ? 0 : 20000 + (unsigned long long)rank_ * 5000, &s, &e);
+        /* alone, each rank's kernel takes its own time; under --coord they end together */
+        unsigned long long dur = bench ? 0 : coord ? 20000 : 20000 + (unsigned long long)rank_ * 5000;
+        run_device(task, nch, dur, &s, &e, coord ? i : -1);
         if (!bench)
             printf("{\"truth\": \"op\", \"op\": \"AllReduce\", \"seq\": %d, \"enqueue_start\": %llu, "
                    "\"enqueue_stop\": %llu, \"dev_start\": %llu, \"dev_end\": %llu}\n",
@@ -377,8 +436,8 @@ static void play(int ops, unsigned long long sleep_us, int bench)
             stop(snd);
             stop(rcv);
             stop(group);
-            run_device(snd, 1, 5000, &s, &e);
-            run_device(rcv, 1, 5000, &s, &e);
+            run_device(snd, 1, 5000, &s, &e, -1);
+            run_device(rcv, 1, 5000, &s, &e, -1);
             printf("{\"truth\": \"p2p\", \"round\": %d}\n", i / 4);
         }
         if (sleep_us)
@@ -390,6 +449,7 @@ int main(int argc, char **argv)
 {
     const char *knows = "7,6,5,4,3,2,1"; /* what NCCL 2.32 looks up, newest first */
     int ops = 10, do_fork = 0, bench = 0;
+    const char *coord_path = NULL;
     unsigned long long sleep_us = 0;
     rank_ = 0;
     nranks = 1;
@@ -415,6 +475,25 @@ int main(int argc, char **argv)
             do_fork = 1;
         else if (!strcmp(argv[i], "--bench"))
             bench = bench_mode = 1;
+        else if (!strcmp(argv[i], "--coord") && i + 1 < argc)
+            coord_path = argv[++i];
+        else if (!strcmp(argv[i], "--late-gpu-us") && i + 1 < argc)
+            late_gpu_ns = strtoull(argv[++i], NULL, 0) * 1000ULL;
+        else if (!strcmp(argv[i], "--late-host-us") && i + 1 < argc)
+            late_host_ns = strtoull(argv[++i], NULL, 0) * 1000ULL;
+        else if (!strcmp(argv[i], "--late-ops") && i + 1 < argc)
+            sscanf(argv[++i], "%d:%d", &late_from, &late_to);
+    }
+    if (coord_path) {
+        /* the file is made (zeroed, ops x nranks x 8 bytes) by whoever starts the ranks */
+        int fd = open(coord_path, O_RDWR);
+        size_t len = (size_t)ops * (size_t)nranks * sizeof(unsigned long long);
+        coord = fd < 0 ? MAP_FAILED : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (coord == MAP_FAILED) {
+            perror(coord_path);
+            return 2;
+        }
+        close(fd);
     }
     seed += (unsigned)rank_ * 7919u;
     t_origin = now_ns();
