@@ -139,6 +139,26 @@ class PayloadBuilder:
         self._mappers: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None
         self.straggler_nodes = [s["node"] for s in report.get("stragglers", [])]
         self.stacks_from_s = -np.inf  # aligned time from which every node with stacks has some
+        self._groups: dict[str, h5py.Group] = {}
+        self._rows: dict[tuple[str, str], int] = {}  # (node, table) -> rows, once looked up
+
+    def group(self, node: str) -> h5py.Group:
+        """/nodes/NODE, opened once (a path from the file's root walks /nodes, thousands of links)."""
+        if node not in self._groups:
+            self._groups[node] = self.f["nodes"][node]
+        return self._groups[node]
+
+    def table(self, node: str, path: str) -> h5py.Dataset | None:
+        """A node's table, None when the node has none or it has no rows. Whether it has rows is
+        remembered (the sections ask about the same tables of every node); the dataset itself is
+        opened again each time: an open HDF5 dataset costs kilobytes, and there are nodes x tables."""
+        key = (node, path)
+        if self._rows.get(key, 1) == 0:
+            return None
+        ds = self.group(node).get(path)
+        n = ds.shape[0] if isinstance(ds, h5py.Dataset) else 0
+        self._rows[key] = n
+        return ds if n else None
 
     def per_node(self, what: str, node: str, of: int) -> None:
         """A summary made node by node: one line per kind in the page, with the nodes and their totals."""
@@ -165,14 +185,14 @@ class PayloadBuilder:
 
     # --- the time span ---------------------------------------------------------------------------
     def grid(self) -> TimeGrid:
+        """The span of the data: every node's first and last metric sample and call."""
         lo, hi = np.inf, -np.inf
         for node in self.nodes:
-            g = self.f[f"nodes/{node}"]
             ts = []
             for tab in ("host/node", "gpu/samples", "collectives/calls"):
-                if tab in g and g[tab].shape[0]:
+                ds = self.table(node, tab)
+                if ds is not None:
                     col = "t_ns" if tab != "collectives/calls" else "t_enter_ns"
-                    ds = g[tab]
                     ts += [int(ds[0][col]), int(ds[ds.shape[0] - 1][col])]
             if ts:
                 t = self.to_s(node, np.array(ts, np.int64))
@@ -187,9 +207,9 @@ class PayloadBuilder:
         """The median interval of the first node's metric samples that has any (one GPU's, or the host's)."""
         for node in self.nodes:
             for tab in ("gpu/samples", "host/node"):
-                path = f"nodes/{node}/{tab}"
-                if path in self.f and self.f[path].shape[0] > 2:
-                    rows = self.f[path][: min(self.f[path].shape[0], 2000)]
+                ds = self.table(node, tab)
+                if ds is not None and ds.shape[0] > 2:
+                    rows = ds[: min(ds.shape[0], 2000)]
                     t = rows["t_ns"][rows["gpu"] == rows["gpu"][0]] if "gpu" in (rows.dtype.names or ()) else rows["t_ns"]
                     if len(t) > 2:
                         return max(float(np.median(np.diff(t.astype(np.float64)))) / 1e9, 1e-3)
@@ -315,10 +335,10 @@ class PayloadBuilder:
         for node in self.nodes:
             gpu_tables: dict[str, np.ndarray] = {}
             for table in tables:
-                path = f"nodes/{node}/{table}"
-                if path not in self.f or not self.f[path].shape[0]:
+                ds = self.table(node, table)
+                if ds is None:
                     continue
-                rows = self.f[path][()]
+                rows = ds[()]
                 if table in ("gpu/gpm", "gpu/samples"):
                     gpu_tables[table] = rows
                 t = self.to_s(node, rows["t_ns"])
@@ -342,10 +362,10 @@ class PayloadBuilder:
         """Blocked time per bin / bin width: how many of the job's threads were asleep on average."""
         out: list[Series] = []
         for node in self.nodes:
-            path = f"nodes/{node}/offcpu/intervals"
-            if path not in self.f or not self.f[path].shape[0]:
+            ds = self.table(node, "offcpu/intervals")
+            if ds is None:
                 continue
-            rows = self.f[path][()]
+            rows = ds[()]
             t = self.to_s(node, rows["t_ns"])
             # a row covers its window (to the next window's start): spread its blocked time over it
             starts = np.unique(t)
@@ -385,7 +405,7 @@ class PayloadBuilder:
     def node_rows(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for node in self.nodes:
-            g = self.f[f"nodes/{node}"]
+            g = self.group(node)
             # stacks: frame ids root first; user_frames: how many of them are the user part (the
             # rest the kernel's), so the drill-down can name the innermost function of the program
             d: dict[str, Any] = {"stacks": [], "user_frames": [], "samples": None, "offcpu": None, "nvtx": None,
@@ -508,9 +528,9 @@ class PayloadBuilder:
         """Per source, the nodes that recorded rows of it (the summary's "missing data")."""
         out = []
         for path, what in COVERAGE:
-            have = [n for n in self.nodes if f"nodes/{n}/{path}" in self.f and self.f[f"nodes/{n}/{path}"].shape[0]]
-            out.append({"source": what, "table": "/" + path, "nodes": len(have), "of": len(self.nodes),
-                        "without": [n for n in self.nodes if n not in have][:20]})
+            without = [n for n in self.nodes if self.table(n, path) is None]
+            out.append({"source": what, "table": "/" + path, "nodes": len(self.nodes) - len(without),
+                        "of": len(self.nodes), "without": without[:20]})
         missing = [(n["node"], m) for n in self.report.get("nodes", []) for m in n.get("missing_metrics", [])]
         if missing:
             out.append({"source": "metrics the collectors could not read", "table": "/diagnostics/missing",

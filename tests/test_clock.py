@@ -5,6 +5,7 @@ the other methods for comparison."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,34 @@ def test_node_without_collectives_for_a_while_keeps_the_prior_there() -> None:
     mid = float(m.offset_ns(np.array([16e9]))[0])
     assert 4e6 - 500e-6 * 5.5e9 - 1 <= mid <= 4e6 + 1
 
+
+
+def test_per_node_reductions_are_those_of_each_node_alone() -> None:
+    """matching._per_node (all nodes at once) against nanmax / nanmin / nanmedian_rows node by node,
+    bit for bit: ranks of no node, nodes without ranks, NaN cells, ties, one node, uneven nodes."""
+    from gpuprof.mpi_merge.common import nanmedian_rows
+    from gpuprof.mpi_merge.matching import _per_node
+
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        R, N, n = int(rng.integers(1, 40)), int(rng.integers(1, 12)), int(rng.integers(0, 6))
+        nor = rng.integers(-1, N, R)
+        if trial % 7 == 0:
+            nor[:] = 0
+        if trial % 11 == 0:
+            nor[: R // 2 + 1] = N - 1  # one node with most ranks: the unpadded path
+        enter, exit_ = rng.normal(size=(n, R)), rng.normal(size=(n, R))
+        enter[rng.random((n, R)) < 0.3] = np.nan
+        exit_[rng.random((n, R)) < 0.3] = np.nan
+        if trial % 5 == 0:
+            exit_ = np.round(exit_, 1)
+        want = [np.full((n, N), np.nan) for _ in range(3)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices: NaN, as wanted
+            for ni in np.unique(nor[nor >= 0]):
+                c = np.flatnonzero(nor == ni)
+                want[0][:, ni] = np.nanmax(enter[:, c], axis=1)
+                want[1][:, ni] = np.nanmin(exit_[:, c], axis=1)
+                want[2][:, ni] = nanmedian_rows(exit_[:, c])
+        for got, w in zip(_per_node(enter, exit_, nor, N), want):
+            assert np.array_equal(got, w, equal_nan=True), trial
