@@ -108,6 +108,30 @@ def mount_tmpfs(path: Path, size: str, owner: pwd.struct_passwd | None = None) -
         path.chmod(0o755)
 
 
+def mount_quota(path: Path, limit: str, owner: pwd.struct_passwd) -> Path:
+    """A directory under a quota of `limit` bytes, owned by `owner`, at path/quota: a btrfs file
+    system in a file (loop device) with quota groups, the directory one subvolume limited to
+    `limit` (btrfs' quota: writes beyond it fail with EDQUOT, "Disk quota exceeded", not ENOSPC).
+    Unmounted by the caller (path is the mount point); the image file is removed at once (the
+    mount keeps it)."""
+    path.mkdir(exist_ok=True)
+    image = path.with_name(path.name + ".img")
+    with open(image, "wb") as f:
+        f.truncate(128 << 20)  # btrfs' smallest useful size; sparse
+    try:
+        subprocess.run(["mkfs.btrfs", "-q", "-f", str(image)], check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True)
+    finally:
+        image.unlink()
+    subprocess.run(["btrfs", "quota", "enable", str(path)], check=True, capture_output=True)
+    sub = path / "quota"
+    subprocess.run(["btrfs", "subvolume", "create", str(sub)], check=True, capture_output=True)
+    subprocess.run(["btrfs", "qgroup", "limit", limit, str(sub)], check=True, capture_output=True)
+    os.chown(sub, owner.pw_uid, owner.pw_gid)
+    sub.chmod(0o755)
+    return sub
+
+
 def fill(path: Path) -> None:
     """Fill the file system of path to its last byte."""
     subprocess.run(["dd", "if=/dev/zero", f"of={path / '.filler'}", "bs=4k"], capture_output=True, check=False)

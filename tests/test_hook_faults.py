@@ -25,7 +25,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultcheck import FaultOutcome, collectors_left, dcgm_left, digest, fill, mount_tmpfs, node_result
+from faultcheck import (
+    FaultOutcome,
+    collectors_left,
+    dcgm_left,
+    digest,
+    fill,
+    mount_quota,
+    mount_tmpfs,
+    node_result,
+)
 
 from gpuprof.collector.control import request
 from gpuprof.collector.errors import GpuprofError
@@ -332,6 +341,30 @@ def test_output_dir_full(node: Node, mounts: list[Path], base: Path) -> None:
     assert "not delivered" in node.log_text() and str(kept) in node.log_text()
     o = node.outcome("node:output_dir_full", {node.stdout: out_digest}, None,
                      result=f"missing: output directory full; node file kept at {kept}")
+    o.check()
+
+
+@pytest.mark.skipif(shutil.which("mkfs.btrfs") is None, reason="needs btrfs-progs (etc/dev/setup.sh installs it)")
+def test_output_dir_over_quota(node: Node, mounts: list[Path], base: Path) -> None:
+    """The job's output directory is over its quota (EDQUOT, not ENOSPC: the file system has room,
+    the user has none): as when it is full, the job's own output stays as it was, the node file is
+    kept for root and the hook log says so, with the reason."""
+    disk = base / "quota"
+    quota = mount_quota(disk, "512k", node.user)
+    mounts.append(disk)
+    w = node.work_dir("a", parent=quota)
+    job = node.submit(w)
+    out_digest = digest(node.stdout)
+    node.hook("prolog", job, w)
+    node.wait_recording(job)
+    fill(quota)  # a quota group limits root too
+    node.hook("epilog", job, w)
+    kept = node.state_dir / "undelivered" / f"{job}@{node.name}.h5"
+    assert kept.is_file(), node.log_text()[-3000:]
+    log = node.log_text()
+    assert "not delivered" in log and str(kept) in log and "quota" in log.lower(), log[-3000:]
+    o = node.outcome("node:output_dir_over_quota", {node.stdout: out_digest}, None,
+                     result=f"missing: output directory over its quota; node file kept at {kept}")
     o.check()
 
 

@@ -37,6 +37,9 @@ REQUIRED_PKGS=(
     chromium
     # elfutils' libdw: the CFI unwinder of stacks without frame pointers (collector/native/unwind_dwarf.c)
     libdw-dev
+    # a quota for the fault suite (tests/faultcheck.mount_quota): btrfs quota groups, the one quota
+    # this kernel has (no CONFIG_QFMT_V2 for ext4, no XFS or tmpfs quotas)
+    btrfs-progs
 )
 # Real MPI applications for demos and the fault-injection suite (tests/realapps), only when cheap:
 # hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
