@@ -123,7 +123,11 @@ def mount_quota(path: Path, limit: str, owner: pwd.struct_passwd) -> Path:
         subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True)
     finally:
         image.unlink()
-    subprocess.run(["btrfs", "quota", "enable", str(path)], check=True, capture_output=True)
+    try:
+        subprocess.run(["btrfs", "quota", "enable", str(path)], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        subprocess.run(["umount", str(path)], check=False)
+        raise
     sub = path / "quota"
     subprocess.run(["btrfs", "subvolume", "create", str(sub)], check=True, capture_output=True)
     subprocess.run(["btrfs", "qgroup", "limit", limit, str(sub)], check=True, capture_output=True)

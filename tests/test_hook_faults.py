@@ -350,7 +350,10 @@ def test_output_dir_over_quota(node: Node, mounts: list[Path], base: Path) -> No
     the user has none): as when it is full, the job's own output stays as it was, the node file is
     kept for root and the hook log says so, with the reason."""
     disk = base / "quota"
-    quota = mount_quota(disk, "512k", node.user)
+    try:
+        quota = mount_quota(disk, "512k", node.user)
+    except subprocess.CalledProcessError as e:  # a machine without loop devices or btrfs quotas
+        pytest.skip(f"no quota here: {' '.join(e.cmd)}: {(e.stderr or b'').decode(errors='replace')[-200:]}")
     mounts.append(disk)
     w = node.work_dir("a", parent=quota)
     job = node.submit(w)
