@@ -84,27 +84,12 @@ from gpuprof.mpi_merge.waitstates import (
     rank_summary,
 )
 
-LANE_INSTANCES, LANE_RANKS = 60, 64  # what the HTML lanes show of the first communicator
-HEAT_COLUMNS, HEAT_CELLS = 300, 40_000  # the HTML wait heat map: groups of instances, rank x group cells
-
 
 @dataclass
 class Excluded:
     file: str
     node: str
     reason: str
-
-
-@dataclass
-class Lanes:
-    """Instances of the first communicator the HTML draws as lanes (the first LANE_RANKS ranks)."""
-
-    seqs: np.ndarray  # [n]
-    enter: np.ndarray  # [n, shown] aligned float ns
-    exit: np.ndarray
-    first_enter: np.ndarray  # [n] over all ranks
-    last_exit: np.ndarray
-    last_rank: np.ndarray  # [n]
 
 
 @dataclass
@@ -121,8 +106,6 @@ class JobAnalysis:
     mismatches: list[Mismatch]
     findings: list[Finding]
     straggler_metrics: dict[str, Any]
-    lanes: Lanes | None = None  # first communicator, for the HTML
-    heat: np.ndarray | None = None  # [size, columns] mean wait per rank and group of instances, first communicator
     partial_reasons: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
     # per finding index: per stack table ("cpu", "offcpu") the top folded stacks as (stack, late
@@ -346,11 +329,10 @@ class AnalysisContext:
 
 @dataclass
 class BlockResult:
-    """One block of pass 2 as rank 0 receives it: the summary's part, the heat map's part (first
-    communicator), and the packed tables when another rank computed it (else None)."""
+    """One block of pass 2 as rank 0 receives it: the summary's part, and the packed tables when
+    another rank computed it (else None)."""
 
     waits: BlockWaits
-    heat: list[tuple[int, np.ndarray, np.ndarray]]
     packed: Any
 
 
@@ -373,7 +355,6 @@ class _WaitStates:
     and wait states."""
 
     blocks: list[tuple[int, int, int]]
-    heat_group_of: np.ndarray  # the heat map's group of each seq of the first communicator
 
     def __call__(self, ctx: AnalysisContext, i: int) -> BlockResult:
         ci, s0, s1 = self.blocks[i]
@@ -381,10 +362,9 @@ class _WaitStates:
         rc = ctx.clocks(ci)
         E, X = rc.align(blk.enter), rc.align(blk.exit)
         w = compute_waits(blk, E, X)
-        heat = _HeatMap.block_sums(self.heat_group_of, s0, w) if ci == 0 else []
         if ctx.blocks is None:
             raise RuntimeError("pass 2 on a rank without a sink for its blocks")
-        return BlockResult(BlockWaits.of(s0, w, E), heat, ctx.blocks.block(blk, E, X, w))
+        return BlockResult(BlockWaits.of(s0, w, E), ctx.blocks.block(blk, E, X, w))
 
 
 class JobAnalyzer:
@@ -496,8 +476,7 @@ class JobAnalyzer:
         # one map over the blocks of every communicator (thousands of small ones are dealt like the
         # blocks of a large one); rank 0 takes them in order, communicator after communicator
         blocks = [(ci, s0, s1) for ci in range(len(store.comms)) for s0, s1 in store.blocks(ci)]
-        heat_acc = _HeatMap(self.complete[0], store.comms[0].size) if store.comms else None
-        task = _WaitStates(blocks, heat_acc.group_of if heat_acc is not None else np.zeros(0, np.int64))
+        task = _WaitStates(blocks)
         comms: list[CommSummary] = []
         results = pool.map(task, len(blocks))
         for ci, c in enumerate(store.comms):
@@ -506,15 +485,12 @@ class JobAnalyzer:
             for s0, s1 in store.blocks(ci):
                 res = next(results)
                 cs.add_block(res.waits)
-                if ci == 0 and heat_acc is not None:
-                    heat_acc.add(res.heat)
                 if res.packed is not None:
                     sink.packed(s0, res.packed)
                 if on_block is not None:
                     on_block(s1 - s0)
             sink.end(cs)
             comms.append(cs)
-        heat = heat_acc.result() if heat_acc is not None else None
         p2p = self._p2p if self._p2p is not None else match_p2p(self.p2p_calls, epoch)
         p2p_waits = None
         late = None
@@ -551,8 +527,7 @@ class JobAnalyzer:
             job_id=sel.job_id, synthetic=any(s.synthetic for s in sel.nodes), nodes=sel.nodes, excluded=sel.excluded,
             missing_nodes=sel.missing, epoch_rt=epoch, clock=self.clock, comms=comms, p2p_waits=p2p_waits,
             mismatches=mism, findings=findings, straggler_metrics=smetrics,
-            lanes=_lanes(comms[0], times[0]) if comms else None, heat=heat, partial_reasons=self.partial,
-            flames=flames,
+            partial_reasons=self.partial, flames=flames,
         )
         lost = {n: d for n, d in lossy.items() if d}
         if lost:
@@ -564,55 +539,6 @@ class JobAnalyzer:
             a.partial_reasons.append(f"point to point: {n} {why}")
         a.report = build_report_dict(a, p2p.unmatched, {**p2p.unmatched_reasons, **p2p.unpaired_reasons})
         return a
-
-
-class _HeatMap:
-    """Mean wait per rank over groups of the first communicator's complete instances: at most
-    HEAT_COLUMNS columns and about HEAT_CELLS cells whatever the rank count, summed block by block."""
-
-    def __init__(self, complete: np.ndarray, size: int):
-        comp = np.flatnonzero(complete)
-        n_cols = min(max(20, min(HEAT_COLUMNS, HEAT_CELLS // max(1, size))), len(comp))
-        self.group_of = np.full(len(complete), -1, np.int64)
-        for g, rows in enumerate(np.array_split(comp, n_cols) if n_cols else []):
-            self.group_of[rows] = g
-        self.sums = np.zeros((n_cols, size))
-        self.counts = np.zeros((n_cols, size), np.int64)
-
-    @staticmethod
-    def block_sums(group_of: np.ndarray, s0: int, w: CommWaits) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(group, wait sums per rank, waits counted per rank) of each run of one group in a block."""
-        g = group_of[s0:s0 + len(w.complete)]
-        rows = np.flatnonzero(g >= 0)
-        if not len(rows):
-            return []
-        gg, W = g[rows], w.waits[rows]
-        starts = np.flatnonzero(np.diff(gg, prepend=-1))  # groups are runs of increasing seq
-        return [(int(gg[a]), np.nansum(W[a:b], axis=0), np.isfinite(W[a:b]).sum(axis=0))
-                for a, b in zip(starts, np.append(starts[1:], len(gg)))]
-
-    def add(self, runs: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """A block's block_sums, blocks in seq order."""
-        for g, sums, counts in runs:
-            self.sums[g] += sums
-            self.counts[g] += counts
-
-    def result(self) -> np.ndarray | None:
-        """[size, columns], NaN where a rank has no wait in a group; None without complete instances."""
-        if not len(self.sums):
-            return None
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.counts > 0, self.sums / np.maximum(self.counts, 1), np.nan).T
-
-
-def _lanes(c: CommSummary, times: StoreAligned) -> Lanes | None:
-    comp = np.flatnonzero(c.complete)
-    if not len(comp):
-        return None
-    seqs = comp[len(comp) // 2:][:LANE_INSTANCES]
-    E, X = times.enter(seqs), times.exit(seqs)
-    shown = slice(0, min(c.size, LANE_RANKS))
-    return Lanes(seqs, E[:, shown], X[:, shown], E.min(axis=1), X.max(axis=1), c.last_rank[seqs])
 
 
 def analyze(
