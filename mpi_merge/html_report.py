@@ -56,6 +56,7 @@ MAX_EVENT_ROWS = 4000  # NVTX ranges and kernel launches per node
 MAX_CLOCK_NODES = 32
 MAX_CLOCK_POINTS = 120  # segments drawn per node
 MAX_RANK_ROWS = 1024
+SEQ_TIME_POINTS = 200  # (collective index, time) points per communicator: the stack lanes' axis
 OFFCPU_SPREAD = 20  # points each off-CPU window's blocked time is spread over
 READ_ROWS = 4096  # rows of a [seq x rank] table read at once
 
@@ -309,7 +310,11 @@ class PayloadBuilder:
                     continue
                 cells.append([k, s0 + j, _r((ew[j, k] - self.epoch) / 1e9, 10), _r((xw[j, k] - self.epoch) / 1e9, 10),
                               _r(ww[j, k] / 1e6 if ww[j, k] >= 0 else np.nan), int(op[j, k]), int(last[j] == r)])
+        # collective index against aligned time (the first arrival), for the stack lanes' axis
+        known = np.flatnonzero(np.isfinite(first_e))
+        pick = known[np.linspace(0, len(known) - 1, min(len(known), SEQ_TIME_POINTS)).astype(np.int64)] if len(known) else known
         return {
+            "seq_t": [[int(k), _r(float(first_e[k]), 8)] for k in pick],
             "id": cid, "size": size, "instances": n_seq, "complete": int(complete.sum()),
             "ranks": ranks.tolist(), "rank_nodes": [node_of[int(r)] for r in ranks],
             "patterns": rep.get("patterns", {}), "skew_ms": rep.get("arrival_skew_ms", {}),

@@ -31,7 +31,8 @@ if chromium() is None:
 RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
 ARTIFACTS = Path(__file__).parent / "artifacts" / "browser"
 HOSTILE = "<img src=x onerror=window.gpXss=1>"  # would set gpXss if it ever became an element
-SECTIONS = ["summary", "lanes", "drill", "metrics", "flames", "clocks", "ranks", "gpus", "phases", "kernels", "nccl"]
+SECTIONS = ["summary", "lanes", "drill", "metrics", "flames", "stacklanes", "clocks", "ranks", "gpus", "phases",
+            "kernels", "nccl"]
 CHARTED = {"lanes": 2, "metrics": 1, "clocks": 1}  # sections and the canvases they hold at least
 
 
@@ -145,6 +146,27 @@ def test_demo_page_in_chromium(demo_page: Page) -> None:
     # a search in the flame graph reports the share of the frames it matches
     p.js("var s=document.getElementById('gp-flame-search'); s.value='poll'; s.dispatchEvent(new Event('input'));")
     assert re.search(r"search matches \d+%", p.js("document.getElementById('gp-flame-info').textContent"))
+
+
+def test_stack_lanes_put_the_nodes_side_by_side(demo_page: Page) -> None:
+    """A lane per node with stacks, the straggler's first; the legend names functions of the program,
+    and a hover over a cell names its node, collective index and function, with its share."""
+    p = demo_page
+    d = parse(p.dom())
+    sec = d.sections["stacklanes"]
+    assert sec["canvas"] == 1 and "not recorded" not in sec["text"]
+    data = p.js("JSON.parse(document.getElementById('gp-data').textContent)")
+    with_stacks = sorted(n for n, r in data["node_rows"].items() if r["samples"])
+    legend = p.js("Array.prototype.map.call(document.querySelectorAll('#gp-stacklanes-legend span'), e => e.textContent)")
+    assert 1 <= len(legend) <= 12 and all(x.startswith("\u25a0 ") for x in legend), legend
+    x, y = p.js("""(function(){var c=document.querySelector('#gp-stacklanes canvas'); c.scrollIntoView({block:'center'});
+        var r=c.getBoundingClientRect(); return [r.left + 110 + (r.width - 130) / 2, r.top + 6 + 4];})()""")
+    p.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+    time.sleep(0.2)
+    tip = p.js("document.querySelector('#gp-stacklanes .heattip').textContent")
+    # the first lane is the straggler's node (node3), then the others by name
+    assert tip.startswith("node3, ") and "(seq " in tip and ("samples" in tip or "no sample" in tip), tip
+    assert len(with_stacks) >= 2
 
 
 def test_clicking_an_instance_and_a_metric_point_drills_down(demo_page: Page) -> None:

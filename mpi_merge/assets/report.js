@@ -640,6 +640,106 @@
   }
 
   // --- clocks ----------------------------------------------------------------------------------
+  // A lane per node along the job: in each stack window, the program function the node's on-CPU
+  // samples were most in (the innermost frame of the program; the kernel's frames left out), so
+  // the nodes' work reads side by side by collective index (issue 13: "a lane per node").
+  function laneFunction(d, idx) {
+    var fr = d.stacks[idx], u = d.user_frames[idx];
+    return u > 0 ? fr[u - 1] : fr[fr.length - 1];
+  }
+  function seqAt(c, t) {  // the collective index at aligned time t (interpolated), or null
+    var p = c && c.seq_t ? c.seq_t : [];
+    if (!p.length || t < p[0][1]) return null;
+    for (var i = 1; i < p.length; i++) {
+      if (p[i][1] >= t) return Math.round(p[i - 1][0] + (p[i][0] - p[i - 1][0]) * (t - p[i - 1][1]) / Math.max(1e-12, p[i][1] - p[i - 1][1]));
+    }
+    return p[p.length - 1][0];
+  }
+  function renderStackLanes() {
+    var s = section("stacklanes", "What each node ran, along the job",
+      "A lane per node (rows: straggler nodes first), a column per stack window; each cell is the program function with the most on-CPU samples of that node in the window (innermost frame of the program), coloured by function (the 12 most frequent named below, others grey, white: no sample). The axis gives the first communicator's collective index at each window. Hover a cell for its share.");
+    var nodes = Object.keys(D.node_rows).filter(function (n) { var r = D.node_rows[n].samples; return r && r.length; });
+    if (!nodes.length) { notRecorded(s, "CPU stacks (mode 'stacks')"); return; }
+    var strag = D.summary.stragglers.map(function (f) { return f.node; });
+    nodes.sort(function (a, b) { return (strag.indexOf(a) < 0) - (strag.indexOf(b) < 0) || (a < b ? -1 : a > b ? 1 : 0); });
+    var shown = nodes.slice(0, 64);
+    if (nodes.length > shown.length) s.appendChild(el("p", { cls: "help", text: shown.length + " of " + nodes.length + " nodes shown (straggler nodes first)" }));
+    // the column width: the stack window, each node's own (the nodes' windows start at other times)
+    var lo = Infinity, hi = -Infinity, wins = [];
+    var median = function (v) { v.sort(function (a, b) { return a - b; }); return v[Math.floor(v.length / 2)]; };
+    shown.forEach(function (n) {
+      var starts = {};
+      D.node_rows[n].samples.forEach(function (x) { lo = Math.min(lo, x[0]); hi = Math.max(hi, x[0]); starts[x[0]] = 1; });
+      var ts = Object.keys(starts).map(Number).sort(function (a, b) { return a - b; }), st = [];
+      for (var i = 1; i < ts.length; i++) st.push(ts[i] - ts[i - 1]);
+      if (st.length) wins.push(median(st));
+    });
+    var win = wins.length ? median(wins) : 1.0;
+    var cols = Math.max(1, Math.min(300, Math.floor((hi - lo) / win) + 1)), bw = (hi - lo) / cols || win;
+    var cells = shown.map(function () { var r = []; for (var j = 0; j < cols; j++) r.push({}); return r; });
+    var total = {};
+    shown.forEach(function (n, r) {
+      var d = D.node_rows[n];
+      d.samples.forEach(function (x) {
+        var j = Math.min(cols - 1, Math.max(0, Math.floor((x[0] - lo) / bw))), f = laneFunction(d, x[1]);
+        cells[r][j][f] = (cells[r][j][f] || 0) + x[2];
+      });
+    });
+    var top = cells.map(function (row) {
+      return row.map(function (m) {
+        var best = null, sum = 0;
+        Object.keys(m).forEach(function (f) { sum += m[f]; if (best === null || m[f] > m[best]) best = f; });
+        if (best !== null) total[best] = (total[best] || 0) + 1;
+        return best === null ? null : { f: Number(best), share: m[best] / sum, n: sum };
+      });
+    });
+    var palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#393b79", "#637939", "#843c39"];
+    var common = Object.keys(total).sort(function (a, b) { return total[b] - total[a]; }).slice(0, palette.length).map(Number);
+    var colour = function (f) { var k = common.indexOf(f); return k < 0 ? "#999" : palette[k]; };
+    var box = el("div", { cls: "heat", id: "gp-stacklanes" });
+    s.appendChild(box);
+    var W = Math.max(600, box.clientWidth || 1200), left = 110, right = 20, topPx = 6, bottom = 40;
+    var H = Math.max(120, Math.min(900, topPx + bottom + shown.length * 12));
+    var cv = el("canvas", { width: String(W), height: String(H), style: "width:" + W + "px;height:" + H + "px" });
+    var tip = el("div", { cls: "heattip" });
+    box.appendChild(cv);
+    box.appendChild(tip);
+    var ctx = cv.getContext("2d"), gw = W - left - right, gh = H - topPx - bottom, ch = gh / shown.length, cw = gw / cols;
+    top.forEach(function (row, r) {
+      row.forEach(function (c, j) {
+        ctx.fillStyle = c === null ? "#fff" : colour(c.f);
+        ctx.globalAlpha = c === null ? 1 : 0.35 + 0.65 * c.share;
+        ctx.fillRect(left + j * cw, topPx + r * ch, Math.max(1, cw), Math.max(1, ch - 1));
+      });
+    });
+    ctx.globalAlpha = 1;
+    ctx.fillStyle = "#333";
+    ctx.font = "9px sans-serif";
+    shown.forEach(function (n, r) { ctx.fillText(n + (strag.indexOf(n) >= 0 ? " *" : ""), 2, topPx + (r + 0.5) * ch + 3); });
+    ctx.font = "10px sans-serif";
+    var c0 = D.comms.length ? D.comms[0] : null;
+    for (var k = 0; k <= 8; k++) {
+      var t = lo + k * (hi - lo) / 8, q = seqAt(c0, t);
+      ctx.fillText(q === null ? fmt(t, 1) + " s" : "seq " + q, left + k * gw / 8 - 10, topPx + gh + 14);
+    }
+    ctx.fillText(c0 ? "collective index of " + c0.id + " (at each window's start)" : "aligned time", left + gw / 2 - 100, topPx + gh + 30);
+    cv.addEventListener("mousemove", function (e) {
+      var j = Math.floor((e.offsetX - left) / cw), r = Math.floor((e.offsetY - topPx) / ch);
+      if (j < 0 || j >= cols || r < 0 || r >= shown.length) { tip.style.display = "none"; return; }
+      var c = top[r][j], t = lo + j * bw, q = seqAt(c0, t);
+      tip.textContent = shown[r] + ", " + fmt(t, 2) + " s" + (q === null ? "" : " (seq " + q + ")") + ": " +
+        (c === null ? "no sample" : D.strings[c.f] + " " + pct(c.share) + " of " + c.n + " samples");
+      tip.style.display = "block";
+      tip.style.left = (e.offsetX + 12) + "px";
+      tip.style.top = (e.offsetY + 12) + "px";
+    });
+    cv.addEventListener("mouseleave", function () { tip.style.display = "none"; });
+    var legend = el("p", { cls: "help", id: "gp-stacklanes-legend" });
+    common.forEach(function (f, k) {
+      legend.appendChild(el("span", { style: "color:" + palette[k] + ";margin-right:12px", text: "\u25a0 " + D.strings[f] }));
+    });
+    s.appendChild(legend);
+  }
   function renderClocks() {
     var s = section("clocks", "Clock offsets with their error intervals",
       "Each node's offset from the reference clock (us) at each segment of its clock model, with the interval of offsets the collectives allow: as error bars while the points are few, and as its half-width over time below.");
@@ -744,7 +844,7 @@
 
   // --- the page --------------------------------------------------------------------------------
   var steps = [["summary", renderSummary], ["lanes", renderLanes], ["metrics", renderMetrics], ["drill", renderDrillShell],
-               ["flames", renderFlames], ["clocks", renderClocks], ["tables", renderTables]];
+               ["flames", renderFlames], ["stacklanes", renderStackLanes], ["clocks", renderClocks], ["tables", renderTables]];
   if (D.synthetic) app.appendChild(el("div", { cls: "syn", id: "gp-synthetic", text: D.synthetic_banner }));
   var nav = el("nav", null, ["sections: "]);
   app.appendChild(nav);
