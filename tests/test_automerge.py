@@ -4,6 +4,9 @@ environment (works with SlurmUser=slurm), launched with mpirun or srun, as confi
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,3 +77,43 @@ def test_submit_from_is_checked(tmp_path: Path) -> None:
     p.write_text('[merge]\nsubmit_from = "slurmctld"\n')
     with pytest.raises(ConfigError, match="submit_from' must be one of node_epilog, epilog_slurmctld"):
         config.load(str(p))
+
+
+REPO = Path(__file__).resolve().parents[1]
+MPICH_PYTHON = REPO / ".venv-mpich" / "bin" / "python"
+
+
+@pytest.mark.skipif(not MPICH_PYTHON.exists() or shutil.which("mpiexec.mpich") is None,
+                    reason="no MPICH environment (etc/dev/setup.sh makes .venv-mpich where Debian's mpich installs)")
+def test_the_merge_job_runs_with_mpich(tmp_path: Path) -> None:
+    """The merge job's body (`automerge run`) with `merge.mpirun = mpiexec.mpich` and an mpi4py
+    built for MPICH, as a site whose MPI is MPICH has them: hydra starts 2 ranks (each says its
+    rank), no Open MPI option on its command line, and the job file is the serial merge's, bit for bit."""
+    from gpuprof.mpi_merge import synthetic as syn
+    from gpuprof.mpi_merge.jobfile import compare_job_files
+    from gpuprof.mpi_merge.merge import merge
+
+    tree = tmp_path / "site" / "gpuprof"  # the project as that environment imports it
+    tree.mkdir(parents=True)
+    for pkg in ("collector", "mpi_merge", "slurm_hooks", "bpf"):
+        (tree / pkg).symlink_to(REPO / pkg)
+    d = tmp_path / "slurm-88.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, ranks_per_node=2, duration_s=10, seed=8,
+                                 stragglers=[syn.Straggler(2, "host", 2.0, 8.0)]), d)
+    stdout = tmp_path / "slurm-88.out"
+    stdout.write_text("the job's own output\n")
+    nodes = ",".join(syn.node_name(i, 4) for i in range(4))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(tree.parent),
+           "GPUPROF_MERGE_TIMING": "1"}
+    p = subprocess.run([str(MPICH_PYTHON), "-m", "gpuprof.slurm_hooks.automerge", "run", "--job", "88", "--dir", str(d),
+                        "--stdout", str(stdout), "--nodes", nodes, "--ranks", "2", "--mpirun", "mpiexec.mpich"],
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    launched = next(line for line in out.splitlines() if line.startswith("gpuprof merge: mpiexec.mpich"))
+    assert " -n 2 " in launched and "--oversubscribe" not in launched
+    assert "timing rank 0:" in out and "timing rank 1:" in out  # one job of 2 ranks, not 2 singletons
+    serial = merge(str(d), output_stem=str(tmp_path / "serial"))
+    assert serial is not None
+    assert compare_job_files(tmp_path / "slurm-88.gpuprof.h5", serial.job_file) == []
+    assert stdout.read_text() == "the job's own output\n"

@@ -45,7 +45,10 @@ REQUIRED_PKGS=(
 # hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
 # (guile-3.0-libs alone is 53 MB; no smaller Debian halo-exchange code runs offline). Left out:
 # lammps (~270 MB with data), quantum-espresso (~280 MB, and needs pseudopotentials), cp2k (~1 GB).
-OPTIONAL_PKGS=(hpcc netpipe-openmpi meep-openmpi)
+OPTIONAL_PKGS=(hpcc netpipe-openmpi meep-openmpi
+    # MPICH (~30 MB) beside Open MPI, whose alternatives stay the default (priority 50 against 40):
+    # the merge job run with MPICH's mpiexec and an mpi4py built for it (.venv-mpich, step 6b)
+    mpich libmpich-dev)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
 
@@ -152,6 +155,20 @@ else
     log "$VENV up to date"
 fi
 "$VENV/bin/python" -c 'import bcc' 2>/dev/null || warn "'import bcc' fails in $VENV"
+
+# --- 6b. a second environment whose mpi4py is built for MPICH (tests/test_automerge.py) ----------
+# A site whose MPI is MPICH installs mpi4py built against it; this is that environment, for the
+# test that runs the merge job's body with MPICH's mpiexec (hydra). Only the merge's own dependencies.
+if command -v mpicc.mpich >/dev/null && command -v mpiexec.mpich >/dev/null; then
+    MVENV="$REPO/.venv-mpich"
+    if ! "$MVENV/bin/python" -c 'import mpi4py.MPI as m, h5py, scipy, click; assert "MPICH" in m.Get_library_version()' 2>/dev/null; then
+        rm -rf "$MVENV"
+        /usr/bin/python3 -m venv "$MVENV"
+        MPICC=mpicc.mpich "$MVENV/bin/pip" install -q --disable-pip-version-check --no-binary mpi4py --no-cache-dir mpi4py \
+            && "$MVENV/bin/pip" install -q --disable-pip-version-check "click>=8.1" "numpy>=1.24" "h5py>=3.9" "scipy>=1.10" \
+            && log "created $MVENV (mpi4py for MPICH)" || { warn "no MPICH environment: its merge test is skipped"; rm -rf "$MVENV"; }
+    fi
+fi
 
 # --- 7. unprivileged test user ------------------------------------------------------------------
 if ! id "$TEST_USER" >/dev/null 2>&1; then
