@@ -17,9 +17,9 @@ clocks drift within it):
      is the correction that makes their ends coincide (_exit_sync_target), clipped into the
      constraints like the prior (docs/merge.md, "NCCL on device times");
   1. relax from the target upwards and downwards (Bellman-Ford sweeps over the instances, through
-     the top-two trick: O(instances x nodes) a sweep): the least feasible correction >= the prior
-     and the greatest <= the prior; both satisfy every constraint, so their mean does, and it is
-     the prior itself whenever the prior is feasible: a clock moves only as far as the data require
+     the top-two trick: O(instances x nodes) a sweep): the least feasible correction >= the target
+     and the greatest <= the target; both satisfy every constraint, so their mean does, and it is
+     the target itself whenever the target is feasible: a clock moves only as far as the data require
      (Scalasca's controlled logical clock, Becker et al., applied to the clock model instead of to
      the events). A piece that does not converge within nodes sweeps holds a cycle of constraints
      no correction satisfies: its data are inconsistent, it keeps the prior and the report says so;

@@ -670,7 +670,7 @@ class NodeInstances:
     exit_med: np.ndarray
     comm_id: np.ndarray  # [n_inst]
     seq: np.ndarray
-    # [n_inst]: True where the exits are synchronous by construction (clock.InstanceRows.exit_sync);
+    # [n_inst]: True where the exits are synchronous by construction (clock.InstanceRows.synchronous);
     # None: no such instance (MPI calls, messages)
     exit_sync: np.ndarray | None = None
 
