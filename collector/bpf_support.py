@@ -118,13 +118,22 @@ class Mapping:
 _MAPS_RE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) ([0-9a-f]+) (\S+) (\d+)\s*(.*)$")
 
 
-def read_maps(pid: int) -> list[Mapping]:
-    """The mappings of a process; [] when it is gone or not readable."""
+def read_maps_text(pid: int) -> str | None:
+    """/proc/PID/maps as text; None when the process is gone or its maps are not readable."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            text = f.read()
+            return f.read()
     except OSError:
-        return []
+        return None
+
+
+def read_maps(pid: int) -> list[Mapping]:
+    """The mappings of a process; [] when it is gone or not readable."""
+    return parse_maps(read_maps_text(pid) or "")
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """The mappings of /proc/PID/maps text."""
     out = []
     for line in text.splitlines():
         m = _MAPS_RE.match(line)
@@ -405,6 +414,7 @@ class BpfHub:
             self.bpf = BPF(text=inline_includes(MAIN_SOURCE).encode(), cflags=cflags)
         except Exception as e:  # noqa: BLE001 - BCC raises bare Exception for compile and load failures
             raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
+        release_freed_heap()  # clang/LLVM's heap of the compile (~50 MB resident otherwise)
         self.job_pids = self.bpf[b"gp_job_pids"]
         self._known: set[int] = set()
         # State the sources of one object share (the stack store of stacks, off-CPU and kernels).
@@ -446,6 +456,21 @@ class BpfHub:
             if pid not in self._known or table.get(table.Key(pid)) is None:
                 table[table.Key(pid)] = one
                 self._known.add(pid)
+
+
+def release_freed_heap() -> bool:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim); False where the C
+    library has none. After BCC's compile: resident memory 194 -> 147 MB here (the peak, VmHWM,
+    stays: the compile itself needs it)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except AttributeError:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
 
 
 def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:

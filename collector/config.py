@@ -87,6 +87,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "sources.stacks": {
         "rate_hz": Key(int, 99, "CPU stack sampling rate"),
+        "unwinder": Key(str, "cfi", "user stacks: cfi (CFI tables walked in the BPF program, code without frame "
+                                    "pointers) or frame_pointers (the kernel's walk only)",
+                        choices=("cfi", "frame_pointers")),
+        "cfi_max_rows": Key(int, 1048576, "cap on the CFI table rows loaded (12 bytes each; at most 1048576, the "
+                                          "BPF map's size); a file whose table does not fit gets none"),
+        "cfi_cache_mb": Key(int, 64, "compiled CFI tables kept on disk in <state_dir>/cfi-tables, by build id "
+                                     "(0 = none)"),
     },
     "sources.collectives": {
         "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),

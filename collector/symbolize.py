@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -35,7 +36,7 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import attach_path, elf_symbols, pid_alive, read_maps
+from gpuprof.collector.bpf_support import attach_path, elf_symbols, parse_maps, pid_alive, read_maps_text
 from gpuprof.collector.pyframes import frame_label
 from gpuprof.collector.safeio import PERF_MAP_MAX_BYTES, UnsafeFile, read_user_file
 
@@ -58,12 +59,27 @@ class Module:
     uid: int = -1  # perfmap: the process's uid when its maps were read (the map must be its own file)
 
 
+# Addresses held by the caches of interned stacks by address (per process, and of kernel stacks,
+# together): when they reach it, every cache is emptied (they only save work: the ids do not
+# depend on them). ~40 bytes an address: ~10 MB at most.
+STACK_CACHE_MAX_ADDRS = 262144
+
+
 @dataclass
 class _ProcMaps:
     exe: str
     starts: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, module index)
     offsets: list[int] = field(default_factory=list)  # file offset of each span's start (ELF)
+    ends: list[int] = field(default_factory=list)  # each span's end (= spans[i][1])
+    modules: list[int] = field(default_factory=list)  # each span's module index (= spans[i][2])
+    deltas: list[int | None] = field(default_factory=list)  # ELF: offset - start (frame = addr + delta); else None
+    text: str | None = None  # the /proc/PID/maps text these were parsed from (None: given parsed)
+    perfmap_uid: int | None = None  # the process's uid as its perf map module names it (if any)
+    # user stack (addresses, innermost first) -> (stack id, the addresses of its frames that lay
+    # outside these mappings): the same addresses under the same mappings give the same frames, as
+    # long as none of those outside has come into an executable mapping since (ProcmapQuery)
+    cache: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class StackStore:
@@ -80,12 +96,22 @@ class StackStore:
         self._ids: dict[tuple[Frame, ...], int] = {(): STACK_NONE}
         self._maps: dict[int, _ProcMaps] = {}
         self._refreshed: set[int] = set()  # pids whose maps were re-read in the current drain
+        self._kernel_cache: dict[tuple[int, ...], int] = {}  # kernel stack (addresses) -> stack id
+        self._cache_addrs = 0  # addresses held by the caches (STACK_CACHE_MAX_ADDRS)
+        self._none_modules: dict[int, int] = {}  # pid -> index of its Module("none", "pid PID")
+        self._outside: set[tuple[int, int]] = set()  # (pid, address) not in an executable mapping, this drain
+        self._query = ProcmapQuery()
+        self.maps_reads = 0  # /proc/PID/maps read (tests, status)
+        self.maps_parses = 0  # ... of which parsed (the text differed from the last read)
         self.written: set[str] = set()
 
     # --- while the job runs --------------------------------------------------------------------
     def new_drain(self) -> None:
         """Each drain may re-read a process's maps once (an address outside them: dlopen)."""
-        self._refreshed.clear()
+        with self.lock:
+            self._refreshed.clear()
+            self._outside.clear()
+            self._query.close()
 
     def watch(self, pids: Iterable[int]) -> None:
         """Read the maps of pids not seen before, or that exec'd since (cheap: one readlink each)."""
@@ -108,10 +134,23 @@ class StackStore:
         return i
 
     def _read_maps(self, pid: int, maps: list[Any] | None = None) -> _ProcMaps | None:
-        maps = read_maps(pid) if maps is None else maps
+        text: str | None = None
+        if maps is None:
+            text = read_maps_text(pid)
+            self.maps_reads += 1
+            old = self._maps.get(pid)
+            if (text and old is not None and old.text == text
+                    and (old.perfmap_uid is None or old.perfmap_uid == _uid(pid))):
+                # unchanged since the last parse (the usual case of a re-read after an address
+                # outside them: a frame-pointer walk through code built without them)
+                old.exe = _exe(pid)
+                self._refreshed.add(pid)
+                return old
+            maps = parse_maps(text or "")
+            self.maps_parses += bool(maps)
         if not maps:
             return self._maps.get(pid)
-        pm = _ProcMaps(_exe(pid))
+        pm = _ProcMaps(_exe(pid), text=text)
         for m in sorted(maps, key=lambda m: m.start):
             if "x" not in m.perms:
                 continue
@@ -122,17 +161,26 @@ class StackStore:
             elif m.path in ("[vdso]", "[vsyscall]"):
                 idx, off = self._module(Module("none", name=m.path)), m.start
             else:  # anonymous executable memory: JIT code, perf trampolines
+                if pm.perfmap_uid is None:
+                    pm.perfmap_uid = _uid(pid)
                 idx = self._module(Module("perfmap", f"/tmp/perf-{pid}.map", pid, f"perf-{pid}.map",
-                                          _uid(pid)))
+                                          pm.perfmap_uid))
                 off = m.start
             pm.starts.append(m.start)
             pm.spans.append((m.start, m.end, idx))
             pm.offsets.append(off)
+            pm.ends.append(m.end)
+            pm.modules.append(idx)
+            pm.deltas.append(off - m.start if self.modules[idx].kind == "elf" else None)
         self._maps[pid] = pm
         self._refreshed.add(pid)
         return pm
 
     def _user_frame(self, pid: int, addr: int) -> Frame:
+        return self._user_frame_hit(pid, addr)[0]
+
+    def _user_frame_hit(self, pid: int, addr: int) -> tuple[Frame, bool]:
+        """The frame of an address, and whether it lies in the process's mappings."""
         pm = self._maps.get(pid)
         for attempt in (0, 1):
             if pm is not None:
@@ -140,17 +188,70 @@ class StackStore:
                 if i >= 0 and addr < pm.spans[i][1]:
                     start, _, idx = pm.spans[i]
                     kind = self.modules[idx].kind
-                    return idx, (addr - start + pm.offsets[i]) if kind == "elf" else addr
-            if attempt == 0 and pid not in self._refreshed and pid_alive(pid):
+                    return (idx, (addr - start + pm.offsets[i]) if kind == "elf" else addr), True
+            if attempt == 0 and self._may_have_moved(pid, addr):
                 pm = self._read_maps(pid)
-        return self._module(Module("none", name=f"pid {pid}")), addr
+        none = self._none_modules.get(pid)
+        if none is None:
+            none = self._none_modules[pid] = self._module(Module("none", name=f"pid {pid}"))
+        return (none, addr), False
+
+    def _may_have_moved(self, pid: int, addr: int) -> bool:
+        """Whether reading the process's maps again may place an address that lies outside them:
+        not read again in this drain yet, the process alive, and, where the kernel answers
+        PROCMAP_QUERY (Linux 6.11), the address now in an executable mapping. Otherwise the re-read
+        would leave the address where it is (outside), so it is not done: a frame-pointer walk
+        through code built without them yields such addresses in every drain."""
+        if pid in self._refreshed or (pid, addr) in self._outside:
+            return False
+        covered = self._query.executable(pid, addr)
+        if covered is None:  # cannot ask: read again, as long as the process lives
+            return pid_alive(pid)
+        if not covered:
+            self._outside.add((pid, addr))
+        return covered
 
     def intern_user(self, pid: int, addrs: Iterable[int]) -> int:
         """Stack id of a user stack (innermost first) of process pid."""
+        key = tuple(addrs)
         with self.lock:
+            pm = self._maps.get(pid)
+            if pm is not None:
+                hit = pm.cache.get(key)
+                if hit is not None and not any(self._may_have_moved(pid, a) for a in hit[1]):
+                    return hit[0]
             # return addresses point past the call: step back into it (the leaf is exact)
-            frames = tuple(self._user_frame(pid, a if d == 0 else a - 1) for d, a in enumerate(addrs))
-            return self._intern(frames)
+            frames: list[Frame] = []
+            outside: set[int] = set()
+            cur = pm
+            bisect_right = bisect.bisect_right
+            for d, a in enumerate(key):
+                if d:
+                    a -= 1
+                if cur is not None:  # _user_frame_hit's first lookup, inline (the hot loop)
+                    i = bisect_right(cur.starts, a) - 1
+                    if i >= 0 and a < cur.ends[i]:
+                        delta = cur.deltas[i]
+                        frames.append((cur.modules[i], a if delta is None else a + delta))
+                        continue
+                fr, inside = self._user_frame_hit(pid, a)  # outside: the maps may be read again
+                cur = self._maps.get(pid)
+                frames.append(fr)
+                if not inside:
+                    outside.add(a)
+            sid = self._intern(tuple(frames))
+            if pm is not None and self._maps.get(pid) is pm:  # all frames from the same mappings
+                self._cache_room(len(key))
+                pm.cache[key] = (sid, tuple(outside))
+            return sid
+
+    def _cache_room(self, n: int) -> None:
+        self._cache_addrs += n
+        if self._cache_addrs > STACK_CACHE_MAX_ADDRS:
+            for pm in self._maps.values():
+                pm.cache.clear()
+            self._kernel_cache.clear()
+            self._cache_addrs = n
 
     def intern_python(self, pid: int, addrs: Iterable[int], chunks: list[list[tuple[str, str, int]]],
                       eval_ranges: tuple[str, tuple[tuple[int, int], ...]] | None) -> int:
@@ -176,8 +277,14 @@ class StackStore:
         return self._module(Module("python", filename, name=os.path.basename(filename) or "python")), i
 
     def intern_kernel(self, addrs: Iterable[int]) -> int:
+        key = tuple(addrs)
         with self.lock:
-            return self._intern(tuple((KERNEL, a if d == 0 else a - 1) for d, a in enumerate(addrs)))
+            sid = self._kernel_cache.get(key)
+            if sid is None:
+                sid = self._intern(tuple((KERNEL, a if d == 0 else a - 1) for d, a in enumerate(key)))
+                self._cache_room(len(key))
+                self._kernel_cache[key] = sid
+            return sid
 
     def _intern(self, frames: tuple[Frame, ...]) -> int:
         i = self._ids.get(frames)
@@ -226,6 +333,66 @@ class StackStore:
             n = ds.shape[0]
             ds.resize((n + len(rows),))
             ds[n:] = rows
+
+
+class _ProcmapQueryArg(ctypes.Structure):
+    """struct procmap_query of <linux/fs.h> (Linux 6.11)."""
+
+    _fields_ = [("size", ctypes.c_uint64), ("query_flags", ctypes.c_uint64), ("query_addr", ctypes.c_uint64),
+                ("vma_start", ctypes.c_uint64), ("vma_end", ctypes.c_uint64), ("vma_flags", ctypes.c_uint64),
+                ("vma_page_size", ctypes.c_uint64), ("vma_offset", ctypes.c_uint64), ("inode", ctypes.c_uint64),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("vma_name_size", ctypes.c_uint32),
+                ("build_id_size", ctypes.c_uint32), ("vma_name_addr", ctypes.c_uint64),
+                ("build_id_addr", ctypes.c_uint64)]
+
+
+PROCMAP_QUERY = (3 << 30) | (ctypes.sizeof(_ProcmapQueryArg) << 16) | (ord("f") << 8) | 17  # _IOWR('f', 17, ...)
+PROCMAP_QUERY_VMA_EXECUTABLE = 0x04
+
+
+class ProcmapQuery:
+    """Is an address of a process in an executable mapping now? One PROCMAP_QUERY ioctl on its
+    /proc/PID/maps (about 1 us) instead of reading the whole file (about 150 us for an MPI rank's
+    270 mappings). The descriptors are kept until close() (each drain)."""
+
+    supported: bool | None = None  # None: not known yet; False: the kernel has no PROCMAP_QUERY
+
+    def __init__(self) -> None:
+        self.fds: dict[int, int] = {}
+        self.arg = _ProcmapQueryArg()
+        self.libc: Any = None
+
+    def executable(self, pid: int, addr: int) -> bool | None:
+        """True / False; None when it cannot be asked (old kernel, process gone, not readable)."""
+        if ProcmapQuery.supported is False:
+            return None
+        if self.libc is None:
+            self.libc = ctypes.CDLL(None, use_errno=True)
+        fd = self.fds.get(pid)
+        if fd is None:
+            try:
+                fd = self.fds[pid] = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        a = self.arg
+        a.size, a.query_flags, a.query_addr = ctypes.sizeof(a), PROCMAP_QUERY_VMA_EXECUTABLE, addr
+        a.vma_name_size = a.build_id_size = 0
+        a.vma_name_addr = a.build_id_addr = 0
+        if self.libc.ioctl(fd, PROCMAP_QUERY, ctypes.byref(a)) == 0:
+            ProcmapQuery.supported = True
+            return True
+        err = ctypes.get_errno()
+        if err == errno.ENOENT:
+            ProcmapQuery.supported = True
+            return False
+        if err in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP) and not ProcmapQuery.supported:
+            ProcmapQuery.supported = False
+        return None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def merge_python_frames(native: list[Frame], chunks: list[list[Frame]], is_eval: Any) -> list[Frame]:

@@ -155,12 +155,12 @@ def test_cfi_unwinder_walks_code_without_frame_pointers(mode: str) -> None:
 
 @pytest.mark.bpf
 def test_frame_pointer_walk_cannot_unwind_the_same_program(tmp_path: Path) -> None:
-    """The reason for the CFI unwinder: the kernel's frame-pointer walk of the same program never
-    reaches main."""
+    """The reason for the CFI unwinders: the kernel's frame-pointer walk of the same program never
+    reaches main (sources.stacks.unwinder = "frame_pointers")."""
     _skip()
     from harness import GatedProcess, run_source_over
 
-    src = BpfStacksSource(99, python_frames=False)
+    src = BpfStacksSource(99, python_frames=False, unwinder="frame_pointers")
     gated = GatedProcess([str(nofp_tree()), "1.5"])
     errors: list[str] = []
     batches, (rc, _, err) = run_source_over(src, make_ctx(lambda: frozenset({gated.pid}), ("stacks",),

@@ -17,7 +17,7 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import BpfHub, read_ring_drops
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from gpuprof.collector.sources.bpf_stacks import WindowedCounts, acquire_hub, own_stack, stack_store
+from gpuprof.collector.sources.bpf_stacks import StackIds, WindowedCounts, acquire_hub, own_stack, stack_store
 from gpuprof.collector.symbolize import StackStore
 
 
@@ -77,21 +77,32 @@ class BpfOffcpuSource(Source):
         pending = list(self.starts.items())
         keep = {s for _, v in pending for s in (v.user_stack, v.kernel_stack)}
         t0, self.window_t0 = self.window_t0, now_ns
-        done, frames = self.counts.drain(keep)
+        keys, values, frames = self.counts.drain(keep)
         if final:
             # threads still off CPU at the end: their episode so far
             pending = list(self.starts.items())
             for _, v in pending:
-                frames.update({s: _walk(self.counts.stacks, s) for s in (v.user_stack, v.kernel_stack) if s >= 0})
-        rows = schema.OFFCPU_INTERVALS.empty(len(done) + (len(pending) if final else 0))
-        self.store.watch({int(k.pid) for k, _ in done if k.pid})
-        i = 0
-        for k, v in done:
-            pid = int(k.pid) or _tgid_of(int(k.tid))
-            rows[i] = (t0, pid, int(k.tid), own_stack(self.store, k.user_stack, frames, pid),
-                       own_stack(self.store, k.kernel_stack, frames, None), int(v.blocked_ns),
-                       int(v.runnable_ns), int(v.count))
-            i += 1
+                frames.update({s: self.counts.frames(s) for s in (v.user_stack, v.kernel_stack) if s >= 0})
+        n_done = len(keys)
+        rows = schema.OFFCPU_INTERVALS.empty(n_done + (len(pending) if final else 0))
+        pids = keys["pid"].tolist()
+        self.store.watch({p for p in pids if p})
+        ids = StackIds(self.store, frames)
+        users = np.empty(n_done, np.uint32)
+        kernels = np.empty(n_done, np.uint32)
+        tids = keys["tid"].tolist()
+        for i, (pid, tid, us, ks) in enumerate(zip(pids, tids, keys["user_stack"].tolist(),
+                                                   keys["kernel_stack"].tolist())):
+            if not pid:
+                pids[i] = pid = _tgid_of(tid)
+            users[i] = ids.user(us, pid)
+            kernels[i] = ids.kernel(ks)
+        done = rows[:n_done]
+        done["t_ns"], done["pid"], done["tid"] = t0, pids, keys["tid"]
+        done["user_stack"], done["kernel_stack"] = users, kernels
+        done["blocked_ns"], done["runnable_ns"], done["count"] = (values["blocked_ns"], values["runnable_ns"],
+                                                                  values["count"])
+        i = n_done
         if final:
             for k, v in pending:
                 tid = int(k.value)
@@ -126,9 +137,3 @@ class BpfOffcpuSource(Source):
         if self.store is not None:
             self.store.write(f)
 
-
-def _walk(stacks: Any, sid: int) -> list[int] | None:
-    try:
-        return list(stacks.walk(sid))
-    except KeyError:
-        return None

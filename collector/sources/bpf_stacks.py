@@ -10,18 +10,25 @@ them in the kernel map. Names are resolved at seal (/stacks/frames, /stacks/symb
 Python processes (CPython 3.10-3.13, collector/pyframes.py) are registered in gp_py_procs when
 first seen (and again after an exec): their samples also carry a Python stack id (bpf/pyframes.h),
 whose frames are named from the live process at the drain and merged into the user stack.
+
+With sources.stacks.unwinder = "cfi" (collector/cfiunwind.py, bpf/cfiunwind.h) the user stacks of
+job processes are walked by the CFI tables of their mapped files in the BPF program (code without
+frame pointers); their samples carry a CFI stack id whose pc list replaces the frame-pointer stack.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_maps, read_ring_drops
+from gpuprof.collector.cfiunwind import CfiUnwinder, start_unwinder
 from gpuprof.collector.pyframes import NONE, NotPython, PyFrameNamer, PyProcess, PyReadError, find_interpreter
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, StackStore, _exe
@@ -53,51 +60,132 @@ class WindowedCounts:
     window, or by `keep` ids of in-flight state such as a sleeping thread's switch-out stack).
     Freeing keeps the stack map small and its hash collisions rare; a stack seen again is stored
     again under the same id.
+
+    The map is read with one BPF_MAP_LOOKUP_BATCH into numpy buffers kept across drains and the
+    finished keys deleted with one BPF_MAP_DELETE_BATCH; each stack is one lookup into a buffer
+    kept too (no ctypes object per entry or per frame).
     """
 
     def __init__(self, bpf: Any, counts: bytes, gen: bytes, stacks: bytes) -> None:
+        from bcc.libbcc import lib  # the BCC that compiled bpf is importable
+
+        self.lib = lib
         self.counts = bpf[counts]
         self.gen = bpf[gen]
         self.stacks = bpf[stacks]
+        self.key_dtype = np.dtype(self.counts.Key)
+        self.leaf_dtype = np.dtype(self.counts.Leaf)
+        cap = int(self.counts.max_entries)
+        self._keys = np.zeros(cap, self.key_dtype)
+        self._leaves = np.zeros(cap, self.leaf_dtype)
+        self._stack_key = ctypes.c_uint32()
+        self._stack_leaf = self.stacks.Leaf()
+        # frames of a stack: the leaf's u64 words up to the first 0 (BCC's walk, without build ids)
+        self._stack_words = np.frombuffer(self._stack_leaf, np.uint64)[:STACK_MAX_DEPTH]
+        self.build_ids = bool(int(getattr(self.stacks, "flags", 0)) & STACK_F_BUILD_ID)
+        self.live_keys = self._keys[:0]
 
-    def drain(self, keep: Iterable[int] = ()) -> tuple[list[tuple[Any, Any]], dict[int, list[int] | None]]:
+    def _lookup_all(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry of the counts map (copies), by BPF_MAP_LOOKUP_BATCH."""
+        lib, fd = self.lib, self.counts.map_fd
+        cap = len(self._keys)
+        kp, vp = self._keys.ctypes.data, self._leaves.ctypes.data
+        ks, vs = self.key_dtype.itemsize, self.leaf_dtype.itemsize
+        in_batch, out_batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
+        total = 0
+        while total < cap:
+            count.value = cap - total
+            res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
+                                       ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
+                                       ctypes.byref(count))
+            err = ctypes.get_errno()
+            total += count.value
+            if res != 0:
+                if err != errno.ENOENT:
+                    raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of a counts map: {os.strerror(err)}")
+                break  # the whole map was read
+            if count.value == 0:
+                break  # no progress (concurrent updates): the rest in the next drain
+            in_batch.value = out_batch.value
+        return self._keys[:total].copy(), self._leaves[:total].copy()
+
+    def _delete(self, keys: np.ndarray) -> None:
+        keys = np.ascontiguousarray(keys)
+        count = ctypes.c_uint32(len(keys))
+        if self.lib.bpf_delete_batch(self.counts.map_fd, ctypes.c_void_p(keys.ctypes.data), ctypes.byref(count)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"BPF_MAP_DELETE_BATCH of a counts map: {os.strerror(err)}")
+
+    def frames(self, sid: int) -> tuple[int, ...] | None:
+        """The addresses of a stack id, innermost first; None when the id is not in the map."""
+        if self.build_ids:
+            try:
+                return tuple(self.stacks.walk(sid))
+            except KeyError:
+                return None
+        self._stack_key.value = sid
+        if self.lib.bpf_lookup_elem(self.stacks.map_fd, ctypes.byref(self._stack_key),
+                                    ctypes.byref(self._stack_leaf)) < 0:
+            return None
+        words = self._stack_words
+        zero = np.flatnonzero(words == 0)
+        return tuple(words[: zero[0] if len(zero) else len(words)].tolist())
+
+    def free(self, sid: int) -> None:
+        self._stack_key.value = sid
+        self.lib.bpf_delete_elem(self.stacks.map_fd, ctypes.byref(self._stack_key))  # gone already: fine
+
+    def drain(self, keep: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...] | None]]:
+        """(keys, values) of the finished window as numpy rows of the map's key and leaf structs,
+        and the frames of every stack id they use (None: freed under a sample racing with the
+        previous drain). The new window's keys are left in self.live_keys."""
         k0 = self.gen.Key(0)
         old = int(self.gen[k0].value)
         self.gen[k0] = self.gen.Leaf(old ^ 1)
-        items = list(self.counts.items_lookup_batch()) if _has_entries(self.counts) else []
-        done = [(k, v) for k, v in items if k.gen == old]
-        self.live_keys = [k for k, _ in items if k.gen != old]  # the new window's (Python stacks in use)
+        keys, leaves = self._lookup_all()
+        is_done = keys["gen"] == old
+        done_k, done_v = keys[is_done], leaves[is_done]
+        self.live_keys = keys[~is_done]  # the new window's (Python stacks in use)
         keep_ids = set(keep)
-        for k, _ in items:
-            if k.gen != old:
-                keep_ids.update((k.user_stack, k.kernel_stack))
-        if done:
-            keys = (self.counts.Key * len(done))(*(k for k, _ in done))
-            self.counts.items_delete_batch(keys)
-        ids = {s for k, _ in done for s in (k.user_stack, k.kernel_stack) if s >= 0}
-        frames: dict[int, list[int] | None] = {}
-        for sid in ids:
-            try:
-                frames[sid] = list(self.stacks.walk(sid))
-            except KeyError:
-                frames[sid] = None  # freed under a sample racing with the previous drain
+        keep_ids.update(self.live_keys["user_stack"].tolist())
+        keep_ids.update(self.live_keys["kernel_stack"].tolist())
+        if len(done_k):
+            self._delete(done_k)
+        ids = np.unique(np.concatenate((done_k["user_stack"], done_k["kernel_stack"])))
+        frames: dict[int, tuple[int, ...] | None] = {}
+        for sid in ids[ids >= 0].tolist():
+            frames[sid] = self.frames(sid)
             if sid not in keep_ids:
-                try:
-                    del self.stacks[self.stacks.Key(sid)]
-                except KeyError:
-                    pass
-        return done, frames
+                self.free(sid)
+        return done_k, done_v, frames
 
 
-def _has_entries(table: Any) -> bool:
-    try:
-        next(iter(table.keys()))
-    except StopIteration:
-        return False
-    return True
+STACK_MAX_DEPTH = 127  # BCC's StackTrace.MAX_DEPTH
+STACK_F_BUILD_ID = 1 << 5  # BPF_F_STACK_BUILD_ID
 
 
-def own_stack(store: StackStore, sid: int, frames: dict[int, list[int] | None], pid: int | None) -> int:
+class StackIds:
+    """The store's ids of one drain's stack ids. A kernel stack is interned once per drain (its
+    id depends on its addresses only); a user stack each time, as its frames depend on the
+    process's mappings, which an address outside them makes the store read again (the store
+    caches what cannot change)."""
+
+    def __init__(self, store: StackStore, frames: Mapping[int, Sequence[int] | None]) -> None:
+        self.store = store
+        self.frames = frames
+        self.kernel_ids: dict[int, int] = {}
+
+    def user(self, sid: int, pid: int) -> int:
+        return own_stack(self.store, sid, self.frames, pid)
+
+    def kernel(self, sid: int) -> int:
+        out = self.kernel_ids.get(sid)
+        if out is None:
+            out = self.kernel_ids[sid] = own_stack(self.store, sid, self.frames, None)
+        return out
+
+
+def own_stack(store: StackStore, sid: int, frames: Mapping[int, Sequence[int] | None], pid: int | None) -> int:
     """The store's id of a kernel stack id (pid None: a kernel stack)."""
     if sid < 0:
         # -EFAULT: no stack of that kind (a sample in user mode has no kernel stack)
@@ -203,11 +291,14 @@ class BpfStacksSource(Source):
     tables = (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0  # one window per drain
 
-    def __init__(self, rate_hz: float | None = None, python_frames: bool = True) -> None:
+    def __init__(self, rate_hz: float | None = None, python_frames: bool = True, unwinder: str | None = None) -> None:
         # rate_hz: samples per second per CPU; None = sources.stacks.rate_hz of the config
         # python_frames: False = native stacks only (the bench's baseline for the cost of the walk)
+        # unwinder: "cfi" or "frame_pointers"; None = sources.stacks.unwinder of the config
         self.rate_hz = rate_hz
         self.python_frames = python_frames
+        self.unwinder = unwinder
+        self.cfi: CfiUnwinder | None = None
         self.python: PythonStacks | None = None
         self.hub: BpfHub | None = None
         self.store: StackStore | None = None
@@ -232,6 +323,9 @@ class BpfStacksSource(Source):
         self.python = PythonStacks(self.hub.bpf) if self.python_frames else None
         if self.python is not None:
             self.python.register(ctx.pids())
+        self.cfi = start_unwinder(self.hub.bpf, ctx, self.unwinder)  # None: frame pointers only
+        if self.cfi is not None:
+            self.cfi.register(ctx.pids())
         try:
             self.hub.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
                                            fn_name=b"gp_cpu_sample", sample_freq=round(rate))
@@ -254,38 +348,58 @@ class BpfStacksSource(Source):
         self.store.watch(tgids)
         if self.python is not None:
             self.python.register(tgids)
+        if self.cfi is not None:
+            self.cfi.register(tgids)
         t0, self.window_t0 = self.window_t0, now_ns
-        done, frames = self.counts.drain()
-        rows = schema.STACK_SAMPLES.empty(len(done))
-        if not done:
+        keys, values, frames = self.counts.drain()
+        if not len(keys):
             return []
-        sampled = {int(k.pid) for k, _ in done}
+        pids = keys["pid"].tolist()
+        sampled = set(pids)
         self.store.watch(sampled)
         if self.python is not None:
             self.python.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
+        if self.cfi is not None:
+            self.cfi.register(sampled - tgids)
+        cfi_ids = keys["cfi_stack"].tolist()
+        if self.cfi is not None:  # the CFI walk's pc lists, by their ids (u64 hashes, past the kernel map's ids)
+            frames = self.cfi.with_stacks(frames, {c for c in cfi_ids if c}, self.counts.live_keys["cfi_stack"])
+        py_ids = keys["py_stack"].tolist()
         py_entries: dict[int, list[tuple[int, int]] | None] = {}
         if self.python is not None:
-            py_entries = self.python.take({int(k.py_stack) for k, _ in done if k.py_stack},
-                                          {int(k.py_stack) for k in self.counts.live_keys if k.py_stack})
+            live_py = self.counts.live_keys["py_stack"]
+            py_entries = self.python.take({p for p in py_ids if p}, set(live_py[live_py != 0].tolist()))
+        ids = StackIds(self.store, frames)
         merged: dict[tuple[int, int, int], int] = {}
-        for i, (k, v) in enumerate(done):
-            pid = int(k.pid)
-            user = own_stack(self.store, k.user_stack, frames, pid)
-            entries = py_entries.get(int(k.py_stack)) if k.py_stack else None
+        users = np.empty(len(keys), np.uint32)
+        kernels = np.empty(len(keys), np.uint32)
+        for i, (pid, us, ks, py, cf) in enumerate(zip(pids, keys["user_stack"].tolist(), keys["kernel_stack"].tolist(),
+                                                      py_ids, cfi_ids)):
+            if cf:
+                us = cf  # the user stack walked by CFI tables (bpf/cfiunwind.h) instead of frame pointers
+            user = ids.user(us, pid)  # also where Python frames replace it (the native stack is kept)
+            entries = py_entries.get(py) if py else None
             if entries and self.python is not None and pid in self.python.namers:
-                mkey = (pid, int(k.user_stack), int(k.py_stack))
-                if mkey not in merged:
-                    merged[mkey] = self._merged_stack(pid, k.user_stack, frames, entries)
-                user = merged[mkey]
-            rows[i] = (t0, pid, int(k.tid), int(k.cpu), user,
-                       own_stack(self.store, k.kernel_stack, frames, None), int(getattr(v, "value", v)))
+                mkey = (pid, us, py)
+                merged_id = merged.get(mkey)
+                if merged_id is None:
+                    merged_id = merged[mkey] = self._merged_stack(pid, us, frames, entries)
+                user = merged_id
+            users[i] = user
+            kernels[i] = ids.kernel(ks)
+        rows = schema.STACK_SAMPLES.empty(len(keys))
+        rows["t_ns"], rows["pid"], rows["tid"], rows["cpu"] = t0, keys["pid"], keys["tid"], keys["cpu"]
+        rows["user_stack"], rows["kernel_stack"] = users, kernels
+        rows["count"] = values if values.dtype.names is None else values[values.dtype.names[0]]
         if self.python is not None:
-            self.python.forget(tgids | {int(k.pid) for k, _ in done})
+            self.python.forget(tgids | sampled)
             self.python.counts()
+        if self.cfi is not None:
+            self.cfi.forget(tgids | sampled)
         self.samples_total += int(rows["count"].sum())
         return [(schema.STACK_SAMPLES, np.sort(rows, order=("pid", "tid", "cpu")))]
 
-    def _merged_stack(self, pid: int, sid: int, frames: dict[int, list[int] | None],
+    def _merged_stack(self, pid: int, sid: int, frames: Mapping[int, Sequence[int] | None],
                       entries: list[tuple[int, int]]) -> int:
         """The store's id of a native user stack with the thread's Python frames merged in."""
         assert self.python is not None and self.store is not None
@@ -315,6 +429,8 @@ class BpfStacksSource(Source):
                 except Exception:  # noqa: BLE001, S110 - BCC raises bare Exception; detach is best effort
                     pass
                 self._attached = False
+            if self.cfi is not None:
+                self.cfi.close()  # its compile thread
             self.hub.release()
             self.hub = None
 

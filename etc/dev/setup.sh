@@ -37,6 +37,8 @@ REQUIRED_PKGS=(
     chromium
     # elfutils' libdw: the CFI unwinder of stacks without frame pointers (collector/native/unwind_dwarf.c)
     libdw-dev
+    # gfortran (g++ comes with build-essential): the test programs of the CFI unwinder in Fortran and C++
+    gfortran
     # a quota for the fault suite (tests/faultcheck.mount_quota): btrfs quota groups, the one quota
     # this kernel has (no CONFIG_QFMT_V2 for ext4, no XFS or tmpfs quotas)
     btrfs-progs

@@ -22,6 +22,11 @@ native_unwind_cost     a C program built without frame pointers: stack copies (8
                        walked with the files' CFI in user space against the kernel's frame-pointer
                        walk: BPF time per sample, unwind time per sample, the share of samples
                        unwound through the whole known tree, and fully named
+cfi_unwind_cost        the same program under the CFI tables walked in the BPF program, the
+                       frame-pointer walk and the stack copy, interleaved: BPF ns per sample,
+                       collector CPU, whole-tree share, load average
+Every figure of the stacks source runs with sources.stacks.unwinder = "cfi" unless it says
+"frame_pointers"; --only NAME[,NAME] prints some of them.
 Needs root and BCC (the stacks source); py-spy for the last figure (pip install py-spy).
 """
 
@@ -68,17 +73,20 @@ def _prog_stats(src: Any) -> tuple[int, int]:
     return int(info["run_time_ns"]), int(info["run_cnt"])
 
 
-def sampled_run(cmd: list[str], python_frames: bool = True, env: dict[str, str] | None = None) -> dict[str, Any]:
+def sampled_run(cmd: list[str], python_frames: bool = True, env: dict[str, str] | None = None,
+                unwinder: str = "cfi") -> dict[str, Any]:
     """Run cmd as the job under the stacks source at 99 Hz (one drain per second); the program's
-    JSON line, the rows, the stack names, the BPF time and the collector's CPU while it ran."""
+    JSON line, the rows, the stack names, the BPF time and the collector's CPU while it ran.
+    unwinder: sources.stacks.unwinder ("cfi" or "frame_pointers")."""
     import h5py
     import native_progs
 
     from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 
-    src = BpfStacksSource(99, python_frames=python_frames)
+    src = BpfStacksSource(99, python_frames=python_frames, unwinder=unwinder)
     gated = GatedProcess(cmd, env=env)
     src.start(make_ctx(lambda: frozenset({gated.pid}), ("stacks",)))
+    cfi_status: dict[str, Any] | None = None
     batches: list[Any] = []
     try:
         bpf0 = _prog_stats(src)
@@ -94,6 +102,7 @@ def sampled_run(cmd: list[str], python_frames: bool = True, env: dict[str, str] 
         batches.extend(src.final(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
         cpu_s, wall_s = time.process_time() - cpu0, time.monotonic() - wall0
         bpf1 = _prog_stats(src)
+        cfi_status = src.cfi.status() if src.cfi is not None else None
 
     finally:
         src.stop()
@@ -109,7 +118,12 @@ def sampled_run(cmd: list[str], python_frames: bool = True, env: dict[str, str] 
     return {"info": json.loads(last) if last.startswith("{") else {"output": last},
             "python_pids": python_pids, "rows": collect(batches, schema.STACK_SAMPLES),
             "names": names, "modules": modules, "bpf_ns": bpf1[0] - bpf0[0], "bpf_runs": bpf1[1] - bpf0[1], "cpu_s": cpu_s,
-            "wall_s": wall_s}
+            "wall_s": wall_s, "cfi": cfi_status}
+
+
+def _load() -> list[float]:
+    """The machine's load average (1, 5, 15 min): this 2-core VM is shared with other benches."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def stack_frames(frames: Any, symbols: Any) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
@@ -134,13 +148,20 @@ def fully_named(names: list[str], modules: list[str]) -> bool:
     return end > 0 and "[unknown]" not in names[:end]
 
 
-def _quality(program: str, run: dict[str, Any], python_prog: bool) -> dict[str, Any]:
+def named_to_python(names: list[str]) -> bool:
+    """No [unknown] frame from the leaf to the outermost Python frame (the interpreter's start-up
+    path below it, static functions that Debian's stripped python3.11 does not name, left out)."""
+    py = [i for i, n in enumerate(names) if n.startswith("py::")]
+    return bool(py) and "[unknown]" not in names[: py[-1] + 1] and "py::[unknown]" not in names
+
+
+def _quality(program: str, run: dict[str, Any], python_prog: bool, unwinder: str = "cfi") -> dict[str, Any]:
     info, rows, names, modules = run["info"], run["rows"], run["names"], run["modules"]
     mine = rows[np.isin(rows["tid"], info["tids"])]
     if python_prog:
         mine = mine[mine["t_ns"] >= info["t_work_ns"]]
     total = int(mine["count"].sum())
-    named = py = 0
+    named = py = to_py = 0
     depths: list[int] = []
     for r in mine:
         stack = names.get(int(r["user_stack"]), [])
@@ -149,11 +170,14 @@ def _quality(program: str, run: dict[str, Any], python_prog: bool) -> dict[str, 
             named += n
         if any(s.startswith("py::") for s in stack):
             py += n
+        to_py += n * named_to_python(stack)
         depths.extend([len(stack)] * n)
     return {"bench": "stack_quality", "program": program, "samples": total,
             "fully_named_share": round(named / total, 3) if total else None,
             "depth_median": statistics.median(depths) if depths else None,
-            "python_frames_share": (round(py / total, 3) if total else None) if python_prog else None}
+            "python_frames_share": (round(py / total, 3) if total else None) if python_prog else None,
+            "named_to_python_share": (round(to_py / total, 3) if total else None) if python_prog else None,
+            "unwinder": unwinder, "load_avg": _load()}
 
 
 def stack_quality(quick: bool) -> list[dict[str, Any]]:
@@ -161,14 +185,18 @@ def stack_quality(quick: bool) -> list[dict[str, Any]]:
 
     seconds = 2.0 if quick else 6.0
     out = []
-    for program, cmd, is_py in (
-        ("py_calltree", [python(), CALLTREE, str(seconds)], True),
-        ("py_calltree_3_threads", [python(), CALLTREE, str(seconds), "3"], True),
-        ("cpu_work_hot (C, frame pointers)", [str(native_progs.cpu_work()), "hot", "2", str(seconds)], False),
-        ("nofp_tree (C, no frame pointers; frame-pointer walk)", [str(nofp_tree()), str(seconds)], False),
+    for program, cmd, is_py, unwinder in (
+        ("py_calltree", [python(), CALLTREE, str(seconds)], True, "cfi"),
+        ("py_calltree_3_threads", [python(), CALLTREE, str(seconds), "3"], True, "cfi"),
+        ("cpu_work_hot (C, frame pointers)", [str(native_progs.cpu_work()), "hot", "2", str(seconds)], False, "cfi"),
+        ("nofp_tree (C, no frame pointers; CFI walk)", [str(nofp_tree()), str(seconds)], False, "cfi"),
+        ("nofp_cpp (C++ templates, no frame pointers; CFI walk)", [str(native_progs.nofp_cpp()), str(seconds)],
+         False, "cfi"),
+        ("nofp_tree (C, no frame pointers; frame-pointer walk)", [str(nofp_tree()), str(seconds)], False,
+         "frame_pointers"),
     ):
-        run = sampled_run(cmd)
-        out.append(_quality(program, run, is_py))
+        run = sampled_run(cmd, unwinder=unwinder)
+        out.append(_quality(program, run, is_py, unwinder))
     return out
 
 
@@ -186,19 +214,22 @@ def demo_quality(quick: bool) -> dict[str, Any]:
     rows, names, modules = run["rows"], run["names"], run["modules"]
     mine = rows[np.isin(rows["pid"], sorted(run["python_pids"]))]
     total = int(mine["count"].sum())
-    named = py = 0
+    named = py = to_py = 0
     depths: list[int] = []
     for r in mine:
         sid, n = int(r["user_stack"]), int(r["count"])
         stack = names.get(sid, [])
         named += n * fully_named(stack, modules.get(sid, []))
         py += n * any(x.startswith("py::") for x in stack)
+        to_py += n * named_to_python(stack)
         depths.extend([len(stack)] * n)
     # the ranks' first moments (before the collector found their interpreter) are in the count
     return {"bench": "stack_quality", "program": "demo allreduce_app.py, 2 ranks", "samples": total,
             "fully_named_share": round(named / total, 3) if total else None,
             "depth_median": statistics.median(depths) if depths else None,
-            "python_frames_share": round(py / total, 3) if total else None}
+            "python_frames_share": round(py / total, 3) if total else None,
+            "named_to_python_share": round(to_py / total, 3) if total else None, "unwinder": "cfi",
+            "load_avg": _load(), "cfi": run["cfi"]}
 
 
 def python_unwind_cost(quick: bool) -> dict[str, Any]:
@@ -347,7 +378,7 @@ def native_unwind_cost(quick: bool) -> dict[str, Any]:
         cfi["whole"].append(sum(tuple(names[i][:5]) == NOFP_TREE for i in ids) / n)
         cfi["named"].append(sum(fully_named(names[i], modules[i]) for i in ids) / n)
         cfi["depth"].append(statistics.median(len(names[i]) for i in ids) if ids else 0)
-        run = sampled_run([str(nofp_tree()), str(seconds)], python_frames=False)
+        run = sampled_run([str(nofp_tree()), str(seconds)], python_frames=False, unwinder="frame_pointers")
         rows = run["rows"]
         mine = rows[np.isin(rows["tid"], run["info"]["tids"])]
         total = max(1, int(mine["count"].sum()))
@@ -368,10 +399,76 @@ def native_unwind_cost(quick: bool) -> dict[str, Any]:
                                "fully_named_share": _spread(fp["named"]), "depth_median": statistics.median(fp["depth"])}}
 
 
+def cfi_unwind_cost(quick: bool) -> dict[str, Any]:
+    """tests/progs/nofp_tree.c (-fomit-frame-pointer) under the three unwinders, runs interleaved:
+    the CFI tables walked in the BPF program (bpf/cfiunwind.h, the stacks source with
+    unwinder="cfi"), the kernel's frame-pointer walk (unwinder="frame_pointers") and the stack copy
+    (bpf/stackcopy.c): BPF ns per sample (bpf_stats: run_time_ns / samples of the job; the CFI
+    walk's tail calls are counted in the program that started them), collector CPU, the share of
+    samples unwound through the whole tree, the load average beside each round."""
+    seconds, rounds = (2.0, 1) if quick else (4.0, 3)
+    per: dict[str, list[float]] = {"cfi": [], "frame_pointers": [], "stack_copy": []}
+    whole: dict[str, list[float]] = {"cfi": [], "frame_pointers": [], "stack_copy": []}
+    cpu: dict[str, list[float]] = {"cfi": [], "frame_pointers": []}
+    # the CFI walk starts at the first drain after the exec (up to 1 s): the share from that window on
+    registered: dict[str, list[float]] = {"cfi": []}
+    loads: list[float] = []
+    copy_reason = unwinder_skip_reason()
+    for r in range(rounds):
+        order = ["cfi", "frame_pointers", "stack_copy"]
+        for kind in order[r % 3:] + order[: r % 3]:
+            loads.append(_load()[0])
+            if kind == "stack_copy":
+                if copy_reason:
+                    continue
+                records, got = copied_stacks([str(nofp_tree()), str(seconds)])
+                ids = [got["store"].intern_user(got["pid"], got["unwinder"].unwind(*rec)) for rec in records]
+                got["unwinder"].close()
+                names, _ = stack_frames(*got["store"].symbol_tables())
+                n = max(1, len(ids))
+                per[kind].append(got["bpf_ns"] / n)
+                whole[kind].append(sum(tuple(names[i][:5]) == NOFP_TREE for i in ids) / n)
+                continue
+            run = sampled_run([str(nofp_tree()), str(seconds)], python_frames=False, unwinder=kind)
+            rows = run["rows"]
+            mine = rows[np.isin(rows["tid"], run["info"]["tids"])]
+            total = max(1, int(rows["count"].sum()))
+            per[kind].append(run["bpf_ns"] / total)
+            cpu[kind].append(run["cpu_s"] / run["wall_s"] * 100)
+            is_whole = np.array([tuple(run["names"].get(int(x["user_stack"]), [])[:5]) == NOFP_TREE for x in mine],
+                                bool)
+            counts = mine["count"].astype(np.int64)
+            whole[kind].append(float(counts[is_whole].sum()) / max(1, int(counts.sum())))
+            if kind in registered and is_whole.any():
+                later = mine["t_ns"] >= mine["t_ns"][is_whole].min()
+                registered[kind].append(float(counts[is_whole & later].sum()) / max(1, int(counts[later].sum())))
+    out: dict[str, Any] = {"bench": "cfi_unwind_cost", "program": "nofp_tree (C, -O2 -fomit-frame-pointer)",
+                           "rounds": rounds, "seconds": seconds, "load_avg_1min": _spread(loads)}
+    for kind, values in per.items():
+        if not values:
+            out[kind] = {"missing": copy_reason}
+            continue
+        out[kind] = {"bpf_ns_per_sample": _spread(values), "whole_tree_share": _spread(whole[kind])}
+        if kind in cpu:
+            out[kind]["collector_cpu_percent"] = _spread(cpu[kind])
+        if kind in registered:
+            out[kind]["whole_tree_share_once_registered"] = _spread(registered[kind])
+    out["stack_copy_bytes_per_sample_to_user_space"] = 8192 + 40
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs (noisier figures)")
+    ap.add_argument("--only", default="", help="comma-separated figures to print (default: all): stack_quality, "
+                                               "demo, python_unwind_cost, python_sampler_choice, native_unwind_cost, "
+                                               "cfi_unwind_cost")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+
+    def want(name: str) -> bool:
+        return not only or name in only
+
     reason = bpf_skip_reason()
     if reason:
         print(json.dumps({"bench": "stack_quality", "missing": reason}), flush=True)
@@ -383,12 +480,19 @@ def main() -> int:
         STATS.write_text("1")
     hub = BpfHub.acquire(("stacks",), defines_for_all)  # one compile for every run of the bench
     try:
-        for line in stack_quality(args.quick):
-            print(json.dumps(line), flush=True)
-        print(json.dumps(demo_quality(args.quick)), flush=True)
-        print(json.dumps(python_unwind_cost(args.quick)), flush=True)
-        print(json.dumps(python_sampler_choice(args.quick)), flush=True)
-        print(json.dumps(native_unwind_cost(args.quick)), flush=True)
+        if want("stack_quality"):
+            for line in stack_quality(args.quick):
+                print(json.dumps(line), flush=True)
+        if want("demo"):
+            print(json.dumps(demo_quality(args.quick)), flush=True)
+        if want("python_unwind_cost"):
+            print(json.dumps(python_unwind_cost(args.quick)), flush=True)
+        if want("python_sampler_choice"):
+            print(json.dumps(python_sampler_choice(args.quick)), flush=True)
+        if want("native_unwind_cost"):
+            print(json.dumps(native_unwind_cost(args.quick)), flush=True)
+        if want("cfi_unwind_cost"):
+            print(json.dumps(cfi_unwind_cost(args.quick)), flush=True)
     finally:
         hub.release()
         if old is not None:

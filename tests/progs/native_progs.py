@@ -94,3 +94,53 @@ def run_cpu_work_under(source: Any, tmp_path: Path, args: list[str], outsider: l
     path = tmp_path / "node.h5"
     sealed_file(path, [source], batches, ("stacks",))
     return collect(batches, table), json.loads(out.strip().splitlines()[-1]), h5py.File(path), errors
+
+
+# --- programs built without frame pointers, for the CFI unwinder (tests/test_cfi_unwind.py) ---------
+NOFP_CFLAGS = ["-O2", "-g", "-fomit-frame-pointer"]
+NO_CFI_FLAGS = ["-fno-asynchronous-unwind-tables", "-fno-unwind-tables"]
+
+
+def _build(compiler: str, out: Path, flags: list[str], sources: list[Path], libs: tuple[str, ...] = ()) -> Path:
+    BUILD.mkdir(parents=True, exist_ok=True)
+    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in sources):
+        subprocess.run([compiler, *flags, "-o", str(out), *map(str, sources), *libs], check=True)
+    return out
+
+
+def nofp_cpp() -> Path:
+    """C++ with templates and an exception, -O2 -fomit-frame-pointer."""
+    return _build("g++", BUILD / "nofp_cpp", NOFP_CFLAGS, [PROGS / "nofp_cpp.cpp"])
+
+
+def nofp_dlopen() -> tuple[Path, Path]:
+    """(program, library it dlopen()s after its start), both without frame pointers."""
+    lib = _build("gcc", BUILD / "libgpuprof_nofp_plugin.so", [*NOFP_CFLAGS, "-shared", "-fPIC"],
+                 [PROGS / "nofp_plugin.c"])
+    return _build("gcc", BUILD / "nofp_dlopen", NOFP_CFLAGS, [PROGS / "nofp_dlopen.c"], ("-ldl",)), lib
+
+
+def nofp_threads() -> Path:
+    return _build("gcc", BUILD / "nofp_threads", NOFP_CFLAGS, [PROGS / "nofp_threads.c"], ("-pthread",))
+
+
+def fortran_skip_reason() -> str | None:
+    return None if shutil.which("gfortran") else "gfortran not found (apt-get install gfortran)"
+
+
+def nofp_fortran() -> Path:
+    # -fno-inline: gfortran -O2 would inline the module's subroutines into MAIN__
+    # -J: the module file (tree.mod) goes to the build folder, not the current directory
+    BUILD.mkdir(parents=True, exist_ok=True)
+    return _build("gfortran", BUILD / "nofp_fortran", [*NOFP_CFLAGS, "-fno-inline", "-J", str(BUILD)],
+                  [PROGS / "nofp_tree.f90"])
+
+
+def no_cfi_tree(frame_pointers: bool, debug_frame: bool = False) -> Path:
+    """tests/progs/nofp_tree.c without .eh_frame of its own (-fno-asynchronous-unwind-tables
+    -fno-unwind-tables), with or without frame pointers; debug_frame: with -g, whose .debug_frame
+    is then the only CFI of its code."""
+    fp = ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"] if frame_pointers else ["-fomit-frame-pointer"]
+    name = f"no_cfi_tree_{'fp' if frame_pointers else 'nofp'}{'_debug_frame' if debug_frame else ''}"
+    return _build("gcc", BUILD / name, ["-O2", *(["-g"] if debug_frame else []), *fp, *NO_CFI_FLAGS],
+                  [PROGS / "nofp_tree.c"])

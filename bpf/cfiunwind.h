@@ -1,0 +1,384 @@
+/* Native user stacks without frame pointers, walked by CFI tables in the BPF program (x86-64).
+ *
+ * The collector (collector/cfiunwind.py) compiles each mapped ELF file's .eh_frame/.debug_frame into
+ * sorted rows (collector/cfitables.py: pc -> CFA = rsp+N | rbp+N | the PLT rule | stop | end; the
+ * caller's rbp unchanged or at CFA+M; the return address at CFA-8), written once per build id into
+ * gp_cfi_rows (a range [first, first+count) per table, shared by every process mapping the file),
+ * and per registered process its executable mappings, sorted by start, into gp_cfi_mappings (a
+ * range per process, gp_cfi_procs). At a sample, gp_cfi_walk starts from the user registers (the
+ * perf event's when the sample is in user mode, else those saved at the kernel entry), and for up
+ * to GP_CFI_MAX_FRAMES frames finds the mapping (binary search), the row (binary search), computes
+ * the CFA and reads the return address and the saved rbp with bpf_probe_read_user. Code in a mapping
+ * without a table or a pc no FDE covers takes the frame-pointer rule (CFA = rbp+16). The pc list is
+ * stored once per distinct content in gp_cfi_stacks (keyed by a 64-bit FNV hash of pid and pcs) and
+ * its key goes into the sample's count key; 0 (not registered, or the leaf is in no registered
+ * mapping) leaves the sample its frame-pointer stack. A caller in no mapping (the frame-pointer
+ * guess through code without CFI) is not kept: the stack ends at the last frame found.
+ */
+#ifndef GPUPROF_CFIUNWIND_H
+#define GPUPROF_CFIUNWIND_H
+
+#include <uapi/linux/ptrace.h>
+#include <uapi/linux/bpf_perf_event.h>
+
+#ifndef GP_CFI_ROWS
+#define GP_CFI_ROWS (1 << 20) /* x 12 bytes, preallocated: 12 MB of kernel memory */
+#endif
+#ifndef GP_CFI_MAPPINGS
+#define GP_CFI_MAPPINGS 65536 /* x 32 bytes: 2 MB */
+#endif
+#define GP_CFI_MAX_FRAMES 128 /* a power of two; 127 pcs kept, as the kernel's stack maps */
+#define GP_CFI_STACK_ENTRIES 4096 /* x 1032 bytes, preallocated: 4 MB */
+#define GP_CFI_ROW_STEPS 20       /* binary search steps: tables of up to 2^20 rows */
+#define GP_CFI_MAP_STEPS 12       /* ... of up to 4096 mappings per process */
+#ifndef GP_CFI_STEPS
+#define GP_CFI_STEPS 8 /* frames per program: the walk goes on in a tail call (gp_cfi_cont) */
+#endif
+
+#define GP_CFA_NONE 0
+#define GP_CFA_RSP 1
+#define GP_CFA_RBP 2
+#define GP_CFA_PLT 3
+#define GP_CFA_STOP 4
+#define GP_CFA_END 5
+#define GP_RBP_SAME 0
+#define GP_RBP_AT_CFA 1
+#define GP_RBP_UNDEF 2
+
+/* how a walk ended (gp_cfi_stack.end; counters gp_cfi_counters[GP_CFI_C_END + end]) */
+#define GP_CFI_END_OK 0        /* the outermost frame (return address undefined, or 0) */
+#define GP_CFI_END_NO_MAPPING 1 /* a pc in no registered mapping */
+#define GP_CFI_END_STOP 2      /* a "stop" row (expression, signal frame) */
+#define GP_CFI_END_READ 3      /* the return address or saved rbp could not be read */
+#define GP_CFI_END_BAD_CFA 4   /* the CFA was not above the stack pointer (a wrong rule or rbp) */
+#define GP_CFI_END_TRUNCATED 5 /* GP_CFI_MAX_FRAMES frames */
+#define GP_CFI_END_NO_FP 6     /* no CFI for the pc and no frame pointer (rbp 0 or below sp) */
+
+/* counters: [0] walks, [1] stored, [2] not stored (map full), [3] no user registers, [4] left to the
+ * frame-pointer stack (the leaf in no registered mapping), [5] frames by the frame-pointer rule, [6..12] ends */
+#define GP_CFI_C_END 6
+#define GP_CFI_NCOUNTERS 13
+
+struct gp_cfi_row {
+    u32 pc; /* ELF virtual address of the file */
+    s32 cfa_off;
+    s16 rbp_off;
+    u8 cfa_type;
+    u8 rbp_type;
+};
+
+struct gp_cfi_mapping {
+    u64 start;
+    u64 end;
+    u64 bias;  /* runtime address - ELF virtual address */
+    u32 first; /* rows of its table in gp_cfi_rows */
+    u32 count; /* 0: no table (the frame-pointer rule) */
+};
+
+struct gp_cfi_proc {
+    u32 first; /* its mappings in gp_cfi_mappings, sorted by start */
+    u32 count;
+};
+
+struct gp_cfi_stack {
+    u32 depth;
+    u32 end; /* GP_CFI_END_* */
+    u64 pc[GP_CFI_MAX_FRAMES];
+};
+
+struct gp_cfi_walk {
+    u64 pc;
+    u64 sp;
+    u64 bp;
+    u64 hash;
+    u32 pfirst;
+    u32 pcount;
+    u32 n;
+    u32 end;
+    u32 fp_frames;
+    u32 tgid;
+    u32 leaf_mapped; /* the first pc is in a registered mapping */
+    u32 pad;
+};
+
+BPF_ARRAY(gp_cfi_rows, struct gp_cfi_row, GP_CFI_ROWS);
+BPF_ARRAY(gp_cfi_mappings, struct gp_cfi_mapping, GP_CFI_MAPPINGS);
+BPF_HASH(gp_cfi_procs, u32, struct gp_cfi_proc, 4096);
+BPF_HASH(gp_cfi_stacks, u64, struct gp_cfi_stack, GP_CFI_STACK_ENTRIES);
+BPF_PERCPU_ARRAY(gp_cfi_counters, u64, GP_CFI_NCOUNTERS);
+/* pid -> 1: a walk of it met a pc outside its registered mappings (a dlopen since): the collector
+ * reads its mappings again at the next drain and deletes the entry */
+BPF_HASH(gp_cfi_stale, u32, u8, 4096);
+/* [0] = 1 while the collector's CFI unwinder runs: a job process without tables is then marked
+ * stale too (a fork, an exec, a new rank), so that it is registered within 0.1 s */
+BPF_ARRAY(gp_cfi_on, u32, 1);
+
+/* An exec replaces every mapping: the process's tables go until the collector registers it again
+ * (its next drain), so that no sample is walked with the old image's mappings. */
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (gp_cfi_procs.lookup(&tgid)) {
+        u8 one = 1;
+        gp_cfi_procs.delete(&tgid);
+        gp_cfi_stale.update(&tgid, &one);
+    }
+    return 0;
+}
+
+static __always_inline void gp_cfi_count(int i)
+{
+    u64 *c = gp_cfi_counters.lookup(&i);
+    if (c)
+        (*c)++;
+}
+
+/* The mapping holding pc among the process's (index in gp_cfi_mappings), or -1. */
+static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_walk *w, u64 pc)
+{
+    u32 lo = 0, hi = w->pcount;
+    for (int k = 0; k < GP_CFI_MAP_STEPS; k++) {
+        if (lo >= hi)
+            break;
+        u32 mid = (lo + hi) / 2;
+        u32 idx = w->pfirst + mid;
+        struct gp_cfi_mapping *m = gp_cfi_mappings.lookup(&idx);
+        if (!m)
+            return 0;
+        if (m->start <= pc)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return 0;
+    u32 idx = w->pfirst + lo - 1;
+    struct gp_cfi_mapping *m = gp_cfi_mappings.lookup(&idx);
+    if (!m || pc >= m->end)
+        return 0;
+    return m;
+}
+
+static __always_inline struct gp_cfi_row *gp_cfi_find_row(struct gp_cfi_mapping *m, u64 pc)
+{
+    u64 rel = pc - m->bias;
+    if (rel > 0xFFFFFFFFULL)
+        return 0;
+    u32 want = (u32)rel;
+    u32 first = m->first;
+    u32 lo = 0, hi = m->count;
+    for (int k = 0; k < GP_CFI_ROW_STEPS; k++) {
+        if (lo >= hi)
+            break;
+        u32 mid = (lo + hi) / 2;
+        u32 idx = first + mid;
+        struct gp_cfi_row *r = gp_cfi_rows.lookup(&idx);
+        if (!r)
+            return 0;
+        if (r->pc <= want)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return 0;
+    u32 idx = first + lo - 1;
+    return gp_cfi_rows.lookup(&idx);
+}
+
+/* One frame: record w->pc, then step to the caller. Returns 1 when the walk is over. */
+static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stack *st)
+{
+    u32 i = w->n;
+    u64 pc = w->pc;
+    u64 look = i ? pc - 1 : pc; /* a return address points past its call */
+    struct gp_cfi_mapping *m = gp_cfi_find_mapping(w, look);
+    if (!m && i > 0) {
+        /* a caller in no executable mapping (anonymous code is registered too): the guess of a
+         * frame-pointer step through code without CFI, or a library mapped since the registration
+         * (marked stale below): not kept as a frame */
+        w->end = GP_CFI_END_NO_MAPPING;
+        return 1;
+    }
+    st->pc[i & (GP_CFI_MAX_FRAMES - 1)] = pc;
+    w->n = i + 1;
+    w->hash = (w->hash ^ pc) * 0x100000001b3ULL;
+    if (!m) {
+        w->end = GP_CFI_END_NO_MAPPING;
+        return 1;
+    }
+    if (i == 0)
+        w->leaf_mapped = 1;
+    if (i + 1 >= GP_CFI_MAX_FRAMES - 1) {
+        w->end = GP_CFI_END_TRUNCATED;
+        return 1;
+    }
+    u8 cfa_type = GP_CFA_NONE, rbp_type = GP_RBP_SAME;
+    s32 cfa_off = 0;
+    s16 rbp_off = 0;
+    if (m->count) {
+        struct gp_cfi_row *r = gp_cfi_find_row(m, look);
+        if (r) {
+            cfa_type = r->cfa_type;
+            cfa_off = r->cfa_off;
+            rbp_type = r->rbp_type;
+            rbp_off = r->rbp_off;
+        }
+    }
+    u64 cfa;
+    if (cfa_type == GP_CFA_RSP) {
+        cfa = w->sp + (s64)cfa_off;
+    } else if (cfa_type == GP_CFA_RBP) {
+        cfa = w->bp + (s64)cfa_off;
+    } else if (cfa_type == GP_CFA_PLT) {
+        cfa = w->sp + 8 + (((pc & 15) >= (u64)cfa_off) ? 8 : 0);
+    } else if (cfa_type == GP_CFA_END) {
+        w->end = GP_CFI_END_OK;
+        return 1;
+    } else if (cfa_type == GP_CFA_STOP) {
+        w->end = GP_CFI_END_STOP;
+        return 1;
+    } else {
+        /* no CFI here: the frame-pointer rule, if rbp can be a frame pointer */
+        if (w->bp == 0 || w->bp < w->sp) {
+            w->end = GP_CFI_END_NO_FP;
+            return 1;
+        }
+        cfa = w->bp + 16;
+        rbp_type = GP_RBP_AT_CFA;
+        rbp_off = -16;
+        w->fp_frames++;
+    }
+    if (cfa <= w->sp) {
+        w->end = GP_CFI_END_BAD_CFA;
+        return 1;
+    }
+    u64 ra = 0;
+    if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa - 8)) != 0) {
+        w->end = GP_CFI_END_READ;
+        return 1;
+    }
+    if (rbp_type == GP_RBP_AT_CFA) {
+        u64 bp = 0;
+        if (bpf_probe_read_user(&bp, sizeof(bp), (void *)(cfa + (s64)rbp_off)) != 0) {
+            w->end = GP_CFI_END_READ;
+            return 1;
+        }
+        w->bp = bp;
+    } else if (rbp_type == GP_RBP_UNDEF) {
+        w->bp = 0;
+    }
+    w->sp = cfa;
+    if (ra == 0) {
+        w->end = GP_CFI_END_OK;
+        return 1;
+    }
+    w->pc = ra;
+    return 0;
+}
+
+/* The walk's state, per CPU, across the tail calls of one sample */
+struct gp_cfi_state {
+    struct gp_cfi_walk w;
+    struct gp_cfi_stack st;
+};
+BPF_PERCPU_ARRAY(gp_cfi_scratch_state, struct gp_cfi_state, 1);
+
+/* Starts a walk when the process has tables: its state (the user registers: the perf event's
+ * when the sample is in user mode, else those saved at the kernel entry) in the per-CPU scratch.
+ * 0: not registered, or no user registers. */
+static __always_inline int gp_cfi_begin(struct bpf_perf_event_data *ctx, u32 tgid)
+{
+    struct gp_cfi_proc *p = gp_cfi_procs.lookup(&tgid);
+    int zero = 0;
+    if (!p) {
+        u32 *on = gp_cfi_on.lookup(&zero);
+        if (on && *on) {
+            u8 one = 1;
+            gp_cfi_stale.update(&tgid, &one);
+        }
+        return 0;
+    }
+    if (p->count == 0)
+        return 0;
+    struct gp_cfi_state *s = gp_cfi_scratch_state.lookup(&zero);
+    if (!s)
+        return 0;
+    gp_cfi_count(0);
+    struct gp_cfi_walk *w = &s->w;
+    if ((ctx->regs.cs & 3) == 3) {
+        w->pc = ctx->regs.ip;
+        w->sp = ctx->regs.sp;
+        w->bp = ctx->regs.bp;
+    } else {
+        /* in the kernel (a system call): the user registers saved at its entry */
+        struct pt_regs *saved = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+        struct pt_regs user;
+        if (!saved || bpf_probe_read_kernel(&user, sizeof(user), saved) != 0 || (user.cs & 3) != 3) {
+            gp_cfi_count(3);
+            return 0;
+        }
+        w->pc = user.ip;
+        w->sp = user.sp;
+        w->bp = user.bp;
+    }
+    w->pfirst = p->first;
+    w->pcount = p->count;
+    w->hash = 0xcbf29ce484222325ULL ^ tgid;
+    w->n = 0;
+    w->end = GP_CFI_END_TRUNCATED;
+    w->fp_frames = 0;
+    w->tgid = tgid;
+    w->leaf_mapped = 0;
+    return 1;
+}
+
+/* Up to GP_CFI_STEPS frames of the walk in progress; 1 when it is over. */
+static __always_inline int gp_cfi_steps(struct gp_cfi_state *s)
+{
+    for (int k = 0; k < GP_CFI_STEPS; k++) {
+        if (gp_cfi_step(&s->w, &s->st))
+            return 1;
+    }
+    return 0;
+}
+
+/* The finished walk's id in gp_cfi_stacks (0: its leaf is in no registered mapping: the frame-pointer stack). */
+static __always_inline u64 gp_cfi_store(struct gp_cfi_state *s)
+{
+    struct gp_cfi_walk *w = &s->w;
+    u32 end = w->end;
+    if (end <= GP_CFI_END_NO_FP) {
+        int c = GP_CFI_C_END + end;
+        gp_cfi_count(c);
+    }
+    if (w->fp_frames) {
+        int c = 5;
+        u64 *v = gp_cfi_counters.lookup(&c);
+        if (v)
+            *v += w->fp_frames;
+    }
+    u32 tgid = w->tgid;
+    if (end == GP_CFI_END_NO_MAPPING) {
+        u8 one = 1;
+        gp_cfi_stale.update(&tgid, &one);
+    }
+    if (!w->leaf_mapped) { /* JIT code without a mapping registered yet, an exec's first moments */
+        gp_cfi_count(4);
+        return 0;
+    }
+    s->st.depth = w->n;
+    s->st.end = end;
+    u64 hash = w->hash ^ end;
+    if (hash == 0)
+        hash = 1;
+    int err = gp_cfi_stacks.insert(&hash, &s->st); /* BPF_NOEXIST: one map operation when stored */
+    if (err != 0 && err != -EEXIST) {
+        gp_cfi_count(2);
+        return 0;
+    }
+    gp_cfi_count(1);
+    return hash;
+}
+
+#endif

@@ -1,0 +1,650 @@
+"""Unwind tables for the BPF unwinder (bpf/cfiunwind.h): an ELF file's call frame information
+(`.eh_frame`, and `.debug_frame` where it covers more) compiled into one sorted array of rows,
+x86-64 only.
+
+A row says, from its `pc` (an ELF virtual address of the file) up to the next row's, how to find
+the caller's frame: the canonical frame address (CFA) is rsp+N or rbp+N (or the PLT's well-known
+rsp-based expression), the return address is at CFA-8, and the caller's rbp is unchanged or saved
+at CFA+M. Anything else the table cannot say in those terms (a DWARF expression other than the
+PLT's, a signal frame, a return address not at CFA-8, a CFA in another register) is a "stop" row;
+a return address marked undefined (`_start`, `clone3`: the outermost frame) is an "end" row; a gap
+between FDEs is a "none" row (no CFI there: the walker tries the frame-pointer rule).
+
+pyelftools parses the sections (the CIEs, FDEs and their instructions); the instructions are
+interpreted here (pyelftools 0.33's own decoder rejects DW_CFA_GNU_args_size, which glibc uses, and
+copies a dict per row). Tables are cached per build id (`TableCache`: in memory, and optionally on
+disk in a root-only directory, both bounded).
+
+Files are opened by the caller (`open_mapped_file`: /proc/PID/map_files/START-END, the exact
+object the process maps; never a path the job controls); compile_table reads the descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import stat
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from gpuprof.collector.safeio import ELF_MAX_BYTES
+
+# struct gp_cfi_row of bpf/cfiunwind.h (12 bytes)
+ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa_type", "u1"),
+                      ("rbp_type", "u1")])
+
+CFA_NONE = 0  # no CFI covers the pc (a gap between FDEs): the walker tries the frame-pointer rule
+CFA_RSP = 1  # CFA = rsp + cfa_off
+CFA_RBP = 2  # CFA = rbp + cfa_off
+CFA_PLT = 3  # CFA = rsp + 8 + ((pc & 15) >= cfa_off ? 8 : 0): the PLT entries' expression
+CFA_STOP = 4  # a rule the walker does not follow (other expressions, signal frames): the walk ends
+CFA_END = 5  # return address undefined: the outermost frame (_start, clone3); the walk ends, complete
+
+RBP_SAME = 0  # the caller's rbp is the current one
+RBP_AT_CFA = 1  # saved at CFA + rbp_off
+RBP_UNDEF = 2  # not recoverable (the walk goes on with rbp = 0)
+
+# DWARF register numbers (x86-64 psABI)
+REG_RBP, REG_RSP, REG_RA = 6, 7, 16
+
+# The PLT's CFA expression (binutils): DW_OP_breg7 8; DW_OP_breg16 0; DW_OP_lit15; DW_OP_and;
+# DW_OP_lit<N>; DW_OP_ge; DW_OP_lit3; DW_OP_shl; DW_OP_plus  (N = 10 or 11, at index 6)
+_PLT_EXPR_HEAD = (0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A)
+_PLT_EXPR_TAIL = (0x2A, 0x33, 0x24, 0x22)
+
+MAX_PC = (1 << 32) - 1
+
+
+class NoTable(ValueError):
+    """A file that gets no table; the message says why (not ELF, not x86-64, no CFI, too big)."""
+
+
+@dataclass
+class CfiTable:
+    key: str  # build id (hex) when the file has one, else "file:<dev>:<ino>:<size>:<mtime_ns>"
+    rows: np.ndarray  # ROW_DTYPE, sorted by pc, one row per change of rule
+    # executable PT_LOAD segments: (p_vaddr, p_offset, p_filesz), for the load bias of a mapping
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    fdes: int = 0
+    stats: dict[str, int] = field(default_factory=dict)  # rows by kind: plt, stop, end
+
+    def vaddr_minus_offset(self, file_offset: int) -> int | None:
+        """p_vaddr - p_offset of the executable segment holding file_offset (None: none does)."""
+        for vaddr, off, size in self.segments:
+            # a mapping starts at the page holding the segment's first byte
+            if off - (off & 0xFFF) <= file_offset < off + size:
+                return vaddr - off
+        return None
+
+
+@dataclass
+class _State:
+    cfa_type: int = CFA_STOP
+    cfa_reg: int = REG_RSP
+    cfa_off: int = 8
+    rbp: tuple[int, int] = (RBP_SAME, 0)
+    ra: tuple[str, int] = ("offset", -8)
+
+    def copy(self) -> _State:
+        return _State(self.cfa_type, self.cfa_reg, self.cfa_off, self.rbp, self.ra)
+
+    def row(self) -> tuple[int, int, int, int]:
+        """(cfa_type, cfa_off, rbp_type, rbp_off) of this state."""
+        if self.ra[0] == "undefined":
+            return CFA_END, 0, RBP_SAME, 0
+        if self.ra != ("offset", -8):
+            return CFA_STOP, 0, RBP_SAME, 0
+        if self.cfa_type == CFA_PLT:
+            return CFA_PLT, self.cfa_off, RBP_SAME, 0
+        if self.cfa_type != CFA_RSP or self.cfa_reg not in (REG_RSP, REG_RBP):
+            return CFA_STOP, 0, RBP_SAME, 0
+        if not -(1 << 31) <= self.cfa_off < (1 << 31):
+            return CFA_STOP, 0, RBP_SAME, 0
+        rbp_type, rbp_off = self.rbp
+        if rbp_type == RBP_AT_CFA and not -(1 << 15) <= rbp_off < (1 << 15):
+            rbp_type, rbp_off = RBP_UNDEF, 0
+        return (CFA_RSP if self.cfa_reg == REG_RSP else CFA_RBP), self.cfa_off, rbp_type, rbp_off
+
+
+def _reg_rule(state: _State, reg: int, rule: tuple[str, int]) -> None:
+    if reg == REG_RBP:
+        if rule[0] == "offset":
+            state.rbp = (RBP_AT_CFA, rule[1])
+        elif rule[0] == "same":
+            state.rbp = (RBP_SAME, 0)
+        else:
+            state.rbp = (RBP_UNDEF, 0)
+    elif reg == REG_RA:
+        state.ra = rule
+
+
+def _run(instructions: list[Any], state: _State, initial: _State | None, loc: int, caf: int, daf: int,
+         out: list[tuple[int, int, int, int, int]] | None) -> int:
+    """Interpret CFI instructions from state at loc; append (pc, rule...) rows to out (None: a CIE's
+    initial instructions, which emit nothing). Returns the final location."""
+    stack: list[_State] = []
+    for ins in instructions:
+        op, args = ins.opcode, ins.args
+        if op in (0x40, 0x02, 0x03, 0x04):  # advance_loc, advance_loc1/2/4
+            if out is not None:
+                out.append((loc, *state.row()))
+            loc += args[0] * caf
+        elif op == 0x01:  # set_loc
+            if out is not None:
+                out.append((loc, *state.row()))
+            loc = args[0]
+        elif op == 0x0C:  # def_cfa
+            state.cfa_type, state.cfa_reg, state.cfa_off = CFA_RSP, args[0], args[1]
+        elif op == 0x12:  # def_cfa_sf
+            state.cfa_type, state.cfa_reg, state.cfa_off = CFA_RSP, args[0], args[1] * daf
+        elif op == 0x0D:  # def_cfa_register
+            if state.cfa_type == CFA_RSP:
+                state.cfa_reg = args[0]
+            else:
+                state.cfa_type, state.cfa_reg = CFA_STOP, args[0]
+        elif op == 0x0E:  # def_cfa_offset
+            state.cfa_off = args[0]
+        elif op == 0x13:  # def_cfa_offset_sf
+            state.cfa_off = args[0] * daf
+        elif op == 0x0F:  # def_cfa_expression
+            expr = tuple(args[0])
+            if (len(expr) == 11 and expr[:6] == _PLT_EXPR_HEAD and expr[7:] == _PLT_EXPR_TAIL
+                    and 0x30 <= expr[6] <= 0x4F):
+                state.cfa_type, state.cfa_off = CFA_PLT, expr[6] - 0x30
+            else:
+                state.cfa_type = CFA_STOP
+        elif op in (0x80, 0x05, 0x11):  # offset, offset_extended(_sf): factored by daf
+            _reg_rule(state, args[0], ("offset", args[1] * daf))
+        elif op == 0x2F:  # GNU_negative_offset_extended
+            _reg_rule(state, args[0], ("offset", -args[1] * daf))
+        elif op in (0xC0, 0x06):  # restore, restore_extended
+            reg = args[0]
+            base = initial if initial is not None else _State()
+            if reg == REG_RBP:
+                state.rbp = base.rbp
+            elif reg == REG_RA:
+                state.ra = base.ra
+        elif op == 0x07:  # undefined
+            _reg_rule(state, args[0], ("undefined", 0))
+        elif op == 0x08:  # same_value
+            _reg_rule(state, args[0], ("same", 0))
+        elif op in (0x09, 0x10, 0x14, 0x15, 0x16):  # register, expression, val_offset(_sf), val_expression
+            _reg_rule(state, args[0], ("other", 0))
+        elif op == 0x0A:  # remember_state
+            stack.append(state.copy())
+        elif op == 0x0B:  # restore_state
+            if stack:
+                saved = stack.pop()
+                state.cfa_type, state.cfa_reg, state.cfa_off = saved.cfa_type, saved.cfa_reg, saved.cfa_off
+                state.rbp, state.ra = saved.rbp, saved.ra
+        elif op in (0x00, 0x2E):  # nop, GNU_args_size (no effect on the rules followed here)
+            pass
+        else:  # an opcode of another architecture or vendor: nothing after it is trusted
+            state.cfa_type = CFA_STOP
+    return loc
+
+
+def _fde_rows(fde: Any, out: list[tuple[int, int, int, int, int]]) -> int:
+    """Rows of one FDE, and its end (one past its last byte)."""
+    cie = fde.cie
+    caf = int(cie["code_alignment_factor"])
+    daf = int(cie["data_alignment_factor"])
+    state = _State()
+    aug = cie.header.get("augmentation") or b""
+    if isinstance(aug, str):
+        aug = aug.encode()
+    _run(cie.instructions, state, None, 0, caf, daf, None)
+    initial = state.copy()
+    if b"S" in aug:  # a signal frame (__restore_rt): its rules are expressions over the sigcontext
+        state.cfa_type = CFA_STOP
+        initial.cfa_type = CFA_STOP
+    start = int(fde["initial_location"])
+    end = start + int(fde["address_range"])
+    loc = _run(fde.instructions, state, initial, start, caf, daf, out)
+    if loc < end:
+        out.append((loc, *state.row()))
+    if b"S" in aug:  # every row of a signal frame stops the walk
+        pass
+    return end
+
+
+def _iter_fdes(entries: Any) -> Any:
+    from elftools.dwarf.callframe import FDE
+
+    for e in entries:
+        if isinstance(e, FDE):
+            yield e
+
+
+def build_id(elf: Any) -> str | None:
+    """The GNU build id (hex) of an ELFFile, from its notes."""
+    for sec in elf.iter_sections():
+        if sec["sh_type"] == "SHT_NOTE":
+            for note in sec.iter_notes():
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
+    return None
+
+
+def compile_table(f: BinaryIO, fallback_key: str, max_rows: int) -> CfiTable:
+    """The table of an ELF file open in f. Raises NoTable when it has none (not x86-64 ELF, no CFI,
+    addresses past 4 GB, more than max_rows rows)."""
+    from elftools.common.exceptions import ELFError, ELFParseError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        elf = ELFFile(f)
+        if elf["e_machine"] != "EM_X86_64":
+            raise NoTable(f"not x86-64 ({elf['e_machine']})")
+        key = build_id(elf) or fallback_key
+        segments = [(int(s["p_vaddr"]), int(s["p_offset"]), int(s["p_filesz"])) for s in elf.iter_segments()
+                    if s["p_type"] == "PT_LOAD" and int(s["p_flags"]) & 1]
+        has_eh = elf.get_section_by_name(".eh_frame") is not None
+        has_debug = elf.get_section_by_name(".debug_frame") is not None
+        if not has_eh and not has_debug:
+            raise NoTable("no .eh_frame or .debug_frame")
+        dwarf = elf.get_dwarf_info(follow_links=False)
+        raw: list[tuple[int, int, int, int, int]] = []
+        ends: list[int] = []
+        fdes = 0
+        covered: list[tuple[int, int]] = []
+        if has_eh and dwarf.has_EH_CFI():
+            for fde in _iter_fdes(dwarf.EH_CFI_entries()):
+                n0 = len(raw)
+                end = _fde_rows(fde, raw)
+                if len(raw) > n0:
+                    ends.append(end)
+                    covered.append((int(fde["initial_location"]), end))
+                fdes += 1
+                if len(raw) > 4 * max_rows:
+                    raise NoTable(f"more than {max_rows} rows")
+        if has_debug and dwarf.has_CFI():
+            # .debug_frame: only FDEs over code .eh_frame does not cover (a -g build's extra CFI)
+            covered.sort()
+            starts = [c[0] for c in covered]
+            import bisect
+
+            for fde in _iter_fdes(dwarf.CFI_entries()):
+                lo = int(fde["initial_location"])
+                i = bisect.bisect_right(starts, lo) - 1
+                if i >= 0 and lo < covered[i][1]:
+                    continue
+                n0 = len(raw)
+                end = _fde_rows(fde, raw)
+                if len(raw) > n0:
+                    ends.append(end)
+                fdes += 1
+    except (ELFError, ELFParseError, KeyError, IndexError, AssertionError, TypeError, ValueError) as e:
+        if isinstance(e, NoTable):
+            raise
+        raise NoTable(f"unreadable ELF or CFI: {type(e).__name__}: {str(e)[:200]}") from None
+    if not raw:
+        raise NoTable("no FDE")
+    table = _pack(raw, ends, max_rows)
+    stats = {"plt": int((table["cfa_type"] == CFA_PLT).sum()), "stop": int((table["cfa_type"] == CFA_STOP).sum()),
+             "end": int((table["cfa_type"] == CFA_END).sum())}
+    return CfiTable(key, table, segments, fdes, stats)
+
+
+def _pack(raw: list[tuple[int, int, int, int, int]], ends: list[int], max_rows: int) -> np.ndarray:
+    """Sorted rows, gaps between FDEs marked CFA_NONE, one row per change of rule."""
+    real = np.array(raw, dtype=np.int64).reshape(-1, 5)
+    gaps = np.zeros((len(ends), 5), dtype=np.int64)
+    gaps[:, 0] = ends
+    gaps[:, 1] = CFA_NONE  # column order below: pc, cfa_type, cfa_off, rbp_type, rbp_off
+    cols = np.concatenate((real[:, [0, 1, 2, 3, 4]], gaps))
+    # raw tuples are (pc, cfa_type, cfa_off, rbp_type, rbp_off)
+    is_real = np.concatenate((np.ones(len(real), np.int8), np.zeros(len(gaps), np.int8)))
+    order = np.arange(len(cols))
+    # by pc; at one pc a real row beats a gap marker, and a later real row beats an earlier one
+    idx = np.lexsort((order, is_real, cols[:, 0]))
+    cols = cols[idx]
+    if len(cols) and (cols[:, 0].min() < 0 or cols[:, 0].max() > MAX_PC):
+        raise NoTable("addresses past 4 GB")
+    last_at_pc = np.ones(len(cols), bool)
+    last_at_pc[:-1] = cols[1:, 0] != cols[:-1, 0]
+    cols = cols[last_at_pc]
+    rule = cols[:, 1:]
+    changed = np.ones(len(cols), bool)
+    changed[1:] = np.any(rule[1:] != rule[:-1], axis=1)
+    cols = cols[changed]
+    if len(cols) > max_rows:
+        raise NoTable(f"{len(cols)} rows, more than the {max_rows} allowed")
+    out = np.zeros(len(cols), ROW_DTYPE)
+    out["pc"] = cols[:, 0]
+    out["cfa_type"] = cols[:, 1]
+    out["cfa_off"] = cols[:, 2]
+    out["rbp_type"] = cols[:, 3]
+    out["rbp_off"] = cols[:, 4]
+    return out
+
+
+def lookup(rows: np.ndarray, pc: int) -> np.void | None:
+    """The row for pc (an ELF address), as the BPF walker finds it (tests)."""
+    i = int(np.searchsorted(rows["pc"], pc, side="right")) - 1
+    return None if i < 0 else rows[i]
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def open_mapped_file(pid: int, start: int, end: int) -> tuple[int, os.stat_result]:
+    """A descriptor of the object a process maps at [start, end): /proc/PID/map_files/START-END,
+    which the kernel resolves to the mapped file itself (no path of the job's is followed; a file
+    replaced or deleted since is still the one mapped). Regular files of at most ELF_MAX_BYTES."""
+    path = f"/proc/{pid}/map_files/{start:x}-{end:x}"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NoTable(f"{path}: not a regular file")
+        if st.st_size > ELF_MAX_BYTES:
+            raise NoTable(f"{path}: {st.st_size} bytes, more than the {ELF_MAX_BYTES} read")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def file_key(st: os.stat_result) -> str:
+    return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+# --- cache -------------------------------------------------------------------------------------
+
+
+class TableCache:
+    """Compiled tables by key (build id, else file identity): in memory up to max_rows rows in all
+    (least recently used dropped first), and on disk (build ids only) in a directory only root may
+    write, up to disk_bytes in all (oldest files removed first). Files without a table are
+    remembered too (by key) so that they are not compiled again."""
+
+    def __init__(self, max_rows: int, disk_dir: str | None, disk_bytes: int) -> None:
+        self.max_rows = max_rows
+        self.disk_dir = Path(disk_dir) if disk_dir and disk_bytes > 0 else None
+        self.disk_bytes = disk_bytes
+        self.mem: OrderedDict[str, CfiTable] = OrderedDict()
+        self.mem_rows = 0
+        self.no_table: OrderedDict[str, str] = OrderedDict()  # key -> why
+        self.by_file: OrderedDict[str, str] = OrderedDict()  # file identity -> key (build id)
+        self.lock = threading.Lock()
+        self.compiled = 0
+        self.compile_s = 0.0
+        self.disk_hits = 0
+        self.disk_errors: list[str] = []
+        self.child_cpu_s = 0.0  # CPU of the compile children, as they report it
+
+    def peek(self, st: os.stat_result) -> CfiTable | None:
+        """The table of a file already compiled (memory only; None: not yet). Raises NoTable for a
+        file known to have none."""
+        fkey = file_key(st)
+        with self.lock:
+            key = self.by_file.get(fkey, fkey)
+            if key in self.no_table:
+                raise NoTable(self.no_table[key])
+            t = self.mem.get(key)
+            if t is not None:
+                self.mem.move_to_end(key)
+            return t
+
+    def get(self, fd: int, st: os.stat_result, compile: bool = True, child: bool = False) -> CfiTable | None:
+        """The table of the open file (raises NoTable); compile=False: None when it is neither in
+        memory nor on disk and its CFI is more than SMALL_CFI_BYTES (what the drain thread asks,
+        leaving the long compiles to the compile thread). child: compile in a child process at the
+        lowest priority (`compile_in_child`: pyelftools is pure Python, and a compile in the
+        collector's process would hold its GIL for seconds, starving the drains)."""
+        fkey = file_key(st)
+        with self.lock:
+            key = self.by_file.get(fkey, fkey)
+            if key in self.no_table:
+                raise NoTable(self.no_table[key])
+            t = self.mem.get(key)
+            if t is not None:
+                self.mem.move_to_end(key)
+                return t
+        with os.fdopen(os.dup(fd), "rb") as f:
+            bid = _peek_build_id(f)
+            if bid is not None:
+                with self.lock:
+                    t = self.mem.get(bid)
+                    if t is not None:
+                        self.by_file[fkey] = bid
+                        self._trim_files()
+                        return t
+                t = self._disk_load(bid)
+                if t is not None:
+                    self._remember(fkey, t)
+                    return t
+            if not compile and _cfi_bytes(f) > SMALL_CFI_BYTES:
+                return None
+            t0 = time.process_time()
+            try:
+                f.seek(0)
+                if child:
+                    t = compile_in_child(f.fileno(), fkey, self.max_rows)
+                    self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
+                else:
+                    t = compile_table(f, fkey, self.max_rows)
+            except NoTable as e:
+                with self.lock:
+                    self.no_table[bid or fkey] = str(e)
+                    self.by_file[fkey] = bid or fkey
+                    while len(self.no_table) > 4096:
+                        self.no_table.popitem(last=False)
+                    self._trim_files()
+                raise
+            finally:
+                self.compile_s += time.process_time() - t0
+        self.compiled += 1
+        self._remember(fkey, t)
+        if bid is not None:
+            self._disk_store(t)
+        return t
+
+    def _remember(self, fkey: str, t: CfiTable) -> None:
+        with self.lock:
+            self.by_file[fkey] = t.key
+            self._trim_files()
+            if t.key not in self.mem:
+                self.mem[t.key] = t
+                self.mem_rows += len(t.rows)
+            while self.mem_rows > self.max_rows and len(self.mem) > 1:
+                _, old = self.mem.popitem(last=False)
+                self.mem_rows -= len(old.rows)
+
+    def _trim_files(self) -> None:
+        while len(self.by_file) > 65536:
+            self.by_file.popitem(last=False)
+
+    # on-disk copies: <dir>/<build id>.npy (rows) + .seg (segments), written by root only
+    def _disk_paths(self, bid: str) -> tuple[Path, Path] | None:
+        if self.disk_dir is None or not bid or any(c not in "0123456789abcdef" for c in bid) or len(bid) > 128:
+            return None
+        return self.disk_dir / f"{bid}.npy", self.disk_dir / f"{bid}.seg"
+
+    def _disk_ok(self) -> bool:
+        """The cache directory exists (made 0700 if not), is root's and writable by nobody else."""
+        assert self.disk_dir is not None
+        try:
+            self.disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(self.disk_dir)
+        except OSError as e:
+            self._disk_error(f"{self.disk_dir}: {e}")
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            self._disk_error(f"{self.disk_dir}: not a directory of uid {os.geteuid()} writable by it alone")
+            return False
+        return True
+
+    def _disk_error(self, msg: str) -> None:
+        if len(self.disk_errors) < 16:
+            self.disk_errors.append(msg)
+
+    def _disk_load(self, bid: str) -> CfiTable | None:
+        paths = self._disk_paths(bid)
+        if paths is None or not self._disk_ok():
+            return None
+        rows_p, seg_p = paths
+        try:
+            fd = os.open(rows_p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                self._disk_error(f"{rows_p}: {e}")
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 16 * self.max_rows + 4096:
+                self._disk_error(f"{rows_p}: not a cache file of ours")
+                return None
+            with os.fdopen(os.dup(fd), "rb") as f:
+                rows = np.load(f, allow_pickle=False)
+            segs = np.fromfile(seg_p, dtype="<u8") if seg_p.exists() and not seg_p.is_symlink() else None
+        except (OSError, ValueError) as e:
+            self._disk_error(f"{rows_p}: {e}")
+            return None
+        finally:
+            os.close(fd)
+        if rows.dtype != ROW_DTYPE or segs is None or len(segs) % 3:
+            self._disk_error(f"{rows_p}: not a table of this version")
+            return None
+        self.disk_hits += 1
+        os.utime(rows_p)  # recently used: kept longest
+        seg_list = [(int(a), int(b), int(c)) for a, b, c in segs.reshape(-1, 3)]
+        return CfiTable(bid, rows, seg_list, 0, {})
+
+    def _disk_store(self, t: CfiTable) -> None:
+        paths = self._disk_paths(t.key)
+        if paths is None or not self._disk_ok():
+            return
+        rows_p, seg_p = paths
+        tmp = rows_p.with_suffix(f".tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, t.rows, allow_pickle=False)
+            os.replace(tmp, rows_p)
+            np.array([x for s in t.segments for x in s], dtype="<u8").tofile(seg_p)
+            self._disk_trim()
+        except OSError as e:
+            self._disk_error(f"{rows_p}: {e}")
+            tmp.unlink(missing_ok=True)
+
+    def _disk_trim(self) -> None:
+        assert self.disk_dir is not None
+        files = []
+        for p in self.disk_dir.glob("*.npy"):
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        total = sum(s for _, s, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.disk_bytes:
+                break
+            p.unlink(missing_ok=True)
+            p.with_suffix(".seg").unlink(missing_ok=True)
+            total -= size
+
+
+SMALL_CFI_BYTES = 32 << 10  # .eh_frame + .debug_frame compiled at once (tens of ms at most)
+
+
+def _cfi_bytes(f: BinaryIO) -> int:
+    from elftools.common.exceptions import ELFError, ELFParseError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        f.seek(0)
+        elf = ELFFile(f)
+        return sum(int(sec["sh_size"]) for name in (".eh_frame", ".debug_frame")
+                   if (sec := elf.get_section_by_name(name)) is not None)
+    except (ELFError, ELFParseError, ValueError, KeyError):
+        return 0
+
+
+CHILD_TIMEOUT_S = 120.0
+
+
+def compile_in_child(fd: int, fallback_key: str, max_rows: int) -> CfiTable:
+    """compile_table in a child process (`python -m gpuprof.collector.cfitables`, at the collector's
+    own priority: hooks.collector_nice) reading the descriptor it inherits; its answer on stdout:
+    one JSON line, then the rows (.npy). Its CPU time is in stats["cpu_ms"]."""
+    import json
+    import subprocess
+    import sys
+
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        # -I: no current directory, PYTHONPATH or user site on the child's path (it runs as root)
+        proc = subprocess.run([sys.executable, "-I", "-m", "gpuprof.collector.cfitables", str(fd), fallback_key,
+                               str(max_rows)], pass_fds=(fd,), capture_output=True, timeout=CHILD_TIMEOUT_S,
+                              check=False, cwd="/")
+    except subprocess.TimeoutExpired:
+        raise NoTable(f"compile took more than {CHILD_TIMEOUT_S:.0f} s") from None
+    head, _, body = proc.stdout.partition(b"\n")
+    try:
+        meta = json.loads(head)
+    except ValueError:
+        raise NoTable(f"compile failed (exit {proc.returncode}): {proc.stderr.decode(errors='replace')[-300:]}") \
+            from None
+    if "no_table" in meta:
+        raise NoTable(str(meta["no_table"]))
+    try:
+        rows = np.load(io.BytesIO(body), allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise NoTable(f"compile returned no table: {e}") from None
+    if rows.dtype != ROW_DTYPE:
+        raise NoTable("compile returned rows of another layout")
+    return CfiTable(str(meta["key"]), rows, [(int(a), int(b), int(c)) for a, b, c in meta["segments"]],
+                    int(meta["fdes"]), {k: int(v) for k, v in meta["stats"].items()})
+
+
+def _child_main(argv: list[str]) -> int:
+    import json
+    import sys
+
+    fd, key, max_rows = int(argv[0]), argv[1], int(argv[2])
+    out = sys.stdout.buffer
+    try:
+        with os.fdopen(fd, "rb") as f:
+            t = compile_table(f, key, max_rows)
+    except NoTable as e:
+        out.write(json.dumps({"no_table": str(e)}).encode() + b"\n")
+        return 0
+    buf = io.BytesIO()  # (np.save to a real file writes the data past its own buffer)
+    np.save(buf, t.rows, allow_pickle=False)
+    stats = {**t.stats, "cpu_ms": round(time.process_time() * 1000)}
+    out.write(json.dumps({"key": t.key, "segments": t.segments, "fdes": t.fdes, "stats": stats}).encode() + b"\n")
+    out.write(buf.getvalue())
+    out.flush()
+    return 0
+
+
+def _peek_build_id(f: BinaryIO) -> str | None:
+    from elftools.common.exceptions import ELFError, ELFParseError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        f.seek(0)
+        return build_id(ELFFile(f))
+    except (ELFError, ELFParseError, ValueError, KeyError):
+        return None
+
+
+def digest(rows: np.ndarray) -> str:
+    """A short digest of a table (tests)."""
+    return hashlib.sha256(rows.tobytes()).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_child_main(sys.argv[1:]))

@@ -1,0 +1,476 @@
+"""User-space side of the BPF CFI unwinder (bpf/cfiunwind.h): which job processes are walked by
+CFI tables, the tables in the kernel's maps, and the pc lists of a drain's CFI stack ids.
+
+At each drain (`register`) the job's pids not registered yet, those that exec'd, and those whose
+walk met a pc outside their registered mappings (gp_cfi_stale: a dlopen) get their executable
+mappings read from /proc/PID/maps; each mapped file is opened through /proc/PID/map_files (the
+exact object mapped, never a path the job controls) and its table compiled once per build id
+(collector/cfitables.py, `TableCache`). A table's rows are written once into a range of
+gp_cfi_rows shared by every process that maps the file; a process's mappings (start, end, load
+bias, row range) go into a range of gp_cfi_mappings and the range into gp_cfi_procs[pid]. A process
+is registered only when every table it needs is ready: tables not in the cache are compiled by one
+background thread (`Compiler`; the descriptor is opened at the drain, while the process lives), so
+a drain never waits for a compile, and the process's samples keep their frame-pointer stacks until
+its tables are there (about 0.6 s of CPU for Debian's libc the first time, 1.5 s for python3.11;
+then from the disk cache, milliseconds).
+
+Kernel memory is bounded by the compile-time sizes of the maps (GP_CFI_ROWS, GP_CFI_MAPPINGS) and
+user memory by `max_rows` (config sources.stacks.cfi_max_rows): a file whose table does not fit in
+what is left gets none (its frames take the frame-pointer rule; counted in `status()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpuprof.collector.bpf_support import parse_maps, read_maps_text
+from gpuprof.collector.cfitables import ROW_DTYPE, CfiTable, NoTable, TableCache, file_key, open_mapped_file
+
+MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
+MAX_MAPPINGS_PER_PROC = 4096  # GP_CFI_MAP_STEPS = 12 binary search steps
+END_REASONS = ("complete", "no_mapping", "stop_rule", "read_failed", "bad_cfa", "truncated", "no_frame_pointer")
+COMPILE_QUEUE_MAX = 256  # files waiting for the compile thread (more wait for a later drain)
+POLL_S = 0.1  # registrations asked for by the BPF program are made this often between drains
+
+
+class Compiler:
+    """One background thread compiling tables into a TableCache, one file at a time (at the
+    collector's own priority); requests are open descriptors, closed by the thread."""
+
+    def __init__(self, cache: TableCache) -> None:
+        self.cache = cache
+        self.queue: queue.Queue[tuple[int, os.stat_result] | None] = queue.Queue()
+        self.pending: set[str] = set()  # file identities queued or being compiled
+        self.done = 0  # files finished (compiled, or found to have no table)
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="gpuprof-cfi-compiler", daemon=True)
+        self.thread.start()
+
+    def submit(self, fd: int, st: os.stat_result) -> bool:
+        """Queue the open file (the thread closes fd); False (fd closed here) when it is queued already
+        or the queue is full."""
+        key = file_key(st)
+        with self.lock:
+            if key in self.pending or len(self.pending) >= COMPILE_QUEUE_MAX:
+                os.close(fd)
+                return False
+            self.pending.add(key)
+        self.queue.put((fd, st))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fd, st = item
+            try:
+                self.cache.get(fd, st, child=True)
+            except (NoTable, OSError, ValueError):
+                pass  # remembered by the cache (NoTable) or tried again at a later registration
+            finally:
+                os.close(fd)
+                with self.lock:
+                    self.pending.discard(file_key(st))
+                    self.done += 1
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.pending
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=5)
+
+
+class RangeAlloc:
+    """First-fit ranges of [0, capacity); a range freed is reusable from the next drain on (a sample
+    in flight may still read it)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free_list: list[tuple[int, int]] = [(0, capacity)] if capacity else []
+        self.pending: list[tuple[int, int]] = []
+        self.used = 0
+
+    def alloc(self, n: int) -> int | None:
+        for i, (start, size) in enumerate(self.free_list):
+            if size >= n:
+                if size == n:
+                    del self.free_list[i]
+                else:
+                    self.free_list[i] = (start + n, size - n)
+                self.used += n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        if n:
+            self.pending.append((start, n))
+            self.used -= n
+
+    def new_drain(self) -> None:
+        if not self.pending:
+            return
+        ranges = sorted(self.free_list + self.pending)
+        self.pending = []
+        merged: list[tuple[int, int]] = []
+        for start, size in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self.free_list = merged
+
+
+@dataclass
+class _Loaded:
+    first: int
+    count: int
+    users: set[int] = field(default_factory=set)  # pids
+
+
+@dataclass
+class _Proc:
+    exe: str
+    maps_text: str
+    first: int
+    count: int
+    keys: set[str]
+
+
+class CfiUnwinder:
+    def __init__(self, bpf: Any, max_rows: int, cache_dir: str | None, cache_bytes: int,
+                 report: Any = None) -> None:
+        from bcc import BPF
+        from bcc.libbcc import lib
+
+        self.lib = lib
+        self.bpf = bpf
+        self.report = report  # report(message): an error row (None: kept in self.errors only)
+        self.errors: list[str] = []
+        self.rows_map = bpf[b"gp_cfi_rows"]
+        self.maps_map = bpf[b"gp_cfi_mappings"]
+        self.procs_map = bpf[b"gp_cfi_procs"]
+        self.stacks_map = bpf[b"gp_cfi_stacks"]
+        self.stale_map = bpf[b"gp_cfi_stale"]
+        self.counters = bpf[b"gp_cfi_counters"]
+        kernel_rows = int(self.rows_map.max_entries)
+        if max_rows > kernel_rows:
+            raise ValueError(f"sources.stacks.cfi_max_rows = {max_rows} is more than the BPF map's {kernel_rows} "
+                             f"(GP_CFI_ROWS)")
+        self.rows = RangeAlloc(max_rows)
+        self.mappings = RangeAlloc(int(self.maps_map.max_entries))
+        self.cache = TableCache(max_rows, cache_dir, cache_bytes)
+        self.compiler = Compiler(self.cache)
+        self.lock = threading.RLock()
+        self._done_seen = 0
+        self._stop = threading.Event()
+        # a BPF object shared with an earlier source (the bench's) may hold its registrations
+        for m in (self.procs_map, self.stacks_map, self.stale_map):
+            m.clear()
+        on = bpf[b"gp_cfi_on"]
+        on[on.Key(0)] = on.Leaf(1)  # unregistered job processes are marked stale from now on
+        self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
+        self.poller.start()
+        self.loaded: dict[str, _Loaded] = {}
+        self.procs: dict[int, _Proc] = {}
+        self.waiting: set[int] = set()  # pids whose tables are not all compiled yet
+        self.no_table: dict[str, str] = {}  # file identity -> why (reported; bounded below)
+        self.no_room = 0  # tables that did not fit in what was left of max_rows
+        self.registrations = 0
+        self.last_counts = [0] * 13
+        cont = bpf.load_func(b"gp_cfi_cont", BPF.PERF_EVENT)
+        progs = bpf[b"gp_cfi_progs"]
+        progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
+        self.stack_key = ctypes.c_uint64()
+        self.stack_leaf = self.stacks_map.Leaf()
+        self.stack_words = np.frombuffer(self.stack_leaf, np.uint64)
+
+    # --- registration ----------------------------------------------------------------------------
+    def register(self, pids: Iterable[int], drain: bool = True) -> None:
+        """Register (or refresh) the processes of pids that need it, and those the BPF program marked
+        stale (an exec, a pc outside their mappings, a job process not registered yet); those
+        whose tables are not all compiled yet are registered with what is there and again when
+        the compile thread has more. drain: ranges freed before become reusable (once a drain)."""
+        with self.lock:
+            if drain:
+                self.rows.new_drain()
+                self.mappings.new_drain()
+            stale = self._take_stale()
+            retry = self.waiting if self.compiler.done != self._done_seen else set()
+            self._done_seen = self.compiler.done
+            self._register_some(set(pids) | stale | retry, stale | retry)
+
+    def _poll(self) -> None:
+        """Between drains: registrations the BPF program asked for (gp_cfi_stale), and processes
+        whose tables the compile thread has finished, every POLL_S (a process is walked by CFI from
+        about 0.1 s after its exec, not from the next drain)."""
+        while not self._stop.wait(POLL_S):
+            try:
+                pending = next(iter(self.stale_map.keys()), None) is not None
+                if pending or (self.waiting and self.compiler.done != self._done_seen):
+                    self.register((), drain=False)
+            except (OSError, ValueError, KeyError) as e:
+                self._error(f"CFI registration between drains failed: {e}")
+
+    def _register_some(self, pids: set[int], stale: set[int]) -> None:
+        from gpuprof.collector.symbolize import _exe
+
+        for pid in pids:
+            known = self.procs.get(pid)
+            if known is not None and pid not in stale and pid not in self.waiting and known.exe == _exe(pid):
+                continue
+            text = read_maps_text(pid)
+            if text is None:
+                continue
+            if (known is not None and known.maps_text == text and pid not in self.waiting
+                    and pid in stale and self.procs_map.get(self.procs_map.Key(pid)) is not None):
+                continue  # nothing mapped since (a pc outside every mapping: JIT code, a lost walk)
+            try:
+                self._register(pid, _exe(pid), text)
+            except (OSError, ValueError) as e:  # a map update failed: this process keeps frame pointers
+                self._error(f"CFI tables of pid {pid} not registered: {e}")
+
+    def _error(self, msg: str) -> None:
+        if len(self.errors) < 64:
+            self.errors.append(msg)
+            if self.report is not None:
+                self.report(msg)
+
+    def _take_stale(self) -> set[int]:
+        out = set()
+        for k in list(self.stale_map.keys()):
+            out.add(int(k.value))
+            try:
+                del self.stale_map[k]
+            except KeyError:
+                pass
+        return out
+
+    def _register(self, pid: int, exe: str, text: str) -> None:
+        maps = sorted((m for m in parse_maps(text) if "x" in m.perms), key=lambda m: m.start)
+        if len(maps) > MAX_MAPPINGS_PER_PROC:
+            maps = maps[:MAX_MAPPINGS_PER_PROC]
+        entries = np.zeros(len(maps), MAPPING_DTYPE)
+        keys: set[str] = set()
+        tables: list[tuple[int, CfiTable]] = []
+        missing = False
+        for i, m in enumerate(maps):
+            entries[i]["start"], entries[i]["end"] = m.start, m.end
+            if not m.path.startswith("/"):
+                continue  # anonymous code, [vdso]: the frame-pointer rule
+            try:
+                fd, st = open_mapped_file(pid, m.start, m.end)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ESRCH):
+                    return  # exited, or the mapping changed since the maps were read
+                self._no_table(f"{m.path}", str(e))
+                continue
+            except NoTable as e:
+                self._no_table(m.path, str(e))
+                continue
+            try:
+                t = self.cache.peek(st) or self.cache.get(fd, st, compile=False)  # memory, else the disk cache
+            except (NoTable, OSError) as e:
+                os.close(fd)
+                self._no_table(m.path, str(e))
+                continue
+            if t is None:  # not compiled yet: by the compile thread, then at a later drain
+                self.compiler.submit(fd, st)
+                missing = True
+                continue
+            os.close(fd)
+            d = t.vaddr_minus_offset(m.offset)
+            if d is None:
+                continue
+            entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
+            tables.append((i, t))
+        if missing:  # registered with what is there (the rest: the frame-pointer rule), again later
+            self.waiting.add(pid)
+        else:
+            self.waiting.discard(pid)
+        for i, t in tables:
+            lt = self._load(t)
+            if lt is None:
+                continue
+            lt.users.add(pid)
+            keys.add(t.key)
+            entries[i]["first"], entries[i]["count"] = lt.first, lt.count
+        first = self.mappings.alloc(len(entries)) if len(entries) else None
+        if first is None:
+            for k in keys:
+                self._unuse(k, pid)
+            return
+        self._update_batch(self.maps_map, first, entries)
+        old = self.procs.get(pid)
+        leaf = self.procs_map.Leaf()
+        leaf.first, leaf.count = first, len(entries)
+        self.procs_map[self.procs_map.Key(pid)] = leaf
+        self.procs[pid] = _Proc(exe, text, first, len(entries), keys)
+        self.registrations += 1
+        if old is not None:
+            self.mappings.free(old.first, old.count)
+            for k in old.keys - keys:
+                self._unuse(k, pid)
+
+    def _no_table(self, path: str, why: str) -> None:
+        if len(self.no_table) >= 1024:
+            self.no_table.pop(next(iter(self.no_table)))
+        self.no_table[path] = why
+
+    def _load(self, t: CfiTable) -> _Loaded | None:
+        lt = self.loaded.get(t.key)
+        if lt is not None:
+            return lt
+        first = self.rows.alloc(len(t.rows))
+        if first is None:
+            self.no_room += 1
+            return None
+        self._update_batch(self.rows_map, first, t.rows)
+        lt = self.loaded[t.key] = _Loaded(first, len(t.rows))
+        return lt
+
+    def _unuse(self, key: str, pid: int) -> None:
+        lt = self.loaded.get(key)
+        if lt is None:
+            return
+        lt.users.discard(pid)
+        if not lt.users:
+            del self.loaded[key]
+            self.rows.free(lt.first, lt.count)
+
+    def _update_batch(self, table: Any, first: int, values: np.ndarray) -> None:
+        """Array map entries [first, first+len(values)) = values, by BPF_MAP_UPDATE_BATCH."""
+        values = np.ascontiguousarray(values)
+        if values.dtype.itemsize != ctypes.sizeof(table.Leaf):
+            raise ValueError(f"{values.dtype} does not match the map's {ctypes.sizeof(table.Leaf)}-byte values")
+        keys = np.arange(first, first + len(values), dtype=np.uint32)
+        done = 0
+        while done < len(values):
+            count = ctypes.c_uint32(len(values) - done)
+            res = self.lib.bpf_update_batch(table.map_fd, ctypes.c_void_p(keys.ctypes.data + 4 * done),
+                                            ctypes.c_void_p(values.ctypes.data + values.dtype.itemsize * done),
+                                            ctypes.byref(count))
+            if res != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"BPF_MAP_UPDATE_BATCH: {os.strerror(err)}")
+            if count.value == 0:
+                raise OSError(errno.EIO, "BPF_MAP_UPDATE_BATCH made no progress")
+            done += count.value
+
+    def forget(self, live: set[int]) -> None:
+        """Unregister processes that left the job; their tables' rows are freed when unused."""
+        with self.lock:
+            self._forget(live)
+
+    def _forget(self, live: set[int]) -> None:
+        from gpuprof.collector.bpf_support import pid_alive
+
+        jobs = self.bpf[b"gp_job_pids"]
+        for pid in [p for p in self.procs if p not in live]:
+            if live and pid_alive(pid) and jobs.get(jobs.Key(pid)) is not None:
+                continue  # registered between drains (a fork the tracker has not seen yet): still the job's
+            proc = self.procs.pop(pid)
+            try:
+                del self.procs_map[self.procs_map.Key(pid)]
+            except KeyError:
+                pass
+            self.mappings.free(proc.first, proc.count)
+            for k in proc.keys:
+                self._unuse(k, pid)
+        self.waiting &= live
+        self.counts()
+
+    # --- stacks ----------------------------------------------------------------------------------
+    def take(self, ids: set[int], keep: set[int]) -> dict[int, tuple[int, ...] | None]:
+        """The pcs of each CFI stack id, innermost first (None: not in the map any more); freed in
+        the kernel map unless the new window uses it."""
+        out: dict[int, tuple[int, ...] | None] = {}
+        fd = self.stacks_map.map_fd
+        for sid in ids:
+            self.stack_key.value = sid
+            if self.lib.bpf_lookup_elem(fd, ctypes.byref(self.stack_key), ctypes.byref(self.stack_leaf)) < 0:
+                out[sid] = None
+                continue
+            depth = min(int(self.stack_leaf.depth), len(self.stack_leaf.pc))
+            # words: [depth | end], then the pcs
+            out[sid] = tuple(self.stack_words[1:1 + depth].tolist())
+            if sid not in keep:
+                self.lib.bpf_delete_elem(fd, ctypes.byref(self.stack_key))
+        return out
+
+    def with_stacks(self, frames: Mapping[int, tuple[int, ...] | None], ids: set[int],
+                    live: np.ndarray) -> dict[int, tuple[int, ...] | None]:
+        """frames (kernel stack map ids -> pcs) with the pcs of the CFI stack ids added (their ids
+        are 64-bit hashes, never below 2^13 but with a chance of 2^-51); live: the new window's
+        CFI ids (kept in the kernel map)."""
+        out: dict[int, tuple[int, ...] | None] = dict(frames)
+        if ids:
+            out.update(self.take(ids, set(live[live != 0].tolist())))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Counters of the BPF side (all CPUs), by name."""
+        from gpuprof.collector.bpf_support import read_ring_drops
+
+        c = read_ring_drops(self.counters)
+        if len(c) != len(self.last_counts):  # the map is gone (the source stopped): as of the last drain
+            c = self.last_counts
+        self.last_counts = c
+        out = {"walks": c[0], "stored": c[1], "not_stored_map_full": c[2], "no_user_registers": c[3],
+               "left_to_frame_pointers": c[4], "frames_by_frame_pointer_rule": c[5]}
+        for i, name in enumerate(END_REASONS):
+            out[f"end_{name}"] = c[6 + i]
+        return out
+
+    def close(self) -> None:
+        """Stop the threads and unregister every process (the source stops)."""
+        self._stop.set()
+        self.poller.join(timeout=5)
+        self.compiler.close()
+        on = self.bpf[b"gp_cfi_on"]
+        on[on.Key(0)] = on.Leaf(0)
+        self.forget(set())
+
+    def status(self) -> dict[str, Any]:
+        return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
+                "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
+                "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
+                "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
+                "registrations": self.registrations, **self.counts()}
+
+
+ROW_BYTES = ROW_DTYPE.itemsize
+UNWINDERS = ("cfi", "frame_pointers")
+
+
+def start_unwinder(bpf: Any, ctx: Any, unwinder: str | None) -> CfiUnwinder | None:
+    """The CFI unwinder of the stacks source (None: sources.stacks.unwinder = "frame_pointers", or it
+    could not start: the reason is an error row and the samples keep their frame-pointer stacks)."""
+    conf = ctx.config["sources.stacks"]
+    kind = unwinder if unwinder is not None else conf["unwinder"]
+    if kind not in UNWINDERS:
+        raise ValueError(f"sources.stacks.unwinder = {kind!r}: one of {', '.join(UNWINDERS)}")
+    if kind != "cfi":
+        return None
+    max_rows = int(conf["cfi_max_rows"])
+    cache_mb = int(conf["cfi_cache_mb"])
+    state = ctx.config["paths"]["state_dir"]
+    cache_dir = os.path.join(str(state), "cfi-tables") if state and cache_mb > 0 else None
+    try:
+        return CfiUnwinder(bpf, max_rows, cache_dir, cache_mb << 20,
+                           report=lambda msg: ctx.report_error("stacks", msg))
+    except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load
+        ctx.report_error("stacks", f"CFI unwinder unavailable, frame pointers only: {str(e).strip()[:300]}")
+        return None
+

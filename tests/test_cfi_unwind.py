@@ -1,0 +1,387 @@
+"""Native stacks without frame pointers: CFI tables (collector/cfitables.py) walked in the BPF
+program (bpf/cfiunwind.h), through the stacks source, on real programs built -O2
+-fomit-frame-pointer (C, C++ with templates, Fortran, a dlopen()ed library, threads), a program
+without CFI, and short-lived processes; and the table compiler against readelf."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+import native_progs
+from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+from stackcopy_run import NOFP_TREE, nofp_tree
+
+from gpuprof.collector import cfitables as ct
+from gpuprof.collector import schema
+from gpuprof.collector.cfiunwind import RangeAlloc
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+
+
+# --- the table compiler against readelf ------------------------------------------------------------
+
+
+def _readelf_rows(path: Path) -> list[tuple[int, str, str, str]]:
+    """(pc, CFA, rbp, ra) of every row of `readelf --debug-dump=frames-interp` (.eh_frame)."""
+    # readelf exits 1 over the debug sections a stripped library lacks; its .eh_frame dump is whole
+    out = subprocess.run(["readelf", "--debug-dump=frames-interp", str(path)], capture_output=True, text=True,
+                         check=False).stdout
+    rows: list[tuple[int, str, str, str]] = []
+    cols: list[str] = []
+    in_eh = in_fde = False
+    for line in out.splitlines():
+        if line.startswith("Contents of the"):
+            in_eh = ".eh_frame section" in line
+            continue
+        if not in_eh:
+            continue
+        if " CIE " in line or " FDE " in line:
+            in_fde, cols = " FDE " in line, []
+            continue
+        if line.strip().startswith("LOC"):
+            cols = line.split() if in_fde else []
+            continue
+        parts = line.split()
+        if cols and len(parts) == len(cols) and re.fullmatch(r"[0-9a-f]+", parts[0]):
+            rec = dict(zip(cols, parts))
+            rows.append((int(parts[0], 16), rec["CFA"], rec.get("rbp", "u"), rec.get("ra", "u")))
+    return rows
+
+
+def _expected(cfa: str, rbp: str, ra: str) -> tuple[set[int], int | None, tuple[int, int] | None]:
+    """(allowed cfa types, cfa offset, (rbp type, offset)) a readelf row means for our table."""
+    if ra == "u":
+        return {ct.CFA_END}, None, None
+    if ra != "c-8":
+        return {ct.CFA_STOP}, None, None
+    m = re.fullmatch(r"(rsp|rbp)\+(\d+)", cfa)
+    if m is None:
+        return {ct.CFA_PLT, ct.CFA_STOP}, None, None
+    rbp_rule = (ct.RBP_AT_CFA, -int(rbp[2:])) if rbp.startswith("c-") else (
+        (ct.RBP_SAME, 0) if rbp in ("u", "s") else (ct.RBP_UNDEF, 0))
+    return {ct.CFA_RSP if m[1] == "rsp" else ct.CFA_RBP}, int(m[2]), rbp_rule
+
+
+@pytest.mark.parametrize("path", [LIBC, Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6")])
+def test_table_matches_readelf(path: Path) -> None:
+    """Every row readelf interprets from a real library's .eh_frame gives the same rule in our
+    table at that pc (signal frames: stop, where readelf shows their expressions)."""
+    if not path.exists() or shutil.which("readelf") is None:
+        pytest.skip(f"{path} or readelf missing")
+    with open(path, "rb") as f:
+        table = ct.compile_table(f, "test", 1 << 22)
+    rows = _readelf_rows(path)
+    assert len(rows) > 1000
+    bad = []
+    for pc, cfa, rbp, ra in rows:
+        got = ct.lookup(table.rows, pc)
+        assert got is not None, hex(pc)
+        types, off, rbp_rule = _expected(cfa, rbp, ra)
+        if int(got["cfa_type"]) == ct.CFA_STOP and ct.CFA_STOP not in types:
+            # our stop rows: signal frames only (readelf shows their registers' expressions)
+            if not cfa.startswith("exp") and ra != "exp" and rbp != "exp":
+                bad.append(("stop", hex(pc), cfa, rbp, ra))
+            continue
+        same_offsets = off is None or (int(got["cfa_off"]) == off
+                                       and (int(got["rbp_type"]), int(got["rbp_off"])) == rbp_rule)
+        if int(got["cfa_type"]) not in types or not same_offsets:
+            bad.append((hex(pc), cfa, rbp, ra, got))
+    assert not bad, bad[:10]
+    # the PLT's rule is recognized (not a stop)
+    assert table.stats["plt"] >= 1
+
+
+def test_table_marks_gaps_between_fdes_and_sorts() -> None:
+    with open(LIBC, "rb") as f:
+        table = ct.compile_table(f, "test", 1 << 22)
+    pcs = table.rows["pc"]
+    assert np.all(pcs[1:] > pcs[:-1])
+    assert (table.rows["cfa_type"] == ct.CFA_NONE).any()
+    assert len(table.key) == 40  # libc's build id
+
+
+def test_table_refuses_what_is_not_x86_64_elf(tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\x7fELF" + b"\0" * 100)
+    with open(junk, "rb") as f, pytest.raises(ct.NoTable):
+        ct.compile_table(f, "junk", 1000)
+    with open(LIBC, "rb") as f, pytest.raises(ct.NoTable, match="more than"):
+        ct.compile_table(f, "small cap", 100)
+
+
+def test_cache_by_build_id_on_disk(tmp_path: Path) -> None:
+    """The second cache (a new collector) loads libc's table from its disk copy, identical."""
+    import os
+
+    a = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        t1 = a.get(fd, os.fstat(fd))
+        b = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        t2 = b.get(fd, os.fstat(fd))
+    finally:
+        os.close(fd)
+    assert a.compiled == 1 and b.compiled == 0 and b.disk_hits == 1
+    assert ct.digest(t1.rows) == ct.digest(t2.rows) and t1.segments == t2.segments
+    assert (os.stat(tmp_path / "cfi").st_mode & 0o777) == 0o700
+
+
+def test_compile_in_child_process_gives_the_same_table() -> None:
+    """The compile thread's way (a child process, so that pyelftools never holds the collector's GIL)."""
+    import os
+
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        child = ct.compile_in_child(fd, "test", 1 << 22)
+    finally:
+        os.close(fd)
+    with open(LIBC, "rb") as f:
+        here = ct.compile_table(f, "test", 1 << 22)
+    assert ct.digest(child.rows) == ct.digest(here.rows) and child.key == here.key
+    assert child.segments == here.segments
+
+
+def test_range_alloc_frees_at_next_drain() -> None:
+    r = RangeAlloc(100)
+    a, b = r.alloc(60), r.alloc(40)
+    assert (a, b) == (0, 60) and r.alloc(1) is None
+    r.free(a, 60)
+    assert r.alloc(10) is None  # a sample in flight may still read it
+    r.new_drain()
+    assert r.alloc(60) == 0
+
+
+# --- real programs through the stacks source --------------------------------------------------------
+
+
+def _skip() -> None:
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A collector state directory whose disk cache already holds the system libraries' tables, so
+    that each program is registered within its first 0.3 s (a cold compile of libc takes about
+    0.6 s of CPU, spread over drains: until then samples keep their frame-pointer stacks)."""
+    import glob
+    import os
+
+    d = tmp_path_factory.mktemp("state")
+    cache = ct.TableCache(1 << 20, str(d / "cfi-tables"), 64 << 20)
+    for pattern in ("libc.so.6", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libgfortran.so.5*",
+                    "libquadmath.so.0*", "ld-linux-x86-64.so.2"):
+        for path in glob.glob(f"/lib/x86_64-linux-gnu/{pattern}"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                cache.get(fd, os.fstat(fd))
+            except ct.NoTable:
+                pass
+            finally:
+                os.close(fd)
+    return d
+
+
+def sampled(state: Path, cmd: list[str], unwinder: str = "cfi") -> dict[str, Any]:
+    src = BpfStacksSource(99, python_frames=False, unwinder=unwinder)
+    gated = GatedProcess(cmd)
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors,
+                   config={"paths": {"state_dir": str(state)}})
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.2)
+    assert rc == 0, err
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "node.h5"
+        native_progs.sealed_file(path, [src], batches, ("stacks",))
+        f = h5py.File(path)
+        sym = {int(s["symbol_id"]): (s["name"].decode(), s["module"].decode()) for s in f["stacks/symbols"][()]}
+        by: dict[int, list[tuple[int, int]]] = {}
+        for r in f["stacks/frames"][()]:
+            by.setdefault(int(r["stack_id"]), []).append((int(r["depth"]), int(r["symbol_id"])))
+        f.close()
+    names = {k: [sym[i][0] for _, i in sorted(v)] for k, v in by.items()}
+    modules = {k: [sym[i][1] for _, i in sorted(v)] for k, v in by.items()}
+    import json
+
+    info = json.loads(out.strip().splitlines()[-1])
+    rows = collect(batches, schema.STACK_SAMPLES)
+    return {"rows": rows[np.isin(rows["tid"], info["tids"])], "names": names, "modules": modules, "info": info,
+            "errors": errors, "status": src.cfi.status() if src.cfi is not None else None}
+
+
+def _stacks(run: dict[str, Any], ok: Any = None, rows: Any = None) -> Counter[tuple[str, ...]]:
+    """Samples by user stack; ok given: only those of the windows from the first one with a stack
+    ok(stack) on, i.e. after the collector registered the process (the windows before, its first
+    moments or those right after a dlopen, keep the frame-pointer stack: one drain, 0.2 s here)."""
+    rows = run["rows"] if rows is None else rows
+    names = [tuple(run["names"].get(int(r["user_stack"]), [])) for r in rows]
+    t0 = min((int(r["t_ns"]) for r, s in zip(rows, names) if ok(s)), default=None) if ok is not None else None
+    c: Counter[tuple[str, ...]] = Counter()
+    for r, s in zip(rows, names):
+        if t0 is None or int(r["t_ns"]) >= t0:
+            c[s] += int(r["count"])
+    return c
+
+
+def _to_start(stack: tuple[str, ...]) -> bool:
+    return "main" in stack and (stack[-1] == "_start" or "__libc_start_main" in stack)
+
+
+def _share(c: Counter[tuple[str, ...]], ok: Any) -> float:
+    total = sum(c.values())
+    return sum(n for s, n in c.items() if ok(s)) / max(1, total)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["user", "sys"])
+def test_c_tree_without_frame_pointers_unwinds_to_start(state_dir: Path, mode: str) -> None:
+    """nofp_tree -O2 -fomit-frame-pointer: >= 0.95 of its samples read leaf_spin -> ... -> main
+    -> __libc_start_main -> _start (Debian's libc by its .eh_frame). `sys`: taken in system calls,
+    walked from the registers saved at the kernel entry."""
+    _skip()
+    run = sampled(state_dir, [str(nofp_tree()), "2", *(["sys"] if mode == "sys" else [])])
+    assert not run["errors"], run["errors"]
+    def ok(s: tuple[str, ...]) -> bool:
+        return "leaf_spin" in s and tuple(s[s.index("leaf_spin"):][:5]) == NOFP_TREE and _to_start(s)
+
+    c = _stacks(run, ok)
+    assert sum(c.values()) > 50, c
+    whole = _share(c, ok)
+    ends = {k: v for k, v in (run["status"] or {}).items() if k.startswith("end_") and v}
+    assert whole >= 0.95, (whole, [(n, ";".join(st)) for st, n in c.most_common(6)], ends)
+    if mode == "sys":
+        assert _share(c, lambda s: s[:1] == ("syscall",)) >= 0.5, c.most_common(3)
+
+
+@pytest.mark.bpf
+def test_frame_pointer_setting_keeps_the_kernel_walk(state_dir: Path) -> None:
+    _skip()
+    run = sampled(state_dir, [str(nofp_tree()), "1"], unwinder="frame_pointers")
+    c = _stacks(run)
+    assert run["status"] is None
+    assert _share(c, lambda s: tuple(s[:5]) == NOFP_TREE) == 0.0, c.most_common(3)
+
+
+@pytest.mark.bpf
+def test_cpp_templates_without_frame_pointers(state_dir: Path) -> None:
+    _skip()
+    run = sampled(state_dir, [str(native_progs.nofp_cpp()), "2"])
+    want = ("spin<3>", "Mix::step", "apply<Mix>", "Runner<Mix>::run", "main")
+
+    def ok(s: tuple[str, ...]) -> bool:
+        return len(s) >= 5 and all(w in f for w, f in zip(want, s[:5])) and _to_start(s)
+
+    c = _stacks(run, ok)
+    assert _share(c, ok) >= 0.95, c.most_common(4)
+
+
+@pytest.mark.bpf
+def test_fortran_without_frame_pointers(state_dir: Path) -> None:
+    _skip()
+    reason = native_progs.fortran_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    run = sampled(state_dir, [str(native_progs.nofp_fortran()), "2"])
+    want = ("__tree_MOD_leaf_spin", "__tree_MOD_level_b", "__tree_MOD_level_a", "MAIN__", "main")
+    c = _stacks(run, lambda s: tuple(s[:5]) == want)
+    leafy = Counter({s: n for s, n in c.items() if s[:1] == want[:1]})
+    assert sum(leafy.values()) >= 0.8 * sum(c.values()), c.most_common(4)
+    assert _share(leafy, lambda s: tuple(s[:5]) == want and _to_start(s)) >= 0.95, leafy.most_common(4)
+
+
+@pytest.mark.bpf
+def test_library_opened_after_start(state_dir: Path) -> None:
+    """The program dlopen()s its library 1.5 s after start, after its registration: its first walk
+    into the library marks the process stale, its mappings are read again at the next drain, and
+    the library's frames are named and unwound from then on."""
+    _skip()
+    prog, lib = native_progs.nofp_dlopen()
+    run = sampled(state_dir, [str(prog), str(lib), "2"])
+    want = ("plugin_leaf", "plugin_work", "run_plugin", "main")
+    c = _stacks(run, lambda s: tuple(s[:4]) == want)
+    leafy = Counter({s: n for s, n in c.items() if s[:1] == ("plugin_leaf",)})
+    assert sum(leafy.values()) > 50, c.most_common(4)
+    assert _share(leafy, lambda s: tuple(s[:4]) == want and _to_start(s)) >= 0.9, leafy.most_common(4)
+    mods = {m for sid, names in run["names"].items() if names[:1] == ["plugin_leaf"] for m in run["modules"][sid][:1]}
+    assert mods == {lib.name}
+    assert run["status"]["registrations"] >= 2  # at the exec, and again after the dlopen
+
+
+@pytest.mark.bpf
+def test_threads_without_frame_pointers(state_dir: Path) -> None:
+    _skip()
+    run = sampled(state_dir, [str(native_progs.nofp_threads()), "2"])
+    rows = run["rows"]
+    want = ("spin", "work_b", "work_a", "worker")
+    for tid in run["info"]["tids"]:
+        mine = rows[rows["tid"] == tid]
+        mods: dict[tuple[str, ...], str] = {}
+        for r in mine:
+            sid = int(r["user_stack"])
+            mods[tuple(run["names"].get(sid, []))] = (run["modules"].get(sid) or [""])[-1]
+        c = _stacks(run, lambda s: tuple(s[:4]) == want, rows=mine)
+        assert sum(c.values()) > 20, (tid, c)
+        # each thread's stack ends in libc's thread start (start_thread, clone3: unnamed in
+        # Debian's stripped libc)
+        in_libc = {s for s, m in mods.items() if m.startswith("libc.so")}
+        assert _share(c, lambda s, in_libc=in_libc: tuple(s[:4]) == want and s in in_libc) >= 0.95, c.most_common(3)
+
+
+@pytest.mark.bpf
+def test_code_without_cfi(state_dir: Path) -> None:
+    """A program built without .eh_frame: with frame pointers, the walk takes the frame-pointer rule
+    through it and goes on into libc by its CFI (whole stack); with -g only, its .debug_frame is
+    used; with neither, the leaf is still named and the walk ends there (marked [unknown] where
+    the frame-pointer guess left the code), never a failure."""
+    _skip()
+    def whole(s: tuple[str, ...]) -> bool:
+        return tuple(s[:5]) == NOFP_TREE and _to_start(s)
+
+    fp = _stacks(sampled(state_dir, [str(native_progs.no_cfi_tree(True)), "1.5"]), whole)
+    assert _share(fp, whole) >= 0.95, fp.most_common(3)
+    dbg = _stacks(sampled(state_dir, [str(native_progs.no_cfi_tree(False, debug_frame=True)), "1.5"]), whole)
+    assert _share(dbg, whole) >= 0.95, dbg.most_common(3)
+    run = sampled(state_dir, [str(native_progs.no_cfi_tree(False)), "1.5"])
+    none = _stacks(run)
+    assert not run["errors"], run["errors"]
+    assert _share(none, lambda s: s[:1] == ("leaf_spin",)) >= 0.9, none.most_common(3)
+    assert run["status"]["end_no_mapping"] + run["status"]["end_no_frame_pointer"] + \
+        run["status"]["end_read_failed"] + run["status"]["end_bad_cfa"] > 0
+
+
+@pytest.mark.bpf
+def test_processes_exiting_mid_sample(state_dir: Path) -> None:
+    """Forty short-lived children (each 50 ms of work, then exit), forked by a shell that is the
+    job: samples of processes that exit while or before they are registered are counted, nothing
+    fails, and what is unwound is right."""
+    _skip()
+    prog = str(nofp_tree())
+    script = f'for i in $(seq 40); do {prog} 0.05 >/dev/null & done; wait; echo \'{{"pid": 0, "tids": []}}\''
+    src = BpfStacksSource(99, python_frames=False, unwinder="cfi")
+    gated = GatedProcess(["/bin/sh", "-c", script])
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors,
+                   config={"paths": {"state_dir": str(state_dir)}})
+    batches, (rc, _out, err) = run_source_over(src, ctx, gated, poll_s=0.1)
+    assert rc == 0, err
+    assert not errors, errors
+    rows = collect(batches, schema.STACK_SAMPLES)
+    assert int(rows["count"].sum()) > 0
+    assert src.cfi is not None and not src.cfi.errors, src.cfi.errors
+    assert all(lt.users for lt in src.cfi.loaded.values()), "a table kept without a process using it"
