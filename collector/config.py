@@ -87,8 +87,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "sources.stacks": {
         "rate_hz": Key(int, 99, "CPU stack sampling rate"),
-        "unwinder": Key(str, "cfi", "user stacks: cfi (CFI tables walked in the BPF program, code without frame "
-                                    "pointers) or frame_pointers (the kernel's walk only)",
+        "unwinder": Key(str, "frame_pointers", "user stacks: frame_pointers (the kernel's walk only) or cfi (CFI "
+                                               "tables walked in the BPF program, code without frame pointers; not yet "
+                                               "the default: docs/probes.md)",
                         choices=("cfi", "frame_pointers")),
         "cfi_max_rows": Key(int, 1048576, "cap on the CFI table rows loaded (12 bytes each; at most 1048576, the "
                                           "BPF map's size); a file whose table does not fit gets none"),
