@@ -178,13 +178,15 @@ def _prog_stats(src: Any) -> tuple[int, int] | None:
         return None
 
 
-def stack_sampling(quick: bool) -> dict[str, Any]:
-    """99 Hz over 16 busy threads: collector CPU, bytes per sample on disk, BPF cost, slowdown."""
+def stack_sampling(quick: bool, unwinder: str | None = None) -> dict[str, Any]:
+    """99 Hz over 16 busy threads: collector CPU, bytes per sample on disk, BPF cost, slowdown.
+    unwinder: sources.stacks.unwinder (None: the config's default, what a user gets)."""
     import tempfile
     import time
 
     import h5py
 
+    from gpuprof.collector import config
     from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
     from gpuprof.collector.writer import CHUNK_ROWS, compression_kwargs
 
@@ -198,7 +200,7 @@ def stack_sampling(quick: bool) -> dict[str, Any]:
         stats.write_text("1")
     try:
         plain = _hot_run(seconds, threads)
-        src = BpfStacksSource(99)
+        src = BpfStacksSource(99, unwinder=unwinder)
         run_ = _hot_run(seconds, threads, src)
     finally:
         if old_stats is not None:
@@ -228,6 +230,7 @@ def stack_sampling(quick: bool) -> dict[str, Any]:
     bpf = run_["bpf"]
     return {
         "bench": "stack_sampling",
+        "unwinder": unwinder or f"{config.defaults()['sources.stacks']['unwinder']} (the default)",
         "cpu_percent_of_core": round(run_["cpu_s"] / run_["wall_s"] * 100, 3),
         "bytes_per_sample": round(sum(stored.values()) / max(1, samples), 3),
         "samples": samples, "rows": len(rows), "stacks": n_stacks, "bytes": stored,
@@ -246,6 +249,7 @@ def main() -> int:
     for line in collective_loss(args.quick):
         print(json.dumps(line), flush=True)
     print(json.dumps(stack_sampling(args.quick)), flush=True)
+    print(json.dumps(stack_sampling(args.quick, "cfi")), flush=True)
     return 0
 
 
