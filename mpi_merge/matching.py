@@ -713,6 +713,7 @@ class InstanceTable:
         self.sync: ArrayLike2D = (np.zeros((max_rows, 1), bool) if scratch is None else
                                   scratch.create_dataset("instances/exit_sync", shape=(max_rows, 1), dtype="?",
                                                          fillvalue=False))
+        self._any_sync = False  # no row is: synchronous() reads nothing (an MPI job's fit, every piece)
 
     @classmethod
     def existing(cls, group: h5py.Group, n_rows: int) -> InstanceTable:
@@ -720,6 +721,7 @@ class InstanceTable:
         self = cls.__new__(cls)
         self.data = {name: group[f"instances/{name}"] for name in cls.FIELDS}
         self.sync = group["instances/exit_sync"]
+        self._any_sync = bool(group["instances/exit_sync"].attrs.get("any", False))
         self._n_cols = int(self.data["enter_max"].shape[1])
         self._n_rows = n_rows
         return self
@@ -733,6 +735,9 @@ class InstanceTable:
                 self.data[name][k0:k1] = getattr(inst, name)
             if inst.exit_sync is not None and inst.exit_sync.any():
                 self.sync[k0:k1] = inst.exit_sync[:, None]
+                if not self._any_sync and isinstance(self.sync, h5py.Dataset):
+                    self.sync.attrs["any"] = True  # for the other ranks' InstanceTable.existing
+                self._any_sync = True
         self._n_rows = k1
 
     @property
@@ -751,6 +756,8 @@ class InstanceTable:
         return E, Xn, Xm
 
     def synchronous(self, rows: np.ndarray) -> np.ndarray:
+        if not self._any_sync:
+            return np.zeros(len(rows), bool)
         return read_rows(self.sync, np.asarray(rows, dtype=np.int64))[:, 0]
 
 
