@@ -8,11 +8,15 @@
  * Processes the collector registered CFI tables for (bpf/cfiunwind.h) get their user stack walked by
  * those tables instead of the kernel's frame-pointer walk: the id of that pc list goes into the key
  * (cfi_stack) and the frame-pointer walk is skipped (user_stack = -EFAULT); when the walk fails at
- * the leaf (cfi_stack = 0) the sample keeps the frame-pointer stack.
+ * the leaf (cfi_stack = 0) the sample keeps the frame-pointer stack. That part is compiled only
+ * with GP_WITH_CFI (sources.stacks.unwinder = "cfi"): it doubles the compile and load time of the
+ * object and its maps take ~18 MB of kernel memory; without it cfi_stack is always 0.
  */
 #include "gpuprof_events.h"
 #include "pyframes.h"
+#ifdef GP_WITH_CFI
 #include "cfiunwind.h"
+#endif
 
 #ifndef GP_CPU_STACK_ENTRIES
 #define GP_CPU_STACK_ENTRIES 8192
@@ -39,10 +43,12 @@ BPF_HASH(gp_cpu_counts, struct gp_cpu_key, u64, GP_CPU_COUNT_ENTRIES);
 BPF_ARRAY(gp_cpu_gen, u32, 1);
 BPF_PERCPU_ARRAY(gp_cpu_drops, u64, 2); /* [0] counts map full, [1] stack not stored (collision/full) */
 
+#ifdef GP_WITH_CFI
 /* The key of a sample whose CFI walk is in progress, per CPU (gp_cfi_cont finishes it) */
 BPF_PERCPU_ARRAY(gp_cpu_pending, struct gp_cpu_key, 1);
 /* [0]: gp_cfi_cont, loaded by the collector when it registers CFI tables */
 BPF_PROG_ARRAY(gp_cfi_progs, 1);
+#endif
 
 static __always_inline void gp_cpu_count_key(struct gp_cpu_key *key)
 {
@@ -80,6 +86,7 @@ int gp_cpu_sample(struct bpf_perf_event_data *ctx)
     key.cpu = bpf_get_smp_processor_id();
     key.kernel_stack = gp_cpu_stacks.get_stackid(ctx, 0);
     key.py_stack = gp_py_walk(tgid, key.tid);
+#ifdef GP_WITH_CFI
     if (gp_cfi_begin(ctx, tgid)) {
         struct gp_cpu_key *pending = gp_cpu_pending.lookup(&zero);
         if (pending) {
@@ -87,11 +94,13 @@ int gp_cpu_sample(struct bpf_perf_event_data *ctx)
             gp_cfi_progs.call(ctx, 0); /* does not return when gp_cfi_cont is loaded */
         }
     }
+#endif
     key.user_stack = gp_cpu_stacks.get_stackid(ctx, BPF_F_USER_STACK);
     gp_cpu_count_key(&key);
     return 0;
 }
 
+#ifdef GP_WITH_CFI
 /* GP_CFI_STEPS frames of the sample's CFI walk; again by a tail call of itself until the walk is
  * over (at most GP_CFI_MAX_FRAMES / GP_CFI_STEPS programs: 16, under the kernel's 33), then the
  * sample is counted with its CFI stack (or its frame-pointer stack when its leaf is in no
@@ -112,3 +121,4 @@ int gp_cfi_cont(struct bpf_perf_event_data *ctx)
     gp_cpu_count_key(&key);
     return 0;
 }
+#endif

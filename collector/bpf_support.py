@@ -362,6 +362,16 @@ MODE_SWITCHES: dict[str, tuple[str, ...]] = {
     "stacks": ("GP_WITH_STACKS", "GP_WITH_OFFCPU"),
     "kernels": ("GP_WITH_KERNELS",),
 }
+# sources.stacks.unwinder: "cfi" compiles the CFI walk into the stacks program (GP_WITH_CFI)
+UNWINDERS = ("cfi", "frame_pointers")
+
+
+def stack_unwinder(config: dict[str, Any], override: str | None = None) -> str:
+    """The user-stack unwinder of the job: `override` (a source's argument) or the config's."""
+    kind = override if override is not None else config["sources.stacks"]["unwinder"]
+    if kind not in UNWINDERS:
+        raise ValueError(f"sources.stacks.unwinder = {kind!r}: one of {', '.join(UNWINDERS)}")
+    return str(kind)
 
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -424,11 +434,16 @@ class BpfHub:
         self.ring_lock = threading.Lock()
 
     @classmethod
-    def acquire(cls, modes: Iterable[str], defines_for: Callable[[tuple[str, ...]], dict[str, str]]) -> BpfHub:
-        """The shared object, compiled on first use with everything the job's modes need."""
+    def acquire(cls, modes: Iterable[str], defines_for: Callable[[tuple[str, ...]], dict[str, str]],
+                unwinder: str) -> BpfHub:
+        """The shared object, compiled on first use with everything the job's modes need (`unwinder`:
+        stack_unwinder's; every source passes the same, as any of them may compile first)."""
         with cls._lock:
             if cls._instance is None:
+                modes = tuple(modes)
                 switches = tuple(s for m in modes for s in MODE_SWITCHES.get(m, ()))
+                if "stacks" in modes and unwinder == "cfi":
+                    switches += ("GP_WITH_CFI",)
                 cls._instance = BpfHub(switches, defines_for(switches))
             cls._instance.users += 1
             return cls._instance

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpuprof.collector.safeio import ELF_MAX_BYTES
+from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 # struct gp_cfi_row of bpf/cfiunwind.h (12 bytes)
 ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa_type", "u1"),
@@ -340,18 +340,11 @@ def open_mapped_file(pid: int, start: int, end: int) -> tuple[int, os.stat_resul
     """A descriptor of the object a process maps at [start, end): /proc/PID/map_files/START-END,
     which the kernel resolves to the mapped file itself (no path of the job's is followed; a file
     replaced or deleted since is still the one mapped). Regular files of at most ELF_MAX_BYTES."""
-    path = f"/proc/{pid}/map_files/{start:x}-{end:x}"
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NoTable(f"{path}: not a regular file")
-        if st.st_size > ELF_MAX_BYTES:
-            raise NoTable(f"{path}: {st.st_size} bytes, more than the {ELF_MAX_BYTES} read")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+        return open_user_file(f"/proc/{pid}/map_files/{start:x}-{end:x}", owners=None, max_bytes=ELF_MAX_BYTES,
+                              magic_link=True)
+    except UnsafeFile as e:
+        raise NoTable(str(e)) from None
 
 
 def file_key(st: os.stat_result) -> str:
@@ -401,15 +394,10 @@ class TableCache:
         leaving the long compiles to the compile thread). child: compile in a child process at the
         lowest priority (`compile_in_child`: pyelftools is pure Python, and a compile in the
         collector's process would hold its GIL for seconds, starving the drains)."""
+        t = self.peek(st)
+        if t is not None:
+            return t
         fkey = file_key(st)
-        with self.lock:
-            key = self.by_file.get(fkey, fkey)
-            if key in self.no_table:
-                raise NoTable(self.no_table[key])
-            t = self.mem.get(key)
-            if t is not None:
-                self.mem.move_to_end(key)
-                return t
         with os.fdopen(os.dup(fd), "rb") as f:
             bid = _peek_build_id(f)
             if bid is not None:

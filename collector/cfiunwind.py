@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuprof.collector.bpf_support import parse_maps, read_maps_text
+from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
 from gpuprof.collector.cfitables import ROW_DTYPE, CfiTable, NoTable, TableCache, file_key, open_mapped_file
 
 MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
@@ -451,24 +451,24 @@ class CfiUnwinder:
 
 
 ROW_BYTES = ROW_DTYPE.itemsize
-UNWINDERS = ("cfi", "frame_pointers")
 
 
-def start_unwinder(bpf: Any, ctx: Any, unwinder: str | None) -> CfiUnwinder | None:
+def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None) -> CfiUnwinder | None:
     """The CFI unwinder of the stacks source (None: sources.stacks.unwinder = "frame_pointers", or it
     could not start: the reason is an error row and the samples keep their frame-pointer stacks)."""
     conf = ctx.config["sources.stacks"]
-    kind = unwinder if unwinder is not None else conf["unwinder"]
-    if kind not in UNWINDERS:
-        raise ValueError(f"sources.stacks.unwinder = {kind!r}: one of {', '.join(UNWINDERS)}")
-    if kind != "cfi":
+    if stack_unwinder(ctx.config, unwinder) != "cfi":
+        return None
+    if not hub.has("GP_WITH_CFI"):
+        ctx.report_error("stacks", "CFI unwinder unavailable, frame pointers only: the shared BPF object was "
+                         "compiled without it (another source compiled it first with another unwinder)")
         return None
     max_rows = int(conf["cfi_max_rows"])
     cache_mb = int(conf["cfi_cache_mb"])
     state = ctx.config["paths"]["state_dir"]
     cache_dir = os.path.join(str(state), "cfi-tables") if state and cache_mb > 0 else None
     try:
-        return CfiUnwinder(bpf, max_rows, cache_dir, cache_mb << 20,
+        return CfiUnwinder(hub.bpf, max_rows, cache_dir, cache_mb << 20,
                            report=lambda msg: ctx.report_error("stacks", msg))
     except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load
         ctx.report_error("stacks", f"CFI unwinder unavailable, frame pointers only: {str(e).strip()[:300]}")

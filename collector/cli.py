@@ -113,14 +113,21 @@ def collect(
     except GpuprofError as e:
         click.echo(f"gpuprof collect: {e}", err=True)
         ctx.exit(2)
-    if collector.writer_abandoned:
-        # HDF5 would retry the failed writes when it closes the file at interpreter exit and, on a
-        # full disk, crash (SIGSEGV in libhdf5): leave without its exit handlers. What was flushed
-        # is on disk already.
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(rc)
-    ctx.exit(rc)
+    _leave(rc)
+
+
+def _leave(rc: int) -> None:
+    """The end of a collector process, once run() returned (sealed, or what was flushed is on
+    disk): without the interpreter's exit handlers and finalization. After a failed write HDF5 would
+    retry the writes when it closes the file at exit and, on a full disk, crash (SIGSEGV in
+    libhdf5); and a source thread still in an uninterruptible BCC compile when the stop came (a
+    loaded node) has made the finalization wait forever (a futex, no Python frame left) about one
+    exit in ten under load. What BCC's exit handler would detach the kernel detaches as the process's
+    descriptors close."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _collect_continuous(ctx: click.Context, node: str | None, modes: str | None, control_socket: str | None,
@@ -162,7 +169,7 @@ def _collect_continuous(ctx: click.Context, node: str | None, modes: str | None,
     except GpuprofError as e:
         click.echo(f"gpuprof collect: {e}", err=True)
         ctx.exit(2)
-    ctx.exit(rc)
+    _leave(rc)
 
 
 @click.command("export-window")

@@ -382,11 +382,6 @@ class Collector:
         for st in self._states.values():
             st.wake.set()
 
-    @property
-    def writer_abandoned(self) -> bool:
-        """True after a write error left the HDF5 file open on purpose (see _writer_loop)."""
-        return self._abandoned_writer is not None
-
     def request_stop(self, reason: str) -> None:
         if not self.stop_event.is_set():
             self.stop_reason = reason

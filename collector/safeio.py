@@ -26,12 +26,16 @@ class UnsafeFile(ValueError):
     message names the file and why."""
 
 
-def open_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int) -> tuple[int, os.stat_result]:
+def open_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int,
+                   magic_link: bool = False) -> tuple[int, os.stat_result]:
     """(descriptor, fstat) of path opened read-only without following a symlink in its last
     component or blocking on a FIFO. Raises UnsafeFile when it is not a regular file, not owned by
-    one of owners (None: any owner) or larger than max_bytes; OSError when it cannot be opened."""
+    one of owners (None: any owner) or larger than max_bytes; OSError when it cannot be opened.
+    magic_link: path is a /proc link the kernel resolves to the object itself (map_files/START-END:
+    the file a process maps, whatever its path now names), so it is followed."""
+    nofollow = 0 if magic_link else os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeFile(f"{path}: is a symlink; not followed") from None

@@ -670,9 +670,23 @@ def test_slow_bpf_attach_marks_real_probes_late(tmp_path: Path, sleeper: subproc
     conf.write_text("[collector]\ntest_slow_attach_s = 1.0\n")
     out = tmp_path / "s.h5"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUPROF_"))}
-    subprocess.run([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "--config", str(conf), "collect", "--pid",
-                    str(sleeper.pid), "--modes", "stacks", "--output", str(out), "--duration", "8"], env=env,
-                   check=True, timeout=120, capture_output=True)
+    log = tmp_path / "collector.log"
+    with log.open("wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "--config", str(conf), "collect",
+                              "--pid", str(sleeper.pid), "--modes", "stacks", "--output", str(out), "--duration",
+                              "120"], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        # stopped once both sources say they attached (the compile's time depends on the machine's load)
+        deadline = time.monotonic() + 100
+        while not all(f"{s}: attached late" in log.read_text() for s in ("stacks", "offcpu")):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, log.read_text()[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     with h5py.File(out, "r") as f:
         late = json.loads(f.attrs["late_sources"])
         attach = json.loads(f.attrs["attach_json"])

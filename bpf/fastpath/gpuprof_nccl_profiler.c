@@ -522,23 +522,16 @@ static ncclResult_t init_v4(void **c, int *m, const char *name, uint64_t hash, i
     return do_init(c, m, 4, hash, name, nnodes, nranks, rank);
 }
 
-static ncclResult_t init_v5(void **c, uint64_t id, int *m, const char *name, int nnodes, int nranks, int rank,
-                            ncclDebugLogger_t log)
-{
-    return do_init(c, m, 5, id, name, nnodes, nranks, rank);
-}
-
-static ncclResult_t init_v6(void **c, uint64_t id, int *m, const char *name, int nnodes, int nranks, int rank,
-                            ncclDebugLogger_t log)
-{
-    return do_init(c, m, 6, id, name, nnodes, nranks, rank);
-}
-
-static ncclResult_t init_v7(void **c, uint64_t id, int *m, const char *name, int nnodes, int nranks, int rank,
-                            ncclDebugLogger_t log)
-{
-    return do_init(c, m, 7, id, name, nnodes, nranks, rank);
-}
+/* v5..v7 take the same arguments (the communicator's id where v4 had its hash) */
+#define GP_INIT_V5_LIKE(v)                                                                                    \
+    static ncclResult_t init_v##v(void **c, uint64_t id, int *m, const char *name, int nnodes, int nranks,   \
+                                  int rank, ncclDebugLogger_t log)                                          \
+    {                                                                                                         \
+        return do_init(c, m, v, id, name, nnodes, nranks, rank);                                              \
+    }
+GP_INIT_V5_LIKE(5)
+GP_INIT_V5_LIKE(6)
+GP_INIT_V5_LIKE(7)
 
 static ncclResult_t start_v1(void *c, void **h, void *descr)
 {

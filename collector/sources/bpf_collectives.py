@@ -23,6 +23,7 @@ from gpuprof.collector.bpf_support import (
     read_environ,
     read_maps,
     read_ring_drops,
+    stack_unwinder,
 )
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import (
@@ -75,7 +76,7 @@ class BpfCollectivesSource(Source):
             return d
 
         self.hub = BpfHub.acquire(ctx.modes if "collectives" in ctx.modes else (*ctx.modes, "collectives"),
-                                  defines)
+                                  defines, stack_unwinder(ctx.config))
         if not self.hub.has("GP_WITH_COLLECTIVES"):
             raise SourceUnavailable("the shared BPF object was compiled without collectives")
         b = self.hub.bpf

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_maps, read_ring_drops
+from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_maps, read_ring_drops, stack_unwinder
 from gpuprof.collector.cfiunwind import CfiUnwinder, start_unwinder
 from gpuprof.collector.pyframes import NONE, NotPython, PyFrameNamer, PyProcess, PyReadError, find_interpreter
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
@@ -46,9 +46,9 @@ def stack_store(hub: BpfHub) -> StackStore:
         return store
 
 
-def acquire_hub(ctx: SourceContext, mode: str) -> BpfHub:
+def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
     modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
-    return BpfHub.acquire(modes, defines_for_all)
+    return BpfHub.acquire(modes, defines_for_all, stack_unwinder(ctx.config, unwinder))
 
 
 class WindowedCounts:
@@ -311,7 +311,7 @@ class BpfStacksSource(Source):
         if not 0 < rate <= 10000:
             raise SourceUnavailable(f"sources.stacks.rate_hz = {rate} is out of range (0, 10000]")
         self.rate_hz = rate
-        self.hub = acquire_hub(ctx, "stacks")
+        self.hub = acquire_hub(ctx, "stacks", self.unwinder)
         if not self.hub.has("GP_WITH_STACKS"):
             self.hub.release()
             self.hub = None
@@ -323,7 +323,7 @@ class BpfStacksSource(Source):
         self.python = PythonStacks(self.hub.bpf) if self.python_frames else None
         if self.python is not None:
             self.python.register(ctx.pids())
-        self.cfi = start_unwinder(self.hub.bpf, ctx, self.unwinder)  # None: frame pointers only
+        self.cfi = start_unwinder(self.hub, ctx, self.unwinder)  # None: frame pointers only
         if self.cfi is not None:
             self.cfi.register(ctx.pids())
         try:

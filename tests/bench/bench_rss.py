@@ -46,7 +46,10 @@ def main() -> None:
     trim = bpf_support.release_freed_heap
     bpf_support.release_freed_heap = lambda: False  # type: ignore[assignment]  # the compile alone first
     try:
-        hub = bpf_support.BpfHub.acquire(("metrics", "stacks", "collectives"), bpf_support.defines_for_all)
+        from gpuprof.collector import config
+
+        hub = bpf_support.BpfHub.acquire(("metrics", "stacks", "collectives"), bpf_support.defines_for_all,
+                                         bpf_support.stack_unwinder(config.defaults()))  # the default modes
     finally:
         bpf_support.release_freed_heap = trim  # type: ignore[assignment]
     steps["bpf_compile"] = status_mb()

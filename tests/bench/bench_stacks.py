@@ -478,7 +478,7 @@ def main() -> int:
     old = STATS.read_text().strip() if STATS.exists() else None
     if old is not None:
         STATS.write_text("1")
-    hub = BpfHub.acquire(("stacks",), defines_for_all)  # one compile for every run of the bench
+    hub = BpfHub.acquire(("stacks",), defines_for_all, "cfi")  # one compile for every run of the bench
     try:
         if want("stack_quality"):
             for line in stack_quality(args.quick):
