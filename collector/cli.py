@@ -116,14 +116,18 @@ def collect(
     _leave(rc)
 
 
+EXPORT_WAIT_AT_EXIT_S = 10.0  # a continuous collector's triggered export in flight when it stops
+
+
 def _leave(rc: int) -> None:
     """The end of a collector process, once run() returned (sealed, or what was flushed is on
     disk): without the interpreter's exit handlers and finalization. After a failed write HDF5 would
     retry the writes when it closes the file at exit and, on a full disk, crash (SIGSEGV in
-    libhdf5); and a source thread still in an uninterruptible BCC compile when the stop came (a
-    loaded node) has made the finalization wait forever (a futex, no Python frame left) about one
-    exit in ten under load. What BCC's exit handler would detach the kernel detaches as the process's
-    descriptors close."""
+    libhdf5). And a daemon thread still inside h5py when the stop came (a continuous collector's
+    triggered export) is frozen by the finalization holding h5py's global lock, which the
+    finalization's own release of h5py objects then waits for forever (seen under load: main thread
+    in Py_FinalizeEx -> h5py ObjectID dealloc -> lock acquire, in gdb). What BCC's exit handler would
+    detach the kernel detaches as the process's descriptors close."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -169,6 +173,9 @@ def _collect_continuous(ctx: click.Context, node: str | None, modes: str | None,
     except GpuprofError as e:
         click.echo(f"gpuprof collect: {e}", err=True)
         ctx.exit(2)
+    if not collector.wait_for_exports(EXPORT_WAIT_AT_EXIT_S):
+        logging.getLogger("gpuprof.collector").warning(
+            "a triggered export was still being written after %.0f s: left unsealed", EXPORT_WAIT_AT_EXIT_S)
     _leave(rc)
 
 

@@ -910,6 +910,14 @@ class ContinuousCollector(Collector):
             return write_export(self, t_from_ns, t_to_ns, pids=pids, job=job, path=path, fd=fd, reason=reason,
                                 nodelist=nodelist)
 
+    def wait_for_exports(self, timeout_s: float) -> bool:
+        """Until the export being written (a trigger's, on a daemon thread) is done, at most
+        timeout_s: the process then leaves without finalization. False: one is still writing."""
+        if not self._export_lock.acquire(timeout=timeout_s):
+            return False
+        self._export_lock.release()
+        return True
+
     def status(self) -> dict[str, Any]:
         s = super().status()
         s["continuous"] = {

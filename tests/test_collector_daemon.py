@@ -342,3 +342,34 @@ def test_collector_in_error_still_stops_when_the_job_is_gone(tmp_path: Path) -> 
         assert "ENOSPC" in err and "Slurm does not know job 4243" in err, err
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+EXIT_WITH_H5PY_LOCK_HELD = """
+import sys, threading, time
+import h5py
+from h5py._objects import phil
+fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)  # an h5py object the finalization releases
+held = threading.Event()
+def hold():  # a daemon thread inside h5py when the process ends (a triggered export)
+    with phil:
+        held.set()
+        time.sleep(100)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+if sys.argv[1] == "leave":
+    from gpuprof.collector.cli import _leave
+    _leave(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "leave"])
+def test_collector_leaves_while_a_daemon_thread_holds_h5pys_lock(how: str) -> None:
+    """How a continuous collector's exit hung under load (gdb: Py_FinalizeEx -> an h5py object's
+    dealloc -> h5py's lock, held by a frozen daemon thread): a plain interpreter exit waits forever;
+    the collector's way out (cli._leave, after the seal) does not run the finalization."""
+    cmd = [sys.executable, "-c", EXIT_WITH_H5PY_LOCK_HELD, how]
+    if how == "plain":
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(cmd, timeout=5, capture_output=True)
+    else:
+        assert subprocess.run(cmd, timeout=30, capture_output=True).returncode == 3
