@@ -1,7 +1,7 @@
 /* Off-CPU time of the job's threads (mode `stacks`), from the scheduler's tracepoints.
  *
  * At switch-out of a job thread: its time, whether it left blocked (a sleeping state) or runnable
- * (preempted), and its user and kernel stacks, in gp_off_start[tid]. At wakeup: the time it became
+ * (preempted, or yielded), and, when blocked, its user and kernel stacks, in gp_off_start[tid]. At wakeup: the time it became
  * runnable. At switch-in: blocked = wakeup - switch-out, runnable = switch-in - wakeup (or
  * switch-in - switch-out when it was preempted), added to gp_off_counts under (window, pid, tid,
  * stacks) and drained by collector/sources/bpf_offcpu.py every sources.offcpu.flush_interval_s.
@@ -84,8 +84,17 @@ TRACEPOINT_PROBE(sched, sched_switch)
         s.t_out = now;
         s.pid = tgid;
         s.blocked = (args->prev_state & GP_TASK_STATE_MASK) != 0;
-        s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
-        s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
+        if (s.blocked) {
+            s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
+            s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
+        } else {
+            /* Runnable (preempted, or it yielded): its time is counted, without stacks. MPI
+             * libraries poll with sched_yield on a node with more ranks than cores, 250,000
+             * switches a second here under hpcc, and two stack walks at each made the job 40 %
+             * slower (docs/collector.md, job_slowdown); where it runs is in the CPU samples. */
+            s.user_stack = -EFAULT; /* read as "no stack of that kind", not as a stack lost */
+            s.kernel_stack = -EFAULT;
+        }
         if (gp_off_start.update(&prev, &s) != 0) {
             int one = 1;
             u64 *d = gp_off_drops.lookup(&one);
@@ -124,8 +133,8 @@ TRACEPOINT_PROBE(sched, sched_wakeup_new)
     struct gp_off_start s = {};
     s.t_out = bpf_ktime_get_ns();
     s.pid = 0; /* a new thread's or a new process's tgid: read from /proc/TID by the collector */
-    s.user_stack = -1;
-    s.kernel_stack = -1;
+    s.user_stack = -EFAULT; /* no stack of that kind (not a stack the kernel failed to store) */
+    s.kernel_stack = -EFAULT;
     gp_off_start.update(&tid, &s);
     return 0;
 }
