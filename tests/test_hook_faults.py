@@ -323,12 +323,10 @@ def test_collector_stops_by_itself_when_no_epilog_comes(node: Node) -> None:
     o.check()
 
 
-def test_output_dir_full(node: Node, mounts: list[Path], base: Path) -> None:
-    """The job's output directory fills up: the job's own output stays as it was, the node file
-    is kept for root (state_dir/undelivered) and the hook log says so."""
-    disk = base / "disk"
-    mount_tmpfs(disk, "256k", owner=node.user)
-    mounts.append(disk)
+def _job_ends_with_no_room(node: Node, disk: Path) -> tuple[Path, str]:
+    """A job whose output directory is on `disk`, which fills up between its prolog and its
+    epilog: the node file the epilog kept for root (asserted to exist) and the digest of the job's
+    own output before."""
     w = node.work_dir("a", parent=disk)
     job = node.submit(w)
     out_digest = digest(node.stdout)
@@ -338,6 +336,16 @@ def test_output_dir_full(node: Node, mounts: list[Path], base: Path) -> None:
     node.hook("epilog", job, w)
     kept = node.state_dir / "undelivered" / f"{job}@{node.name}.h5"
     assert kept.is_file(), node.log_text()[-3000:]
+    return kept, out_digest
+
+
+def test_output_dir_full(node: Node, mounts: list[Path], base: Path) -> None:
+    """The job's output directory fills up: the job's own output stays as it was, the node file
+    is kept for root (state_dir/undelivered) and the hook log says so."""
+    disk = base / "disk"
+    mount_tmpfs(disk, "256k", owner=node.user)
+    mounts.append(disk)
+    kept, out_digest = _job_ends_with_no_room(node, disk)
     assert "not delivered" in node.log_text() and str(kept) in node.log_text()
     o = node.outcome("node:output_dir_full", {node.stdout: out_digest}, None,
                      result=f"missing: output directory full; node file kept at {kept}")
@@ -355,15 +363,7 @@ def test_output_dir_over_quota(node: Node, mounts: list[Path], base: Path) -> No
     except subprocess.CalledProcessError as e:  # a machine without loop devices or btrfs quotas
         pytest.skip(f"no quota here: {' '.join(e.cmd)}: {(e.stderr or b'').decode(errors='replace')[-200:]}")
     mounts.append(disk)
-    w = node.work_dir("a", parent=quota)
-    job = node.submit(w)
-    out_digest = digest(node.stdout)
-    node.hook("prolog", job, w)
-    node.wait_recording(job)
-    fill(quota)  # a quota group limits root too
-    node.hook("epilog", job, w)
-    kept = node.state_dir / "undelivered" / f"{job}@{node.name}.h5"
-    assert kept.is_file(), node.log_text()[-3000:]
+    kept, out_digest = _job_ends_with_no_room(node, quota)  # a quota group limits root too
     log = node.log_text()
     assert "not delivered" in log and str(kept) in log and "quota" in log.lower(), log[-3000:]
     o = node.outcome("node:output_dir_over_quota", {node.stdout: out_digest}, None,
