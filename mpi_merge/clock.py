@@ -779,6 +779,13 @@ def _residual(rows: InstanceRows, clocks: RankClocks, r0: int, r1: int) -> tuple
     return clocks.align(E_raw), clocks.align(X_raw)
 
 
+def _piece_residual(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece], i: int,
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Piece i's residual (_residual), None for a piece whose constraints contradict."""
+    pc = pieces[i]
+    return _residual(rows, clocks, pc.r0, pc.r1) if pc.consistent else None
+
+
 class RankClocks:
     """The clock models of a communicator's ranks (None, or a model without segments: the rank's times
     are kept), applied to [rows, ranks] blocks of raw times all at once when the models share their
@@ -852,28 +859,40 @@ def _pieces(rows: InstanceRows, t: np.ndarray, clocks: RankClocks, ref: int, win
     return out
 
 
-def _tube(tp: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray, bool]:
-    """The intervals tightened so that a path with |slope| <= s runs through all of them (forward and
-    backward passes); False when no such path exists."""
+def _py_max(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Python's max(x, y) elementwise (y only where y > x: NaN and ties as the scalar code had them)."""
+    return np.where(y > x, y, x)
+
+
+def _py_min(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Python's min(x, y) elementwise."""
+    return np.where(y < x, y, x)
+
+
+def _tube(tp: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The intervals [pieces, nodes] tightened so that a path with |slope| <= s runs through all of
+    each node's (forward and backward passes, all nodes at once: a loop over the pieces, not over
+    pieces x nodes); per node False when no such path exists."""
     lo, hi = lo.copy(), hi.copy()
     for i in range(1, len(tp)):
         g = s * (tp[i] - tp[i - 1])
-        lo[i], hi[i] = max(lo[i], lo[i - 1] - g), min(hi[i], hi[i - 1] + g)
+        lo[i], hi[i] = _py_max(lo[i], lo[i - 1] - g), _py_min(hi[i], hi[i - 1] + g)
     for i in range(len(tp) - 2, -1, -1):
         g = s * (tp[i + 1] - tp[i])
-        lo[i], hi[i] = max(lo[i], lo[i + 1] - g), min(hi[i], hi[i + 1] + g)
-    return lo, hi, bool(np.all(lo <= hi + RELAX_TOL_NS))
+        lo[i], hi[i] = _py_max(lo[i], lo[i + 1] - g), _py_min(hi[i], hi[i + 1] + g)
+    return lo, hi, np.all(lo <= hi + RELAX_TOL_NS, axis=0)
 
 
 def _bounded_path(tp: np.ndarray, want: np.ndarray, lo: np.ndarray, hi: np.ndarray, s: float) -> np.ndarray:
-    """Points as close to `want` as the tube allows, each within s x dt of the previous one."""
+    """Per node (columns), points as close to `want` as the tube allows, each within s x dt of the
+    previous one."""
     p = np.empty_like(want)
     for i in range(len(tp)):
         a, b = lo[i], hi[i]
         if i:
             g = s * (tp[i] - tp[i - 1])
-            a, b = max(a, p[i - 1] - g), min(b, p[i - 1] + g)
-        p[i] = min(max(want[i], a), b) if a <= b else (a + b) / 2
+            a, b = _py_max(a, p[i - 1] - g), _py_min(b, p[i - 1] + g)
+        p[i] = np.where(a <= b, _py_min(_py_max(want[i], a), b), (a + b) / 2)
     return p
 
 
@@ -954,13 +973,11 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         hi = base + np.array([pc.hi for pc in pieces])
         lo, hi = np.where(np.isnan(lo), -np.inf, lo), np.where(np.isnan(hi), np.inf, hi)  # contradicting
         tube_lo, tube_hi = lo.copy(), hi.copy()
-        for a in range(n):
-            if a == ref:
-                continue
-            la, ha, ok = _tube(tp, lo[:, a], hi[:, a], s)
-            if ok:
-                tube_lo[:, a], tube_hi[:, a] = la, ha
-            elif not notes[a]:
+        la, ha, ok = _tube(tp, lo, hi, s)
+        ok[ref] = False  # the reference keeps its intervals (its box pins it at 0)
+        tube_lo[:, ok], tube_hi[:, ok] = la[:, ok], ha[:, ok]
+        for a in np.flatnonzero(~ok):
+            if a != ref and not notes[a]:
                 notes[a] = (f"the collectives ask for a drift beyond {p.max_drift_ppm:.0f} ppm (the kernel's slew "
                             "limit): the data are inconsistent with any physical clock")
         pts = np.zeros((len(pieces), n))
@@ -972,13 +989,15 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
             for i, d in enumerate(spread.map(joint, len(pieces))):
                 if d is not None:  # else: contradicting (what stays out of order is judged at the end)
                     want[i] = base[i] + d
-            for a in range(n):
-                if a != ref:
-                    pts[:, a] = _bounded_path(tp, want[:, a], tube_lo[:, a], tube_hi[:, a], s)
+            free = np.arange(n) != ref
+            pts[:, free] = _bounded_path(tp, want[:, free], tube_lo[:, free], tube_hi[:, free], s)
         else:
             # repair: what the per-node paths left out of order between nodes, fixed jointly piece by
-            # piece in time order, each node kept inside its tube and its drift bound from the last point
-            for i, pc in enumerate(pieces):
+            # piece in time order, each node kept inside its tube and its drift bound from the last point.
+            # The loop is serial (each point bounds the next) and runs on rank 0; the pieces' residuals,
+            # most of its cost, are computed on every rank and come to it in order (Spread.ordered)
+            residual = functools.partial(_piece_residual, rows, clocks, pieces)
+            for i, got in enumerate(spread.ordered(residual, len(pieces))):
                 b_lo, b_hi = tube_lo[i] - base[i], tube_hi[i] - base[i]
                 if i:
                     g = s * (tp[i] - tp[i - 1])
@@ -986,12 +1005,13 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                     b_hi = np.fmin(b_hi, pts[i - 1] + g - base[i])
                 b_lo[ref] = b_hi[ref] = 0.0
                 d = None
-                if pc.consistent:
-                    E, X = _residual(rows, clocks, pc.r0, pc.r1)
+                if got is not None:
+                    E, X = got
                     d = _joint(E, X, np.zeros(n), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
                     if d is None:  # the constraints win over the drift bound (said below, if it shows)
                         d = _joint(E, X, np.zeros(n), *_ref_box(n, ref))
                 pts[i] = base[i] + (d if d is not None else 0.0)
+            pts = spread.share(pts)
         tp_all = np.concatenate([[t[0]], tp, [t[-1]]])
         new_models = []
         for a in range(n):

@@ -133,12 +133,28 @@ class Spread(Protocol):
 
     def map(self, fn: Callable[[int], T], n: int) -> list[T]: ...
 
+    def ordered(self, fn: Callable[[int], T], n: int) -> Iterator[T]:
+        """fn(0), ..., fn(n-1) in order, on rank 0 only, for a loop there that must take them in order
+        (the other ranks compute items and get an empty iterator); rank 0 holds a bounded window of
+        results, so an item may be as large as a block."""
+        ...
+
+    def share(self, obj: T) -> T:
+        """Rank 0's obj on every rank (what rank 0 made of an ordered map)."""
+        ...
+
 
 class SerialSpread:
     """Everything on this process (one rank, library use)."""
 
     def map(self, fn: Callable[[int], T], n: int) -> list[T]:
         return [fn(i) for i in range(n)]
+
+    def ordered(self, fn: Callable[[int], T], n: int) -> Iterator[T]:
+        return (fn(i) for i in range(n))
+
+    def share(self, obj: T) -> T:
+        return obj
 
 
 class _PointToPoint(Protocol):
@@ -369,6 +385,23 @@ class CommSpread:
         out = self.comm.bcast(got, root=0)
         assert out is not None
         return list(out)
+
+    def ordered(self, fn: Callable[[int], T], n: int) -> Iterator[T]:
+        if self.size == 1:
+            return (fn(i) for i in range(n))
+        self.maps += 1
+        if self.rank == 0:
+            # rank 0 computes an item itself only when the one its loop needs is not there yet
+            return iter(_Dealer(self.comm, fn, n, max(12, 6 * self.size), self.stats, self.maps, self.queues,
+                                recompute=False))
+        pending: list[Any] = []
+        _serve_items(self.comm, fn, pending)
+        for r in pending:
+            r.wait()
+        return iter(())
+
+    def share(self, obj: T) -> T:
+        return obj if self.size == 1 else self.comm.bcast(obj, root=0)
 
 
 C_contra = TypeVar("C_contra", contravariant=True)
