@@ -234,6 +234,14 @@ assert spread.map(sleeps_longer, 40) == [i * 3 for i in range(40)]
 assert spread.map(sleeps_longer, 0) == []
 if rank == 0:
     print("SPREAD", spread.stats.items_by_rank, spread.stats.recomputed)
+# ordered: rank 0 takes the items in order (a loop whose step needs the last), the others only compute
+before = list(spread.stats.items_by_rank)
+taken = list(spread.ordered(sleeps_longer, 30))
+assert taken == ([i * 3 for i in range(30)] if rank == 0 else []), taken
+assert spread.share(sum(taken) if rank == 0 else None) == 3 * sum(range(30))
+assert list(spread.ordered(sleeps_longer, 0)) == []
+if rank == 0:
+    print("ORDERED", [a - b for a, b in zip(spread.stats.items_by_rank, before)])
 '''
 
 
@@ -241,7 +249,9 @@ if rank == 0:
 def test_a_slow_rank_does_not_hold_the_others_back(ranks: int, tmp_path: Path) -> None:
     """Items are dealt on demand: a rank 20x slower than the others computes a few of them, rank 0
     computes again an item that rank has held too long, and the results come in item order, the
-    same as computed on one rank; rank 0 never holds more than its window of results."""
+    same as computed on one rank; rank 0 never holds more than its window of results. The
+    spread's ordered map (the clock fit's repair loop) gives rank 0 every result in order and the
+    slow rank few items."""
     script = tmp_path / "pool.py"
     script.write_text(POOL_SCRIPT)
     p = mpirun(ranks, str(script), timeout=120)
@@ -258,6 +268,10 @@ def test_a_slow_rank_does_not_hold_the_others_back(ranks: int, tmp_path: Path) -
     spread_line = next(x for x in p.stdout.splitlines() if x.startswith("SPREAD"))
     spread_by_rank = json.loads(spread_line.split(maxsplit=1)[1].rsplit(maxsplit=1)[0])
     assert spread_by_rank[1] <= 8 and sum(spread_by_rank) == 40, spread_line
+    ordered_line = next(x for x in p.stdout.splitlines() if x.startswith("ORDERED"))
+    ordered_by_rank = json.loads(ordered_line.split(maxsplit=1)[1])
+    assert sum(ordered_by_rank) == 30 and ordered_by_rank[1] <= 8, ordered_line
+    assert all(n > 0 for n in ordered_by_rank[2:]), ordered_line  # the other, fast ranks computed some
 
 
 @pytest.mark.parametrize("which", ["straggler", "sub_communicators"])
