@@ -6,11 +6,13 @@
      clock, saved beside it (.calls.npy);
   2. rank 0 receives the summaries rank by rank (one message per node) and selects the files to
      merge; it broadcasts the selection and the job's epoch;
-  3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies every
-     selected node file's tables into /nodes, straight from the node file (HDF5 object copy).
-     Meanwhile rank 0 loads the calls one node at a time in the job's node order into the job-wide
-     [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and closes it; every rank
-     opens it read-only from then on. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
+  3. the job file's writer (the last rank, rank 0 when alone) creates the job file and copies the
+     selected node files' tables into /nodes, straight from the node file (one HDF5 object copy of
+     each node file's root), while rank 0 loads the calls one node at a time in the job's node
+     order into the job-wide [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and
+     closes it; every rank opens it read-only from then on. The writer stops copying when rank 0
+     sends the tables' layout (every later step needs all ranks) and copies the nodes left at the
+     end, before the aligned times. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
      over the ranks (common.RankPool), rank 0 writes the clock fit's input from their results into
      a file of its own; then every rank fits the clocks, the windows dealt over the ranks
      (common.CommSpread), and all hold the models;
@@ -73,6 +75,7 @@ from gpuprof.mpi_merge.jobfile import (
     copy_aligned_times,
     copy_node_tables,
     finish_job_file,
+    start_job_file,
     write_aligned_times,
 )
 from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
@@ -85,7 +88,7 @@ from gpuprof.mpi_merge.waitstates import CommSummary, CommWaits
 EXIT_COMPLETE = 0
 EXIT_ERROR = 2
 EXIT_PARTIAL = 3
-TAG_COUNT, TAG_SUMMARY, TAG_ALIGNED, TAG_NODES = 11, 12, 15, 16
+TAG_COUNT, TAG_SUMMARY, TAG_LAYOUT, TAG_ALIGNED, TAG_NODES = 11, 12, 13, 15, 16
 # the steps whose progress is counted in instances (pass 1 and pass 2 over the job-wide tables)
 SCAN_STEP = "scan: completeness, mismatches, clock input"
 WAITS_STEP = "aligned times, wait states"
@@ -421,8 +424,14 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     # 3. the writer starts the job file with every selected node's tables, copied straight from the
     #    node files, while rank 0 fills the job-wide tables with the calls, one node at a time in the
     #    job's node order, and fits the clocks
+    node_files = [(node, Path(f)) for f, node in selected]
+    copied = 0
     if rank == writer:
-        copy_node_tables(job_tmp, [(node, Path(f)) for f, node in selected])
+        start_job_file(job_tmp)
+        # with other ranks, only while rank 0 loads the calls alone (until the tables' layout comes):
+        # every later step needs the writer too, and the rest of the copy waits for the end
+        layout_sent = None if writer == 0 else (lambda: c.iprobe(source=0, tag=TAG_LAYOUT))
+        copied = copy_node_tables(job_tmp, node_files, stop=layout_sent)
         steps.mark("copy_nodes")
     job: JobAnalyzer | None = None
     clock_in: ClockInput | None = None
@@ -444,7 +453,12 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             layout = _store_layout(store)
         # the tables are complete: closed here, and every rank reads them from now on
         steps.mark("load_calls")
-    layout = c.bcast(layout, root=0)
+    # point to point, not a broadcast: the writer looks for it between two nodes' copies
+    if rank == 0:
+        for req in [c.isend(layout, dest=r, tag=TAG_LAYOUT) for r in range(1, size)]:
+            req.wait()
+    else:
+        layout = c.recv(source=0, tag=TAG_LAYOUT)
     assert layout is not None
     names = decision["nodes"]
     # closed by merge() when the merge ends
@@ -495,6 +509,8 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         c.send(True, dest=writer, tag=TAG_ALIGNED)
 
     def copy_aligned() -> None:
+        copy_node_tables(job_tmp, node_files[copied:])  # what the writer had no time for at the start
+        steps.mark("copy_nodes_rest")
         for r in range(size):
             if r != writer:
                 c.recv(source=r, tag=TAG_ALIGNED)

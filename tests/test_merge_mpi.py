@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,40 @@ def test_same_job_file_for_1_2_4_ranks(job: Path, tmp_path: Path) -> None:
     reps = [json.loads(Path(f"{tmp_path}/k{n}.gpuprof.json").read_text()) for n in (1, 2, 4)]
     assert reps[0] == reps[1] == reps[2]
     assert [s["node"] for s in reps[0]["stragglers"]] == ["node001"]
+
+
+def test_the_writers_copy_cut_at_the_layout_is_finished_at_the_end(job: Path, tmp_path: Path) -> None:
+    """The writer copies node tables only until rank 0 sends the tables' layout, and the nodes
+    left at the end: with the layout sent before its second node (rank 0 waits for it), the job file
+    is the one of a single rank, every node in it, and the writer says it copied the rest."""
+    one = mpirun(1, "-m", "gpuprof.slurm_hooks.cli", "merge", str(job), "--output-stem", str(tmp_path / "k1"),
+                 "--quiet")
+    assert one.returncode == 0, one.stderr[-3000:]
+    script = tmp_path / "cut_copy.py"
+    script.write_text(
+        "import sys, time\n"
+        "from gpuprof.mpi_merge import merge\n"
+        "real = merge.copy_node_tables\n"
+        "def first_node_only(job_tmp, nodes, stop=None):\n"
+        "    if stop is None:\n"
+        "        return real(job_tmp, nodes)\n"
+        "    got = real(job_tmp, nodes[:1])\n"
+        "    while not stop():  # the layout comes: stop here, as a slow copy would\n"
+        "        time.sleep(0.01)\n"
+        "    return got\n"
+        "merge.copy_node_tables = first_node_only\n"
+        "from gpuprof.slurm_hooks.cli import main\n"
+        f"sys.argv = ['gpuprof', 'merge', {str(job)!r}, '--output-stem', {str(tmp_path / 'cut')!r}, '--quiet']\n"
+        "main()\n")
+    p = subprocess.run(
+        [MPIRUN or "mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
+         str(script)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), GPUPROF_MERGE_TIMING="1"), check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"timing rank 1: .*copy_nodes_rest=", p.stderr), p.stderr[-2000:]
+    assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / "cut.gpuprof.h5") == []
+    with h5py.File(tmp_path / "cut.gpuprof.h5", "r") as f:
+        assert len(f["nodes"]) == len(list(job.glob("*.h5")))
 
 
 def merge_with_small_blocks(n: int, src: Path, stem: Path) -> subprocess.CompletedProcess[str]:
