@@ -155,7 +155,7 @@ def build_comms(calls_by_node: list[np.ndarray], epoch_rt: int) -> list[CommTabl
     for ni, calls in enumerate(calls_by_node):
         if not len(calls):
             continue
-        coll = calls[np.isin(calls["op"], list(COLLECTIVE_SET))]
+        coll = _where(calls, np.isin(calls["op"], list(COLLECTIVE_SET)))
         for cid in np.unique(coll["comm_id"]):
             per_comm.setdefault(int(cid), []).append((ni, coll[coll["comm_id"] == cid]))
     tables = []
@@ -235,6 +235,12 @@ class StoredComm:
     device_timed: bool = False  # some call has device-side times (its host_enter field is filled)
 
 
+def _where(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """a[keep], without the copy when every row is kept (a node's calls are usually all collectives
+    of one communicator: copying 14 fields of every call three times was most of add_node)."""
+    return a if keep.all() else a[keep]
+
+
 class CommStore:
     """The job-wide tables of every communicator (what build_comms makes), filled one node at a time
     and read back by blocks of seqs. `scratch`: an HDF5 group to keep them in instead of memory."""
@@ -260,18 +266,19 @@ class CommStore:
         """The collective calls of node `ni` (its index in the job's node list) into the tables, as
         build_comms does: rows of a rank outside the communicator are dropped, and a rank that a
         later node claims too keeps the earlier node's entries where the later one has none."""
-        coll = calls[np.isin(calls["op"], list(COLLECTIVE_SET))]
+        coll = _where(calls, np.isin(calls["op"], list(COLLECTIVE_SET)))
         for cid in np.unique(coll["comm_id"]):
             if int(cid) not in self._index:
                 raise ValueError(f"node {ni}: communicator {int(cid):#x} is not in the job's shapes "
                                  "(its summary did not list it)")
             c = self.comms[self._index[int(cid)]]
-            p = coll[coll["comm_id"] == cid]
+            p = _where(coll, coll["comm_id"] == cid)
             r = p["comm_rank"].astype(np.int64)
             s = p["seq"].astype(np.int64)
             ok = (r >= 0) & (r < c.size)
-            r, s, p = r[ok], s[ok], p[ok]
-            c.node_of_rank[np.unique(r)] = ni
+            r, s, p = _where(r, ok), _where(s, ok), _where(p, ok)
+            ranks = np.unique(r)
+            c.node_of_rank[ranks] = ni
             values = {
                 "enter": (p["enter_rt"] - self.epoch_rt).astype(np.float64),
                 "exit": np.where(p["returned"], (p["exit_rt"] - self.epoch_rt).astype(np.float64), np.nan),
@@ -281,7 +288,6 @@ class CommStore:
             }
             if p["device_timed"].any():
                 c.device_timed = True
-            ranks = np.unique(r)
             for rr in ranks:
                 mine = r == rr
                 c.pid_of_rank[rr] = int(p["pid"][mine][0])
