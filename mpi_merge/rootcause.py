@@ -433,7 +433,7 @@ def _sweep_range(sw: _Sweep, times: Sequence[AlignedRows], g0: int, g1: int) -> 
     return {**f, "ptr": ptr, "waitee": waitee, "proc": proc_l, "attributed": attributed}
 
 
-SWEEP_RANGES_PER_RANK = 4  # ranges of the sweep per merge rank (each starts from a warmed ring)
+SWEEP_RANGES_PER_RANK = 8  # ranges of the sweep per merge rank (each starts from a warmed ring)
 
 
 def sweep_cuts(comms: Sequence[CommSummary], gcomm: np.ndarray, parts: int) -> np.ndarray:
