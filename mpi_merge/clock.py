@@ -976,9 +976,9 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         la, ha, ok = _tube(tp, lo, hi, s)
         ok[ref] = False  # the reference keeps its intervals (its box pins it at 0)
         tube_lo[:, ok], tube_hi[:, ok] = la[:, ok], ha[:, ok]
-        for a in np.flatnonzero(~ok):
-            if a != ref and not notes[a]:
-                notes[a] = (f"the collectives ask for a drift beyond {p.max_drift_ppm:.0f} ppm (the kernel's slew "
+        for bad in np.flatnonzero(~ok).tolist():
+            if bad != ref and not notes[bad]:
+                notes[bad] = (f"the collectives ask for a drift beyond {p.max_drift_ppm:.0f} ppm (the kernel's slew "
                             "limit): the data are inconsistent with any physical clock")
         pts = np.zeros((len(pieces), n))
         if it < p.iterations:

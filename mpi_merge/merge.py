@@ -26,6 +26,9 @@
      rank 0 writes as they are into a part file of its own; then mismatches, the tests of the
      stragglers and the reports on rank 0. Rank 0 then adds /collectives, /clock, /analysis and the
      root attributes to the job file, renames it into place, then writes the reports the same way.
+     The HTML page is drawn from the finished job file; with other ranks its two passes over the
+     node groups are dealt over all ranks (html_report.PoolPasses; the same page), and its
+     communicator sections are computed while rank 0 waits for the writer (html_report.prepare_comms).
 
 Rank 0's memory therefore holds the per-node summaries (bounded per node), per-instance vectors,
 per-rank sums and one block of the tables (or its window of results): not the calls, not the
@@ -68,7 +71,7 @@ from gpuprof.mpi_merge.analysis import (
 )
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
 from gpuprof.mpi_merge.common import CommSpread, DealStats, RankPool, SerialSpread
-from gpuprof.mpi_merge.html_report import render_html_file
+from gpuprof.mpi_merge.html_report import PageContext, prepare_comms, render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
     CollectivesWriter,
@@ -526,6 +529,11 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         if rank == writer:
             copy_aligned()
             c.send(True, dest=0, tag=TAG_NODES)
+        # then the page's passes over the nodes of the finished job file, until rank 0 has drawn it
+        page = PageContext(output_paths(Path(plan["stem"]))["h5"])
+        RankPool(c, page).serve()
+        page.close()
+        steps.mark("page_items")
         steps.report()
         return None
     if writer == 0:
@@ -561,6 +569,12 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     nccl = _nccl_log(files, analysis)
     texts = render_reports(analysis)
     steps.mark("render")
+    # the page's communicator sections (its largest reads) from rank 0's part of /collectives, the
+    # tables the job file gets, while the writer still copies the node tables (the report is final)
+    comm_sections = None
+    if size > 1:
+        comm_sections = prepare_comms(collectives_part, analysis.report, analysis.epoch_rt)
+        steps.mark("page_comms")
     if writer != 0:
         c.recv(source=writer, tag=TAG_NODES)
     steps.mark("wait_writer")
@@ -569,8 +583,16 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         nccl_log.write_into_job_file(job_tmp, nccl)
     outs = output_paths(Path(plan["stem"]))
     os.replace(job_tmp, outs["h5"])
-    # the page is drawn from the job file, the same code as `gpuprof report --html`
-    texts["html"] = render_html_file(outs["h5"])
+    # the page is drawn from the job file, the same code as `gpuprof report --html`; with other ranks
+    # its passes over the nodes (their tables: most of the page at 1024 nodes) are dealt over them
+    if size > 1:
+        page = PageContext(outs["h5"])
+        page_pool = RankPool(c, page)
+        texts["html"] = render_html_file(outs["h5"], page_pool, page, comm_sections)
+        page_pool.close()
+        steps.deal("page", page_pool.stats)
+    else:
+        texts["html"] = render_html_file(outs["h5"])
     reports = write_rendered(texts, outs)
     steps.mark("job_file_reports")
     steps.report()

@@ -5,8 +5,11 @@ tests/test_browser.py loads the same pages in Chromium."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -18,6 +21,7 @@ from gpuprof.collector import schema
 from gpuprof.mpi_merge import html_report, roofline
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.cli import report as report_cmd
+from gpuprof.mpi_merge.common import SerialPool
 from gpuprof.mpi_merge.merge import merge
 
 RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
@@ -243,3 +247,205 @@ def test_a_job_without_metrics_or_stacks(tmp_path: Path) -> None:
     assert p["metrics"] == [] and p["gpus"] == [] and len(p["comms"]) == 1
     cov = {c["source"]: c["nodes"] for c in p["coverage"]}
     assert cov["collective calls"] == 3 and cov["GPU metrics (NVML)"] == 0 and cov["CPU stacks"] == 0
+
+
+# --- the page's passes over the nodes: the same page from one process and from the merge ranks --------
+
+def _replace(g: h5py.Group, path: str, data: np.ndarray) -> None:
+    if path in g:
+        del g[path]
+    g.create_dataset(path, data=data, maxshape=(None,), chunks=(max(1, min(64, len(data))),))
+
+
+def enrich_node_file(f: h5py.Group, i: int) -> None:
+    """NVTX ranges, kernel launches, CPU stacks and off-CPU rows (real schema tables) in a synthetic
+    node file, on node i's own clock: beyond the page's per-node limits on some nodes, names shared
+    between nodes (each payload string once, ids given in node order), tables without rows, names
+    missing from the string tables."""
+    t = f["gpu/samples"][()]["t_ns"].astype(np.int64)
+    t0, t1 = int(t.min()), int(t.max())
+    rng = np.random.default_rng(i)
+    pids = np.unique(f["collectives/calls"][()]["pid"])
+    pid = int(pids[0])
+
+    def times(n: int) -> np.ndarray:
+        return np.sort(rng.integers(t0, t1, n)).astype(np.uint64)
+
+    if i in (0, 3):  # NVTX ranges: beyond MAX_EVENT_ROWS on node 0, a few on node 3 with the same names
+        n = html_report.MAX_EVENT_ROWS + 50 if i == 0 else 7
+        r = np.zeros(n, schema.TABLES_BY_PATH["/nvtx/ranges"].dtype)
+        r["t_start_ns"] = times(n)
+        r["t_end_ns"] = r["t_start_ns"] + rng.integers(1000, 10**7, n).astype(np.uint64)
+        r["pid"], r["tid"], r["name_id"], r["depth"] = pid, pid + 1, rng.integers(1, 5, n), rng.integers(0, 3, n)
+        _replace(f, "nvtx/ranges", r)
+        s = np.zeros(3, schema.TABLES_BY_PATH["/nvtx/strings"].dtype)  # name 4 has no string: "[string 4 ...]"
+        s["pid"], s["string_id"], s["text"] = pid, [1, 2, 3], [b"step", HOSTILE.encode(), f"only on node {i}".encode()]
+        _replace(f, "nvtx/strings", s)
+    if i in (0, 3):  # kernel launches: beyond MAX_EVENT_ROWS on node 0; one function without a name
+        n = html_report.MAX_EVENT_ROWS + 50 if i == 0 else 5
+        k = np.zeros(n, schema.TABLES_BY_PATH["/kernels/launches"].dtype)
+        k["t_ns"], k["pid"], k["function"] = times(n), pid, rng.integers(0x10, 0x13, n)
+        k["grid_x"], k["grid_y"], k["grid_z"] = 4096, 4096, rng.integers(1, 300, n)  # beyond 2**32 cells
+        _replace(f, "kernels/launches", k)
+        fn = np.zeros(2, schema.TABLES_BY_PATH["/kernels/functions"].dtype)
+        fn["pid"], fn["function"], fn["name"] = pid, [0x10, 0x11], [b"gemm", b"allreduce_kernel"]
+        _replace(f, "kernels/functions", fn)
+    if i == 4:  # tables the collectors created without rows
+        _replace(f, "nvtx/ranges", np.zeros(0, schema.TABLES_BY_PATH["/nvtx/ranges"].dtype))
+        _replace(f, "kernels/launches", np.zeros(0, schema.TABLES_BY_PATH["/kernels/launches"].dtype))
+    if i in (1, 3):  # CPU stacks (beyond MAX_STACK_ROWS on node 1) and off-CPU windows
+        sym = np.zeros(6, schema.TABLES_BY_PATH["/stacks/symbols"].dtype)
+        sym["symbol_id"], sym["name"] = np.arange(6), [b"main", b"step", b"MPI_Allreduce", b"poll", b"schedule", b"x"]
+        _replace(f, "stacks/symbols", sym)
+        fr = np.zeros(9, schema.TABLES_BY_PATH["/stacks/frames"].dtype)  # stack 3 names symbol 9: "?"
+        fr["stack_id"] = [1, 1, 1, 2, 2, 3, 3, 4, 4]
+        fr["depth"] = [0, 1, 2, 0, 1, 0, 1, 0, 1]
+        fr["symbol_id"] = [3, 2, 0, 1, 0, 9, 0, 4, 3]
+        _replace(f, "stacks/frames", fr)
+        n = html_report.MAX_STACK_ROWS + 50 if i == 1 else 40
+        st = np.zeros(n, schema.TABLES_BY_PATH["/stacks/samples"].dtype)
+        st["t_ns"], st["pid"], st["tid"], st["count"] = times(n), pid, pid, rng.integers(1, 50, n)
+        st["user_stack"], st["kernel_stack"] = rng.integers(1, 4, n), rng.choice([0, 4], n)
+        _replace(f, "stacks/samples", st)
+        m = 300
+        off = np.zeros(m, schema.TABLES_BY_PATH["/offcpu/intervals"].dtype)
+        off["t_ns"] = np.repeat(np.linspace(t0, t1, m // 3).astype(np.uint64), 3)
+        off["pid"], off["tid"], off["user_stack"], off["kernel_stack"] = pid, pid, rng.integers(1, 4, m), 4
+        off["blocked_ns"], off["count"] = rng.integers(0, 10**8, m), 1
+        _replace(f, "offcpu/intervals", off)
+
+
+@pytest.fixture(scope="module")
+def rich_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("rich") / "rich.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=6, duration_s=3, ranks_per_node=2, gpus_per_node=2, seed=11,
+                                 stragglers=[syn.Straggler(3, "gpu", 1.0, 2.5)]), d)
+    for i, node_file in enumerate(sorted(d.glob("node*.h5"))):
+        with h5py.File(node_file, "r+") as f:
+            enrich_node_file(f, i)
+    return d
+
+
+@pytest.fixture(scope="module")
+def rich_job(rich_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    res = merge(str(rich_dir), output_stem=str(tmp_path_factory.mktemp("rich1") / "k1"))
+    assert res is not None
+    return res.job_file
+
+
+def pooled_page(job: Path, ranks: int) -> str:
+    """The page as a merge of `ranks` ranks draws it: its passes over the nodes cut into items as
+    the merge cuts them, every item computed by a PageContext of its own (no mapper, group or
+    string table shared with the page's builder, as on another rank), and the communicators'
+    sections computed before (prepare_comms, here from the job file's own /collectives)."""
+    with h5py.File(job, "r") as f:
+        report = json.loads(f["analysis"].attrs["report_json"])
+        nodes = html_report.JobNodes(f)
+        comms = html_report.prepare_comms(job, report, nodes.epoch)
+        context = html_report.PageContext(job)
+        passes = html_report.PoolPasses(SerialPool(context, size=ranks), len(nodes.nodes))
+        try:
+            return html_report.render_page(html_report.PayloadBuilder(f, report, passes, nodes, comms).build())
+        finally:
+            context.close()
+
+
+def test_rich_job_rows_and_summaries(rich_job: Path) -> None:
+    """What the enriched nodes give: each name once in the string table, the rows of a node naming
+    them through it, the per-node limits said in `summarized`, [] for a table without rows."""
+    p = payload_of(rich_job.with_suffix(".html").read_text())
+    strings = p["strings"]
+    assert len(set(strings)) == len(strings)
+    rows = p["node_rows"]
+    n0, n3 = rows["node000"], rows["node003"]
+    assert len(n0["nvtx"]) == html_report.MAX_EVENT_ROWS and len(n0["kernels"]) == html_report.MAX_EVENT_ROWS
+    names0 = {strings[r[2]] for r in n0["nvtx"]}
+    assert {"step", HOSTILE, "only on node 0"} <= names0 and any(x.startswith("[string 4 of pid") for x in names0)
+    assert {strings[r[2]] for r in n3["nvtx"]} <= {"step", HOSTILE, "only on node 3"} | {
+        x for x in names0 if x.startswith("[string 4")}
+    assert {strings[r[1]] for r in n0["kernels"]} == {"gemm", "allreduce_kernel", "function 0x12"}
+    assert all(r[2] >= 4096 * 4096 for r in n0["kernels"])
+    n1 = rows["node001"]
+    assert len(n1["samples"]) == html_report.MAX_STACK_ROWS and n1["offcpu"]
+    frames = {";".join(strings[i] for i in st) for st in n1["stacks"]}
+    assert "main;MPI_Allreduce;poll" in frames and any("?" in x.split(";") for x in frames)
+    assert rows["node004"]["nvtx"] == [] and rows["node004"]["kernels"] == []
+    assert rows["node002"]["nvtx"] == [] and rows["node002"]["kernels"] is None  # empty in the generator's files
+    said = " ".join(p["summarized"])
+    assert f"NVTX ranges: the {html_report.MAX_EVENT_ROWS} longest per node, on 1 node(s)" in said
+    assert f"/stacks/samples: the {html_report.MAX_STACK_ROWS} heaviest rows per node, on 1 node(s)" in said
+    assert "offcpu" in {m["key"] for m in p["metrics"]}
+
+
+@pytest.mark.parametrize("ranks,items_per_rank", [(2, 8), (3, 1), (1, 1), (64, 8)])
+def test_page_from_pooled_passes_is_the_same(rich_job: Path, synth_job: Path, demo_job: Path, ranks: int,
+                                             items_per_rank: int, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes over the nodes cut into items as a merge of 2, 3, 1 or 64 ranks cuts them (one
+    node an item, two or three, all in one), each computed on a context of its own: the same page,
+    byte for byte, as drawn on one process (`gpuprof report --html`). Also for a job file whose
+    tables lack what the merge always writes (NVTX strings without a pid column, stack frames
+    without symbols)."""
+    monkeypatch.setattr(html_report, "ITEMS_PER_RANK", items_per_rank)
+    odd = tmp_path / "odd.gpuprof.h5"
+    shutil.copy(rich_job, odd)
+    with h5py.File(odd, "r+") as f:
+        g = f["nodes/node003"]
+        s = g["nvtx/strings"][()]
+        del g["nvtx/strings"]
+        g.create_dataset("nvtx/strings", data=np.array([(x["string_id"], x["text"]) for x in s],
+                                                       dtype=[("string_id", "<u4"), ("text", "S128")]))
+        del g["stacks/symbols"]
+    for job in (rich_job, odd, synth_job, demo_job):
+        assert pooled_page(job, ranks) == html_report.render_html_file(job), job
+
+
+MPIRUN = shutil.which("mpirun")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (mpi marker)")
+def test_page_drawn_with_merge_ranks_is_the_same(rich_dir: Path, rich_job: Path, tmp_path: Path) -> None:
+    """A merge on 2 and 3 ranks deals the page's passes over the nodes over its ranks (pickled to
+    rank 0, names mapped to the page's string table there): the same page as on one rank, and the
+    other ranks computed some of the nodes."""
+    assert MPIRUN is not None
+    root = Path(__file__).resolve().parent.parent
+    for n in (2, 3):
+        stem = tmp_path / f"k{n}"
+        p = subprocess.run(
+            [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, "-m", "mpi4py", "-m",
+             "gpuprof.slurm_hooks.cli", "merge", str(rich_dir), "--output-stem", str(stem), "--quiet"],
+            capture_output=True, text=True, timeout=300, cwd=root, check=False,
+            env=dict(os.environ, PYTHONPATH=str(root), GPUPROF_MERGE_TIMING="1"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert Path(f"{stem}.gpuprof.html").read_text() == rich_job.with_suffix(".html").read_text(), n
+        line = next(x for x in p.stderr.splitlines() if x.startswith("gpuprof merge items page:"))
+        by_rank = json.loads(line.split("by rank ")[1].split("]")[0] + "]")
+        assert len(by_rank) == n and sum(by_rank[1:]) > 0, line
+
+
+@pytest.mark.parametrize("layout", ["nodes_reversed", "rows_interleaved"])
+def test_clock_segments_in_another_order_give_the_same_page(rich_job: Path, tmp_path: Path, layout: str) -> None:
+    """The page reads each node's /clock/segments rows where /clock/nodes' counts put them (the
+    merge writes them node by node); a job file whose table has them elsewhere (whole nodes in
+    another order, or the nodes' rows interleaved, each node's in its order) is read whole and
+    grouped by node: the same page."""
+    job = tmp_path / "job.gpuprof.h5"
+    shutil.copy(rich_job, job)
+    with h5py.File(job, "r+") as f:
+        segs = f["clock/segments"][()]
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in segs["node"]]
+        by_node = {n: np.flatnonzero(np.array(names) == n) for n in dict.fromkeys(names)}
+        if layout == "nodes_reversed":
+            order = np.concatenate([by_node[n] for n in reversed(by_node)])
+        else:  # round robin over the nodes
+            longest = max(len(v) for v in by_node.values())
+            order = np.array([v[k] for k in range(longest) for v in by_node.values() if k < len(v)])
+        assert sorted(order.tolist()) == list(range(len(segs))) and not np.array_equal(order, np.arange(len(segs)))
+        doc = f["clock/segments"].attrs["doc"]
+        del f["clock/segments"]
+        f["clock"].create_dataset("segments", data=segs[order]).attrs["doc"] = doc
+    page = html_report.render_html_file(job)
+    assert page == rich_job.with_suffix(".html").read_text()
+    assert pooled_page(job, 2) == page

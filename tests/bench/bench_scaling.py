@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMING = re.compile(r"gpuprof merge timing rank (\d+): (.*) total=([\d.]+)")
 PEAKS = re.compile(r"gpuprof merge peak rss MB rank (\d+): (.*)")
 # the steps after the analysis: the job file and the reports (the HTML page is drawn from the job file)
-REPORT_STEPS = ("job_file_reports",)
+REPORT_STEPS = ("page_comms", "job_file_reports", "page_items")
 
 
 def emit(obj: dict[str, Any]) -> None:
