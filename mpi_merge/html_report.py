@@ -1123,11 +1123,6 @@ def render_page(payload: dict[str, Any]) -> str:
             f"<script>{lib}</script>\n<script>{_asset('report.js')}</script>\n</body></html>\n")
 
 
-def render_html_job(f: h5py.File, report: dict[str, Any]) -> str:
-    """The page of an open job file, with its report dict (from /analysis or the merge's analysis)."""
-    return render_page(PayloadBuilder(f, report).build())
-
-
 def html_path_of(job_file: Path) -> Path:
     """STEM.gpuprof.html beside STEM.gpuprof.h5 (where the merge writes it)."""
     return job_file.with_suffix(".html")
