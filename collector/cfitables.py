@@ -22,6 +22,7 @@ object the process maps; never a path the job controls); compile_table reads the
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import io
 import os
@@ -61,6 +62,10 @@ _PLT_EXPR_HEAD = (0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A)
 _PLT_EXPR_TAIL = (0x2A, 0x33, 0x24, 0x22)
 
 MAX_PC = (1 << 32) - 1
+
+
+class CompileCancelled(Exception):
+    """The collector is stopping: a compile in flight (or a wait for another's) was abandoned."""
 
 
 class NoTable(ValueError):
@@ -354,6 +359,10 @@ def file_key(st: os.stat_result) -> str:
 # --- cache -------------------------------------------------------------------------------------
 
 
+COMPILE_LOCK_WAIT_S = 120.0  # longest wait for another collector's compile of the same file
+CANCEL_POLL_S = 0.1  # how soon a stopping collector's compile child is killed
+
+
 class TableCache:
     """Compiled tables by key (build id, else file identity): in memory up to max_rows rows in all
     (least recently used dropped first), and on disk (build ids only) in a directory only root may
@@ -374,6 +383,11 @@ class TableCache:
         self.disk_hits = 0
         self.disk_errors: list[str] = []
         self.child_cpu_s = 0.0  # CPU of the compile children, as they report it
+        self.waited_for_others = 0  # tables another process of the host compiled while this one waited
+        self.warmed = 0  # tables compiled ahead of the job's processes (warm)
+        # set when the collector stops: compiles in children are killed, lock waits end (a stop
+        # must not wait for a compile of seconds: the seal has a deadline)
+        self.cancel = threading.Event()
 
     def peek(self, st: os.stat_result) -> CfiTable | None:
         """The table of a file already compiled (memory only; None: not yet). Raises NoTable for a
@@ -413,29 +427,109 @@ class TableCache:
                     return t
             if not compile and _cfi_bytes(f) > SMALL_CFI_BYTES:
                 return None
-            t0 = time.process_time()
+            # The long compiles (child) of one build id are made once per host: the collectors of
+            # the jobs of a node (four at once on the local cluster) share the disk cache, and the
+            # first to take the build id's lock compiles while the others wait and then load it.
+            lock_fd = self._compile_lock(bid) if child and bid is not None else None
             try:
-                f.seek(0)
-                if child:
-                    t = compile_in_child(f.fileno(), fkey, self.max_rows)
-                    self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
-                else:
-                    t = compile_table(f, fkey, self.max_rows)
-            except NoTable as e:
-                with self.lock:
-                    self.no_table[bid or fkey] = str(e)
-                    self.by_file[fkey] = bid or fkey
-                    while len(self.no_table) > 4096:
-                        self.no_table.popitem(last=False)
-                    self._trim_files()
-                raise
+                if lock_fd is not None:
+                    assert bid is not None
+                    t = self._disk_load(bid)
+                    if t is not None:
+                        self.waited_for_others += 1
+                        self._remember(fkey, t)
+                        return t
+                t0 = time.process_time()
+                try:
+                    f.seek(0)
+                    if child:
+                        t = compile_in_child(f.fileno(), fkey, self.max_rows, self.cancel,
+                                             self._child_store(bid), lock_fd)
+                        self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
+                    else:
+                        t = compile_table(f, fkey, self.max_rows)
+                except NoTable as e:
+                    with self.lock:
+                        self.no_table[bid or fkey] = str(e)
+                        self.by_file[fkey] = bid or fkey
+                        while len(self.no_table) > 4096:
+                            self.no_table.popitem(last=False)
+                        self._trim_files()
+                    raise
+                finally:
+                    self.compile_s += time.process_time() - t0
+                self.compiled += 1
+                self._remember(fkey, t)
+                if bid is not None and not t.stats.pop("stored", 0):
+                    self._disk_store(t)
             finally:
-                self.compile_s += time.process_time() - t0
-        self.compiled += 1
-        self._remember(fkey, t)
-        if bid is not None:
-            self._disk_store(t)
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the flock
         return t
+
+    def warm(self, fd: int, st: os.stat_result) -> bool:
+        """Compile the open file's table into the disk cache only (a library the node's jobs are
+        likely to map: the next registration of it is a disk hit); not kept in memory. True when
+        compiled now; False when it is cached already, has no build id, or there is no disk cache."""
+        with os.fdopen(os.dup(fd), "rb") as f:
+            bid = _peek_build_id(f)
+        store = self._child_store(bid)
+        if bid is None or store is None or self._on_disk(bid):
+            return False
+        lock_fd = self._compile_lock(bid)
+        try:
+            if self._on_disk(bid):  # another collector of the host compiled it while this one waited
+                return False
+            t = compile_in_child(fd, file_key(st), self.max_rows, self.cancel, store, lock_fd)
+            self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
+            if not t.stats.pop("stored", 0):
+                self._disk_store(t)
+            self.warmed += 1
+            return True
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+
+    def _on_disk(self, bid: str) -> bool:
+        paths = self._disk_paths(bid)
+        return paths is not None and os.path.lexists(paths[0])
+
+    def _child_store(self, bid: str | None) -> tuple[str, int] | None:
+        """Where a compile child stores its table itself ((cache directory, bytes); None: no disk
+        cache), so that a compile the collector leaves at its stop still serves the next job."""
+        if bid is None or self.disk_dir is None or self._disk_paths(bid) is None or not self._disk_ok():
+            return None
+        return str(self.disk_dir), self.disk_bytes
+
+    def _compile_lock(self, bid: str) -> int | None:
+        """An open descriptor holding the exclusive lock of `bid` in the disk cache (None: no disk
+        cache, or the lock could not be had within COMPILE_LOCK_WAIT_S: then this process compiles
+        on its own, as without a cache). A holder that dies releases it (flock)."""
+        paths = self._disk_paths(bid)
+        if paths is None or not self._disk_ok():
+            return None
+        lock_p = paths[0].with_suffix(".lock")
+        try:
+            fd = os.open(lock_p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            self._disk_error(f"{lock_p}: {e}")
+            return None
+        deadline = time.monotonic() + COMPILE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return None
+                if self.cancel.wait(0.1):
+                    os.close(fd)
+                    raise CompileCancelled(bid) from None
+            except OSError as e:
+                self._disk_error(f"{lock_p}: {e}")
+                os.close(fd)
+                return None
 
     def _remember(self, fkey: str, t: CfiTable) -> None:
         with self.lock:
@@ -514,15 +608,19 @@ class TableCache:
             return
         rows_p, seg_p = paths
         tmp = rows_p.with_suffix(f".tmp{os.getpid()}")
+        seg_tmp = seg_p.with_suffix(f".segtmp{os.getpid()}")
         try:
+            # the segments first: a reader that finds the rows (the name it looks up) finds them too
+            np.array([x for s in t.segments for x in s], dtype="<u8").tofile(seg_tmp)
+            os.replace(seg_tmp, seg_p)
             with open(tmp, "wb") as f:
                 np.save(f, t.rows, allow_pickle=False)
             os.replace(tmp, rows_p)
-            np.array([x for s in t.segments for x in s], dtype="<u8").tofile(seg_p)
             self._disk_trim()
         except OSError as e:
             self._disk_error(f"{rows_p}: {e}")
             tmp.unlink(missing_ok=True)
+            seg_tmp.unlink(missing_ok=True)
 
     def _disk_trim(self) -> None:
         assert self.disk_dir is not None
@@ -539,6 +637,7 @@ class TableCache:
                 break
             p.unlink(missing_ok=True)
             p.with_suffix(".seg").unlink(missing_ok=True)
+            p.with_suffix(".lock").unlink(missing_ok=True)
             total -= size
 
 
@@ -561,27 +660,56 @@ def _cfi_bytes(f: BinaryIO) -> int:
 CHILD_TIMEOUT_S = 120.0
 
 
-def compile_in_child(fd: int, fallback_key: str, max_rows: int) -> CfiTable:
+def compile_in_child(fd: int, fallback_key: str, max_rows: int, cancel: threading.Event | None = None,
+                     store: tuple[str, int] | None = None, lock_fd: int | None = None) -> CfiTable:
     """compile_table in a child process (`python -m gpuprof.collector.cfitables`, at the collector's
     own priority: hooks.collector_nice) reading the descriptor it inherits; its answer on stdout:
-    one JSON line, then the rows (.npy). Its CPU time is in stats["cpu_ms"]."""
+    one JSON line, then the rows (.npy). Its CPU time is in stats["cpu_ms"].
+
+    store: (cache directory, bytes): the child writes the table into the disk cache itself, before
+    it answers (stats["stored"] = 1), and holds `lock_fd` (the build id's compile lock) until it
+    exits. `cancel` set (the collector stops): CompileCancelled is raised within CANCEL_POLL_S and
+    the child is left to finish into the disk cache, bounded by CHILD_TIMEOUT_S of CPU, so that a
+    big table that did not finish during a short job serves the next one on the host; without a
+    disk cache there is nothing to finish for and it is killed."""
     import json
     import subprocess
     import sys
 
     os.lseek(fd, 0, os.SEEK_SET)
+    argv = [sys.executable, "-I", "-m", "gpuprof.collector.cfitables", str(fd), fallback_key, str(max_rows)]
+    if store is not None:
+        argv += [store[0], str(store[1])]
+    pass_fds = (fd,) if lock_fd is None else (fd, lock_fd)
+    # -I: no current directory, PYTHONPATH or user site on the child's path (it runs as root)
+    proc = subprocess.Popen(argv, pass_fds=pass_fds, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    abandoned = False
     try:
-        # -I: no current directory, PYTHONPATH or user site on the child's path (it runs as root)
-        proc = subprocess.run([sys.executable, "-I", "-m", "gpuprof.collector.cfitables", str(fd), fallback_key,
-                               str(max_rows)], pass_fds=(fd,), capture_output=True, timeout=CHILD_TIMEOUT_S,
-                              check=False, cwd="/")
-    except subprocess.TimeoutExpired:
-        raise NoTable(f"compile took more than {CHILD_TIMEOUT_S:.0f} s") from None
-    head, _, body = proc.stdout.partition(b"\n")
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=CANCEL_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if cancel is not None and cancel.is_set():
+                    abandoned = store is not None
+                    raise CompileCancelled(fallback_key) from None
+                if time.monotonic() >= deadline:
+                    raise NoTable(f"compile took more than {CHILD_TIMEOUT_S:.0f} s") from None
+    finally:
+        if proc.returncode is None:
+            if abandoned:  # its answer is not read: it stores, then meets a closed pipe and leaves
+                for pipe in (proc.stdout, proc.stderr):
+                    if pipe is not None:
+                        pipe.close()
+            else:
+                proc.kill()
+                proc.communicate()
+    head, _, body = stdout.partition(b"\n")
     try:
         meta = json.loads(head)
     except ValueError:
-        raise NoTable(f"compile failed (exit {proc.returncode}): {proc.stderr.decode(errors='replace')[-300:]}") \
+        raise NoTable(f"compile failed (exit {proc.returncode}): {stderr.decode(errors='replace')[-300:]}") \
             from None
     if "no_table" in meta:
         raise NoTable(str(meta["no_table"]))
@@ -597,9 +725,16 @@ def compile_in_child(fd: int, fallback_key: str, max_rows: int) -> CfiTable:
 
 def _child_main(argv: list[str]) -> int:
     import json
+    import resource
+    import signal
     import sys
 
+    # bounded on its own: it may outlive a collector that stopped (compile_in_child)
+    limit = int(CHILD_TIMEOUT_S)
+    resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
+    signal.alarm(3 * limit)
     fd, key, max_rows = int(argv[0]), argv[1], int(argv[2])
+    store = (argv[3], int(argv[4])) if len(argv) >= 5 else None
     out = sys.stdout.buffer
     try:
         with os.fdopen(fd, "rb") as f:
@@ -607,12 +742,20 @@ def _child_main(argv: list[str]) -> int:
     except NoTable as e:
         out.write(json.dumps({"no_table": str(e)}).encode() + b"\n")
         return 0
+    stats = {**t.stats, "cpu_ms": round(time.process_time() * 1000)}
+    if store is not None:
+        cache = TableCache(max_rows, store[0], store[1])
+        if cache._disk_paths(t.key) is not None:  # a build id (tables without one are not kept on disk)
+            cache._disk_store(t)
+            stats["stored"] = int(not cache.disk_errors)
     buf = io.BytesIO()  # (np.save to a real file writes the data past its own buffer)
     np.save(buf, t.rows, allow_pickle=False)
-    stats = {**t.stats, "cpu_ms": round(time.process_time() * 1000)}
-    out.write(json.dumps({"key": t.key, "segments": t.segments, "fdes": t.fdes, "stats": stats}).encode() + b"\n")
-    out.write(buf.getvalue())
-    out.flush()
+    try:
+        out.write(json.dumps({"key": t.key, "segments": t.segments, "fdes": t.fdes, "stats": stats}).encode() + b"\n")
+        out.write(buf.getvalue())
+        out.flush()
+    except BrokenPipeError:
+        pass  # the collector stopped and left this compile to finish into the disk cache
     return 0
 
 

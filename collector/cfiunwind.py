@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
 import queue
 import threading
@@ -33,7 +34,16 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
-from gpuprof.collector.cfitables import ROW_DTYPE, CfiTable, NoTable, TableCache, file_key, open_mapped_file
+from gpuprof.collector.cfitables import (
+    ROW_DTYPE,
+    CfiTable,
+    CompileCancelled,
+    NoTable,
+    TableCache,
+    file_key,
+    open_mapped_file,
+)
+from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
 MAX_MAPPINGS_PER_PROC = 4096  # GP_CFI_MAP_STEPS = 12 binary search steps
@@ -48,35 +58,44 @@ class Compiler:
 
     def __init__(self, cache: TableCache) -> None:
         self.cache = cache
-        self.queue: queue.Queue[tuple[int, os.stat_result] | None] = queue.Queue()
+        # (priority, order, request): the tables a job process waits for before the prewarm's,
+        # in the order asked; None (close) first of all
+        self.queue: queue.PriorityQueue[tuple[int, int, tuple[int, os.stat_result, bool] | None]] = \
+            queue.PriorityQueue()
+        self.order = itertools.count()
         self.pending: set[str] = set()  # file identities queued or being compiled
         self.done = 0  # files finished (compiled, or found to have no table)
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="gpuprof-cfi-compiler", daemon=True)
         self.thread.start()
 
-    def submit(self, fd: int, st: os.stat_result) -> bool:
+    def submit(self, fd: int, st: os.stat_result, warm: bool = False) -> bool:
         """Queue the open file (the thread closes fd); False (fd closed here) when it is queued already
-        or the queue is full."""
+        or the queue is full. warm: into the disk cache only (TableCache.warm)."""
         key = file_key(st)
         with self.lock:
             if key in self.pending or len(self.pending) >= COMPILE_QUEUE_MAX:
                 os.close(fd)
                 return False
             self.pending.add(key)
-        self.queue.put((fd, st))
+        self.queue.put((1 if warm else 0, next(self.order), (fd, st, warm)))
         return True
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
+            _, _, item = self.queue.get()
             if item is None:
                 return
-            fd, st = item
+            fd, st, warm = item
             try:
-                self.cache.get(fd, st, child=True)
+                if warm:
+                    self.cache.warm(fd, st)
+                else:
+                    self.cache.get(fd, st, child=True)
             except (NoTable, OSError, ValueError):
                 pass  # remembered by the cache (NoTable) or tried again at a later registration
+            except CompileCancelled:
+                pass  # the collector stops
             finally:
                 os.close(fd)
                 with self.lock:
@@ -88,8 +107,11 @@ class Compiler:
             return not self.pending
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=5)
+        """Stop at once: a compile in flight is killed (the seal has a deadline; what was compiled
+        is in the disk cache for the next job)."""
+        self.cache.cancel.set()
+        self.queue.put((-1, next(self.order), None))
+        self.thread.join(timeout=1)
 
 
 class RangeAlloc:
@@ -149,8 +171,9 @@ class _Proc:
 
 
 class CfiUnwinder:
-    def __init__(self, bpf: Any, max_rows: int, cache_dir: str | None, cache_bytes: int,
-                 report: Any = None) -> None:
+    def __init__(self, bpf: Any, compiler: Compiler, report: Any = None) -> None:
+        """compiler: the table compiler (its cache bounds the rows: cache.max_rows), started before the
+        BPF object by start_compiler, so that the prewarm runs while the object compiles."""
         from bcc import BPF
         from bcc.libbcc import lib
 
@@ -165,13 +188,14 @@ class CfiUnwinder:
         self.stale_map = bpf[b"gp_cfi_stale"]
         self.counters = bpf[b"gp_cfi_counters"]
         kernel_rows = int(self.rows_map.max_entries)
+        max_rows = compiler.cache.max_rows
         if max_rows > kernel_rows:
             raise ValueError(f"sources.stacks.cfi_max_rows = {max_rows} is more than the BPF map's {kernel_rows} "
                              f"(GP_CFI_ROWS)")
         self.rows = RangeAlloc(max_rows)
         self.mappings = RangeAlloc(int(self.maps_map.max_entries))
-        self.cache = TableCache(max_rows, cache_dir, cache_bytes)
-        self.compiler = Compiler(self.cache)
+        self.cache = compiler.cache
+        self.compiler = compiler
         self.lock = threading.RLock()
         self._done_seen = 0
         self._stop = threading.Event()
@@ -180,8 +204,7 @@ class CfiUnwinder:
             m.clear()
         on = bpf[b"gp_cfi_on"]
         on[on.Key(0)] = on.Leaf(1)  # unregistered job processes are marked stale from now on
-        self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
-        self.poller.start()
+
         self.loaded: dict[str, _Loaded] = {}
         self.procs: dict[int, _Proc] = {}
         self.waiting: set[int] = set()  # pids whose tables are not all compiled yet
@@ -192,6 +215,9 @@ class CfiUnwinder:
         cont = bpf.load_func(b"gp_cfi_cont", BPF.PERF_EVENT)
         progs = bpf[b"gp_cfi_progs"]
         progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
+        self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
+        self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
+        self.poller.start()
         self.stack_key = ctypes.c_uint64()
         self.stack_leaf = self.stacks_map.Leaf()
         self.stack_words = np.frombuffer(self.stack_leaf, np.uint64)
@@ -211,12 +237,27 @@ class CfiUnwinder:
             self._done_seen = self.compiler.done
             self._register_some(set(pids) | stale | retry, stale | retry)
 
+    def after_drain(self, live: set[int]) -> None:
+        """What the stacks source's drain tells the unwinder, without waiting for it: the job's
+        processes now (the others are unregistered), and that a drain passed (ranges freed before
+        become reusable). The registration thread acts on it; a drain never waits for a
+        registration, which can take seconds when a process maps many files whose tables are
+        compiled on the spot (a job's slurmstepd maps dozens of Slurm plugins)."""
+        self._posted_live = frozenset(live)  # one assignment: read whole by the registration thread
+
     def _poll(self) -> None:
-        """Between drains: registrations the BPF program asked for (gp_cfi_stale), and processes
-        whose tables the compile thread has finished, every POLL_S (a process is walked by CFI from
-        about 0.1 s after its exec, not from the next drain)."""
+        """The registration thread: every POLL_S, the registrations the BPF program asked for
+        (gp_cfi_stale: a job process sampled without tables, an exec, a dlopen), the processes whose
+        tables the compile thread has finished, and what the last drain posted (after_drain). Only
+        processes that are sampled are registered: a job process that never runs costs nothing."""
         while not self._stop.wait(POLL_S):
             try:
+                live, self._posted_live = self._posted_live, None
+                if live is not None:
+                    with self.lock:
+                        self.rows.new_drain()
+                        self.mappings.new_drain()
+                        self._forget(set(live))
                 pending = next(iter(self.stale_map.keys()), None) is not None
                 if pending or (self.waiting and self.compiler.done != self._done_seen):
                     self.register((), drain=False)
@@ -447,30 +488,92 @@ class CfiUnwinder:
                 "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
                 "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
+                "compiled_by_another_collector": self.cache.waited_for_others, "prewarmed": self.cache.warmed,
                 "registrations": self.registrations, **self.counts()}
 
 
 ROW_BYTES = ROW_DTYPE.itemsize
 
 
-def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None) -> CfiUnwinder | None:
-    """The CFI unwinder of the stacks source (None: sources.stacks.unwinder = "frame_pointers", or it
-    could not start: the reason is an error row and the samples keep their frame-pointer stacks)."""
+# Runtime libraries most jobs of an HPC or ML node map (sonames, as `ldconfig -p` lists them):
+# compiled into the host's disk cache when a collector starts (CfiUnwinder._prewarm)
+PREWARM_SONAMES = ("libc.so.6", "ld-linux-x86-64.so.2", "libm.so.6", "libgcc_s.so.1", "libstdc++.so.6",
+                   "libgfortran.so.5", "libmpi.so.40", "libopen-pal.so.40", "libopen-rte.so.40", "libmpich.so.12")
+
+
+def prewarm_files() -> list[str]:
+    """Real paths of PREWARM_SONAMES found by the dynamic loader's cache, then this collector's own
+    interpreter (the node's Python: a Python job's interpreter is usually that very file) and the
+    BLAS its numpy loaded, the largest table (hundreds of thousands of rows) last. Root-owned
+    files only (opened so by _prewarm)."""
+    import re
+    import sys
+
+    from gpuprof.collector.sources.collective_calls import system_libraries
+
+    want = re.compile("|".join(re.escape(n) + "$" for n in PREWARM_SONAMES))
+    by_name = {os.path.basename(p): p for p in system_libraries(want)}
+    out = [by_name[n] for n in sorted(by_name, key=lambda n: _soname_rank(n))]
+    out.append(os.path.realpath(sys.executable))
+    text = read_maps_text(os.getpid()) or ""
+    out += sorted({m.path for m in parse_maps(text) if "openblas" in os.path.basename(m.path) and "x" in m.perms})
+    return list(dict.fromkeys(out))  # each file once, in order
+
+
+def _soname_rank(real_name: str) -> int:
+    for i, n in enumerate(PREWARM_SONAMES):
+        if real_name.startswith(n.split(".so")[0] + "."):
+            return i
+    return len(PREWARM_SONAMES)
+
+
+def start_compiler(ctx: Any, unwinder: str | None) -> Compiler | None:
+    """The CFI table compiler of a stacks source that walks by CFI (None: frame pointers), started
+    before the source's BPF object compiles (seconds of CPU), with the prewarm queued
+    (sources.stacks.cfi_prewarm): the node's common runtime libraries go into the host's disk cache
+    while the object compiles, so that a node's first profiled job is walked whole from its first
+    seconds (its C library's, interpreter's and MPI's tables take seconds of CPU each). Once per
+    host and library version: the other collectors of the host find them on disk, or wait for the
+    compile's lock. Handed to start_unwinder; close() it when the unwinder does not start."""
     conf = ctx.config["sources.stacks"]
     if stack_unwinder(ctx.config, unwinder) != "cfi":
+        return None
+    cache_mb = int(conf["cfi_cache_mb"])
+    state = ctx.config["paths"]["state_dir"]
+    cache_dir = os.path.join(str(state), "cfi-tables") if state and cache_mb > 0 else None
+    compiler = Compiler(TableCache(int(conf["cfi_max_rows"]), cache_dir, cache_mb << 20))
+    if conf["cfi_prewarm"] and compiler.cache.disk_dir is not None:
+        for path in prewarm_files():
+            try:
+                fd, st = open_user_file(path, owners=(0,), max_bytes=ELF_MAX_BYTES)
+            except (OSError, UnsafeFile) as e:
+                ctx.report_error("stacks", f"CFI table of {path} not prewarmed: {e}")
+                continue
+            compiler.submit(fd, st, warm=True)
+    return compiler
+
+
+def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None, compiler: Compiler | None = None) -> CfiUnwinder | None:
+    """The CFI unwinder of the stacks source (None: sources.stacks.unwinder = "frame_pointers", or it
+    could not start: the reason is an error row and the samples keep their frame-pointer stacks).
+    compiler: start_compiler's (None: started here); closed here when no unwinder starts."""
+    if stack_unwinder(ctx.config, unwinder) != "cfi":
+        if compiler is not None:
+            compiler.close()
         return None
     if not hub.has("GP_WITH_CFI"):
         ctx.report_error("stacks", "CFI unwinder unavailable, frame pointers only: the shared BPF object was "
                          "compiled without it (another source compiled it first with another unwinder)")
+        if compiler is not None:
+            compiler.close()
         return None
-    max_rows = int(conf["cfi_max_rows"])
-    cache_mb = int(conf["cfi_cache_mb"])
-    state = ctx.config["paths"]["state_dir"]
-    cache_dir = os.path.join(str(state), "cfi-tables") if state and cache_mb > 0 else None
+    if compiler is None:
+        compiler = start_compiler(ctx, unwinder)
+    assert compiler is not None  # the unwinder is cfi here
     try:
-        return CfiUnwinder(hub.bpf, max_rows, cache_dir, cache_mb << 20,
-                           report=lambda msg: ctx.report_error("stacks", msg))
+        return CfiUnwinder(hub.bpf, compiler, report=lambda msg: ctx.report_error("stacks", msg))
     except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load
+        compiler.close()
         ctx.report_error("stacks", f"CFI unwinder unavailable, frame pointers only: {str(e).strip()[:300]}")
         return None
 

@@ -87,14 +87,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "sources.stacks": {
         "rate_hz": Key(int, 99, "CPU stack sampling rate"),
-        "unwinder": Key(str, "frame_pointers", "user stacks: frame_pointers (the kernel's walk only) or cfi (CFI "
-                                               "tables walked in the BPF program, code without frame pointers; not yet "
-                                               "the default: docs/probes.md)",
+        "unwinder": Key(str, "cfi", "user stacks: cfi (CFI tables walked in the BPF program: code without "
+                                    "frame pointers too) or frame_pointers (the kernel's walk only)",
                         choices=("cfi", "frame_pointers")),
         "cfi_max_rows": Key(int, 1048576, "cap on the CFI table rows loaded (12 bytes each; at most 1048576, the "
                                           "BPF map's size); a file whose table does not fit gets none"),
         "cfi_cache_mb": Key(int, 64, "compiled CFI tables kept on disk in <state_dir>/cfi-tables, by build id "
                                      "(0 = none)"),
+        "cfi_prewarm": Key(bool, True, "compile the tables of the node's common runtime libraries (C, C++ and "
+                                        "Fortran runtimes, MPI, the Python interpreter, numpy's BLAS) into the "
+                                        "disk cache when a collector starts, once per host"),
     },
     "sources.collectives": {
         "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),

@@ -45,6 +45,8 @@ ROOT_ATTRS: dict[str, str] = {
                     "probed a library only after job processes had mapped it",
     "fastpath_json": "(at seal, mode collectives with the fast path) JSON object: ring directory, rings "
                      "read, rings refused and processes that could not create one, with the first reasons",
+    "unwind_json": "(at seal, mode stacks) JSON object: the user-stack unwinder (cfi or frame_pointers) and, for "
+                   "cfi, its status: processes and tables registered, compiles, walks and how they ended",
 }
 
 

@@ -26,7 +26,7 @@ from stackcopy_run import NOFP_TREE, nofp_tree
 from gpuprof.collector import cfitables as ct
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import BpfHub, defines_for_all
-from gpuprof.collector.cfiunwind import RangeAlloc, start_unwinder
+from gpuprof.collector.cfiunwind import Compiler, RangeAlloc, prewarm_files, start_unwinder
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
@@ -138,6 +138,166 @@ def test_cache_by_build_id_on_disk(tmp_path: Path) -> None:
     assert a.compiled == 1 and b.compiled == 0 and b.disk_hits == 1
     assert ct.digest(t1.rows) == ct.digest(t2.rows) and t1.segments == t2.segments
     assert (os.stat(tmp_path / "cfi").st_mode & 0o777) == 0o700
+
+
+def _get_in_another_process(cache_dir: str, out: Any) -> None:
+    """One collector's compile thread asking for libc's table (run in a process of its own)."""
+    import os
+
+    cache = ct.TableCache(1 << 20, cache_dir, 64 << 20)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        t = cache.get(fd, os.fstat(fd), child=True)
+    finally:
+        os.close(fd)
+    assert t is not None
+    out.put((cache.compiled, cache.waited_for_others, ct.digest(t.rows)))
+
+
+def test_collectors_of_one_host_compile_a_table_once(tmp_path: Path) -> None:
+    """Four collectors starting at once (the four virtual nodes of the local cluster; the jobs of
+    one node) ask for the same big table: one compiles it, the others wait for its lock and load
+    the disk copy, and all get the same rows."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_get_in_another_process, args=(str(tmp_path / "cfi"), out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sum(c for c, _, _ in got) == 1, got
+    assert sum(w for _, w, _ in got) == 3, got
+    assert len({d for _, _, d in got}) == 1
+
+
+def _compile_children() -> list[int]:
+    """Pids of this process's children running the table compiler."""
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat_line = Path(f"/proc/{d}/stat").read_text()
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat_line.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"gpuprof.collector.cfitables" in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_a_stopping_collector_does_not_wait_for_a_compile(tmp_path: Path) -> None:
+    """The seal has a deadline: closing the compile thread while the interpreter's big table (about
+    2 s of CPU) compiles in its child returns at once. The child is left to finish into the host's
+    disk cache (a short job must not leave the next one without the table), then leaves; without
+    a disk cache it is killed."""
+    import os
+    import time
+
+    big = os.path.realpath(sys.executable)
+    for disk in (tmp_path / "cfi", None):
+        cache = ct.TableCache(1 << 22, str(disk) if disk else None, 64 << 20)
+        compiler = Compiler(cache)
+        fd = os.open(big, os.O_RDONLY)
+        assert compiler.submit(fd, os.fstat(fd))
+        deadline = time.monotonic() + 30
+        while not _compile_children():
+            assert time.monotonic() < deadline, "no compile child started"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        compiler.close()
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        assert not compiler.thread.is_alive() and cache.compiled == 0
+        deadline = time.monotonic() + 120
+        while _compile_children():
+            assert time.monotonic() < deadline, "the compile child did not leave"
+            time.sleep(0.1)
+        if disk is None:
+            continue
+        later = ct.TableCache(1 << 22, str(disk), 64 << 20)  # the next job's collector
+        fd = os.open(big, os.O_RDONLY)
+        try:
+            t = later.get(fd, os.fstat(fd), compile=False)
+        finally:
+            os.close(fd)
+        assert t is not None and later.disk_hits == 1 and later.compiled == 0
+        with open(big, "rb") as f:
+            assert ct.digest(t.rows) == ct.digest(ct.compile_table(f, "x", 1 << 22).rows)
+
+
+def test_prewarm_compiles_the_node_libraries_into_the_disk_cache(tmp_path: Path) -> None:
+    """A collector's start compiles the node's runtime libraries into the host's disk cache, not
+    into its own memory: the next registration of the C library is a disk hit, and a second
+    prewarm of the same file compiles nothing."""
+    import os
+
+    files = prewarm_files()
+    assert str(LIBC.resolve()) in files or "/usr" + str(LIBC.resolve()) in files, files
+    assert os.path.realpath(sys.executable) in files
+    cache = ct.TableCache(1 << 22, str(tmp_path / "cfi"), 64 << 20)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        assert cache.warm(fd, os.fstat(fd)) is True
+        assert not cache.mem and cache.warmed == 1
+        assert cache.warm(fd, os.fstat(fd)) is False
+        later = ct.TableCache(1 << 22, str(tmp_path / "cfi"), 64 << 20)
+        t = later.get(fd, os.fstat(fd), compile=False)
+    finally:
+        os.close(fd)
+    assert t is not None and later.disk_hits == 1 and later.compiled == 0
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        assert ct.TableCache(1 << 22, None, 0).warm(fd, os.fstat(fd)) is False  # no disk cache: nothing to warm
+    finally:
+        os.close(fd)
+
+
+def test_a_job_table_goes_before_the_prewarm(tmp_path: Path) -> None:
+    """The compile thread takes the tables a job process waits for before the prewarm's: one asked
+    while a prewarm compile runs is the next one compiled."""
+    import os
+    import time
+
+    cache = ct.TableCache(1 << 22, str(tmp_path / "cfi"), 64 << 20)
+    order: list[str] = []
+    warm, get = cache.warm, cache.get
+
+    def warm_logged(fd: int, st: os.stat_result) -> bool:
+        order.append(f"warm {st.st_ino}")
+        return warm(fd, st)
+
+    def get_logged(fd: int, st: os.stat_result, **kw: Any) -> Any:
+        order.append(f"job {st.st_ino}")
+        return get(fd, st, **kw)
+
+    cache.warm, cache.get = warm_logged, get_logged  # type: ignore[method-assign]
+    compiler = Compiler(cache)
+    try:
+        paths = [os.path.realpath(sys.executable), "/lib/x86_64-linux-gnu/libstdc++.so.6",
+                 "/lib/x86_64-linux-gnu/libm.so.6"]
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            assert compiler.submit(fd, os.fstat(fd), warm=True)
+        deadline = time.monotonic() + 30
+        while not order:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fd = os.open(LIBC, os.O_RDONLY)
+        assert compiler.submit(fd, os.fstat(fd))
+        while not compiler.idle():
+            assert time.monotonic() < deadline + 90
+            time.sleep(0.05)
+    finally:
+        compiler.close()
+    inos = [os.stat(p).st_ino for p in paths]
+    assert order == [f"warm {inos[0]}", f"job {os.stat(LIBC).st_ino}", f"warm {inos[1]}", f"warm {inos[2]}"], order
 
 
 def test_compile_in_child_process_gives_the_same_table() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_maps, read_ring_drops, stack_unwinder
-from gpuprof.collector.cfiunwind import CfiUnwinder, start_unwinder
+from gpuprof.collector.cfiunwind import CfiUnwinder, start_compiler, start_unwinder
 from gpuprof.collector.pyframes import NONE, NotPython, PyFrameNamer, PyProcess, PyReadError, find_interpreter
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, StackStore, _exe
@@ -304,6 +305,7 @@ class BpfStacksSource(Source):
         self.store: StackStore | None = None
         self._attached = False
         self.samples_total = 0
+        self.unwind_status: dict[str, Any] | None = None  # the CFI unwinder's last status, for the file
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -311,10 +313,18 @@ class BpfStacksSource(Source):
         if not 0 < rate <= 10000:
             raise SourceUnavailable(f"sources.stacks.rate_hz = {rate} is out of range (0, 10000]")
         self.rate_hz = rate
-        self.hub = acquire_hub(ctx, "stacks", self.unwinder)
+        compiler = start_compiler(ctx, self.unwinder)  # tables (the prewarm) while the BPF object compiles
+        try:
+            self.hub = acquire_hub(ctx, "stacks", self.unwinder)
+        except BaseException:
+            if compiler is not None:
+                compiler.close()
+            raise
         if not self.hub.has("GP_WITH_STACKS"):
             self.hub.release()
             self.hub = None
+            if compiler is not None:
+                compiler.close()
             raise SourceUnavailable("the shared BPF object was compiled without stacks")
         self.store = stack_store(self.hub)
         self.hub.set_pids(ctx.pids())
@@ -323,7 +333,7 @@ class BpfStacksSource(Source):
         self.python = PythonStacks(self.hub.bpf) if self.python_frames else None
         if self.python is not None:
             self.python.register(ctx.pids())
-        self.cfi = start_unwinder(self.hub, ctx, self.unwinder)  # None: frame pointers only
+        self.cfi = start_unwinder(self.hub, ctx, self.unwinder, compiler)  # None: frame pointers only
         if self.cfi is not None:
             self.cfi.register(ctx.pids())
         try:
@@ -348,8 +358,6 @@ class BpfStacksSource(Source):
         self.store.watch(tgids)
         if self.python is not None:
             self.python.register(tgids)
-        if self.cfi is not None:
-            self.cfi.register(tgids)
         t0, self.window_t0 = self.window_t0, now_ns
         keys, values, frames = self.counts.drain()
         if not len(keys):
@@ -359,8 +367,6 @@ class BpfStacksSource(Source):
         self.store.watch(sampled)
         if self.python is not None:
             self.python.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
-        if self.cfi is not None:
-            self.cfi.register(sampled - tgids)
         cfi_ids = keys["cfi_stack"].tolist()
         if self.cfi is not None:  # the CFI walk's pc lists, by their ids (u64 hashes, past the kernel map's ids)
             frames = self.cfi.with_stacks(frames, {c for c in cfi_ids if c}, self.counts.live_keys["cfi_stack"])
@@ -394,8 +400,8 @@ class BpfStacksSource(Source):
         if self.python is not None:
             self.python.forget(tgids | sampled)
             self.python.counts()
-        if self.cfi is not None:
-            self.cfi.forget(tgids | sampled)
+        if self.cfi is not None:  # its registrations run in its own thread, on what the BPF program marks
+            self.cfi.after_drain(tgids | sampled)
         self.samples_total += int(rows["count"].sum())
         return [(schema.STACK_SAMPLES, np.sort(rows, order=("pid", "tid", "cpu")))]
 
@@ -430,6 +436,7 @@ class BpfStacksSource(Source):
                     pass
                 self._attached = False
             if self.cfi is not None:
+                self.unwind_status = self.cfi.status()  # while registered and the maps exist (at_seal comes after)
                 self.cfi.close()  # its compile thread
             self.hub.release()
             self.hub = None
@@ -437,6 +444,8 @@ class BpfStacksSource(Source):
     def at_seal(self, f: Any) -> None:
         if self.store is not None:
             self.store.write(f)
+        f.attrs["unwind_json"] = json.dumps({"unwinder": "cfi" if self.unwind_status is not None else "frame_pointers",
+                                             "cfi": self.unwind_status}, sort_keys=True)
 
 
 def _now_ns() -> int:

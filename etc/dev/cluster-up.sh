@@ -142,6 +142,12 @@ for h in prolog epilog task-prolog; do write_wrapper "$h"; done
     echo "[paths]"
     echo "state_dir = \"$C/state/gpuprof\""
     echo "log_file = \"$C/log/gpuprof-hooks.log\""
+    # Four virtual nodes share this host's cores, so four collectors compile their BPF objects at
+    # once (each 2-5 s of CPU alone): the default 10 s budget would start the job before they are
+    # attached, and the niced compiles then starve behind the job's ranks for tens of seconds. A
+    # real node compiles one within the default (docs/probes.md, "Attached before the job runs").
+    echo "[hooks]"
+    echo "attach_timeout_s = 60.0"
 } > "$C/gpuprof.toml"
 chmod 644 "$C/gpuprof.toml"
 
