@@ -43,6 +43,8 @@ from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import attach_path, parse_maps, pid_alive, read_maps_text
 from gpuprof.collector.debuginfo import (
     DEFAULT_DEBUG_ROOTS,
+    DIE_BUDGET,
+    INLINE_BUDGET_S,
     DebugFiles,
     DebugInfoError,
     DieBudget,
@@ -534,13 +536,16 @@ class Resolver:
 
     def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]] | None = None,
                  py_names: list[str] | None = None, *, held: dict[str, int] | None = None,
-                 debug_roots: Iterable[str] = DEFAULT_DEBUG_ROOTS, die_budget: int | None = None) -> None:
+                 debug_roots: Iterable[str] = DEFAULT_DEBUG_ROOTS, die_budget: int | None = None,
+                 inline_seconds: float | None = None) -> None:
         self.modules = modules
         self.bases = bases or {}
         self.py_names = py_names or []
         self.held = held or {}
         self.debug = DebugFiles(tuple(debug_roots))
-        self.budget = DieBudget() if die_budget is None else DieBudget(die_budget)
+        # what inlined frames may cost this seal (collector/debuginfo.py: DIE_BUDGET, INLINE_BUDGET_S)
+        self.budget = DieBudget(DIE_BUDGET if die_budget is None else die_budget,
+                                INLINE_BUDGET_S if inline_seconds is None else inline_seconds)
         self._perfmaps: dict[int, tuple[list[int], list[tuple[int, int, str]]]] = {}
         self._names: dict[int, ModuleNames | None] = {}  # module index -> its file's names
         self._by_key: dict[str, ModuleNames] = {}  # build id (else DEV:INODE) -> names
