@@ -95,6 +95,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                           "BPF map's size); a file whose table does not fit gets none"),
         "cfi_cache_mb": Key(int, 64, "compiled CFI tables kept on disk in <state_dir>/cfi-tables, by build id "
                                      "(0 = none)"),
+        "debug_roots": Key(list, ["/usr/lib/debug"], "where separate debug files are looked for at seal "
+                                                     "(ROOT/.build-id/xx/rest.debug, ROOT/<dir>/<debuglink>); "
+                                                     "root's directories, absolute paths"),
     },
     "sources.collectives": {
         "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),

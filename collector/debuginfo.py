@@ -794,7 +794,8 @@ class ModuleNames:
             return []
         if name == "MAIN__" and self.inline is not None:
             prog = self.inline.main_program(vaddr)
-            outer = f"program {prog}" if prog else name
+            # gfortran names a `program main` MAIN__ in DWARF too: then MAIN__ stays
+            outer = f"program {prog}" if prog and prog != name else name
         else:
             outer = demangle(name)
         inner = self.inline.inlined_at(vaddr) if self.inline is not None else []

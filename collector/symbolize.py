@@ -49,6 +49,7 @@ from gpuprof.collector.debuginfo import (
     DebugInfoError,
     DieBudget,
     ModuleNames,
+    debug_roots_from,
     demangle,  # noqa: F401 - its users import it from here
     read_elf_fd,
 )
@@ -125,9 +126,10 @@ class StackStore:
 
     def __init__(self, debug_roots: Iterable[str] = DEFAULT_DEBUG_ROOTS) -> None:
         self.lock = threading.Lock()
-        self.debug_roots = tuple(debug_roots)
+        self.debug_roots = debug_roots_from(list(debug_roots))
         self.held: dict[str, int] = {}  # Module.ident -> descriptor of the mapped file (map_files)
         self.held_refused: dict[str, str] = {}  # ident -> why it could not be held (first 64)
+        self._hold_tried: set[str] = set()  # idents tried and not held (not tried again; bounded)
         self.modules: list[Module] = [Module("kernel", name="[kernel]")]
         self._module_ids: dict[Module, int] = {self.modules[0]: KERNEL}
         self.bases: dict[int, tuple[int, int]] = {}  # module -> (pid, load address of offset 0)
@@ -202,7 +204,7 @@ class StackStore:
                 ident = f"{m.dev}:{m.inode}"
                 idx = self._module(Module("elf", attach_path(pid, m.path), 0, os.path.basename(m.path), uid, ident))
                 self.bases.setdefault(idx, (pid, m.start - m.offset))
-                if ident not in self.held:
+                if ident not in self.held and ident not in self._hold_tried:
                     self._hold(pid, m.start, m.end, ident)
                 off = m.offset
             elif m.path in ("[vdso]", "[vsyscall]"):
@@ -228,15 +230,21 @@ class StackStore:
         path of the job's is walked) and keep it for seal, when it is the file the maps line named."""
         if len(self.held) >= HELD_FILES_MAX:
             return
+        if len(self._hold_tried) >= 4096:
+            self._hold_tried.clear()
         try:
             fd, st = open_user_file(f"/proc/{pid}/map_files/{start:x}-{end:x}", owners=None, max_bytes=ELF_MAX_BYTES,
                                     magic_link=True)
         except (OSError, UnsafeFile) as e:
+            self._hold_tried.add(ident)
             if len(self.held_refused) < 64:
                 self.held_refused[ident] = str(e)
             return
-        if _ident(st) != ident:  # remapped between the maps read and the open
+        if _ident(st) != ident:
+            # remapped between the maps read and the open, or a file system whose maps line names
+            # another device than the file's (overlayfs): named by path at seal, if at all
             os.close(fd)
+            self._hold_tried.add(ident)
             return
         self.held[ident] = fd
 

@@ -395,3 +395,19 @@ def test_kernel_frames_nothing_names_keep_no_address() -> None:
     """A kernel address is not written (the node file goes to the job's user: KASLR)."""
     r = Resolver([Module("kernel", name="[kernel]")])
     assert r.resolve_frames(0, 0x1234) == [("[unknown]", "[kernel]")]
+
+
+@needs_gcc
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz not found (apt-get install xz-utils)")
+def test_mini_debuginfo_names_static_functions(tmp_path: Path) -> None:
+    """A stripped library carrying .gnu_debugdata (an xz-compressed ELF with .symtab, as Fedora's
+    MiniDebugInfo): its static functions are named without any debug file."""
+    lib = lib_variant(tmp_path, "libsym.so")
+    hidden = to_offset(lib, symbol_vaddr(lib, "symlib_hidden_work"))
+    mini = tmp_path / "mini"
+    subprocess.run(["objcopy", "--strip-debug", "--remove-section=.comment", str(lib), str(mini)], check=True)
+    subprocess.run(["xz", "-k", str(mini)], check=True)
+    subprocess.run(["strip", "--strip-all", str(lib)], check=True)
+    assert resolve(lib, hidden + 4)[0].startswith("[unknown libsym.so+")
+    subprocess.run(["objcopy", f"--add-section=.gnu_debugdata={mini}.xz", str(lib)], check=True)
+    assert resolve(lib, hidden + 4) == ["symlib_hidden_work"]
