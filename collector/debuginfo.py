@@ -508,7 +508,10 @@ class InlineIndex:
     def __init__(self, fd: int, label: str, budget: DieBudget) -> None:
         self.label = label
         self.budget = budget
-        self._file = os.fdopen(os.dup(fd), "rb")
+        # a file description of its own (pyelftools seeks; a dup would share the offset with the
+        # held descriptor, which another seal's reader may be using): reopened through our own
+        # /proc/self/fd link, the same object
+        self._file = os.fdopen(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC), "rb")
         self._dwarf: Any = None
         self._aranges: Any = None
         self._cu_ranges: list[tuple[int, int, int]] | None = None  # (lo, hi, cu offset), no aranges

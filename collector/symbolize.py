@@ -130,6 +130,7 @@ class StackStore:
         self.held: dict[str, int] = {}  # Module.ident -> descriptor of the mapped file (map_files)
         self.held_refused: dict[str, str] = {}  # ident -> why it could not be held (first 64)
         self._hold_tried: set[str] = set()  # idents tried and not held (not tried again; bounded)
+        self.last_resolver_stats: dict[str, Any] = {}  # the last seal's naming figures (status, benches)
         self.modules: list[Module] = [Module("kernel", name="[kernel]")]
         self._module_ids: dict[Module, int] = {self.modules[0]: KERNEL}
         self.bases: dict[int, tuple[int, int]] = {}  # module -> (pid, load address of offset 0)
@@ -380,16 +381,19 @@ class StackStore:
             return (m.path, off) if m.kind == "elf" else None
 
     # --- at seal -------------------------------------------------------------------------------
-    def symbol_tables(self) -> tuple[np.ndarray, np.ndarray]:
+    def symbol_tables(self, die_budget: int | None = None,
+                      inline_seconds: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(/stacks/frames rows, /stacks/symbols rows) of every stack interned so far. A frame in
-        inlined code is several rows (the inlined functions innermost, then the real one)."""
+        inlined code is several rows (the inlined functions innermost, then the real one).
+        die_budget, inline_seconds: the DWARF walk's bound (None: debuginfo's defaults; benches)."""
         with self.lock:
             stacks = list(self.stacks)
             modules = list(self.modules)
             bases = dict(self.bases)
             py_names = list(self.py_names)
             held = dict(self.held)
-        resolver = Resolver(modules, bases, py_names, held=held, debug_roots=self.debug_roots)
+        resolver = Resolver(modules, bases, py_names, held=held, debug_roots=self.debug_roots, die_budget=die_budget,
+                            inline_seconds=inline_seconds)
         try:
             sym_ids: dict[tuple[str, str], int] = {}
             rows: list[tuple[int, int, int]] = []
@@ -400,7 +404,10 @@ class StackStore:
                         rows.append((sid, depth, sym_ids.setdefault(key, len(sym_ids))))
                         depth += 1
         finally:
+            stats = resolver.stats()
             resolver.close()
+        with self.lock:
+            self.last_resolver_stats = stats
         frames = schema.STACK_FRAMES.empty(len(rows))
         if rows:
             arr = np.array(rows, dtype=np.int64)
@@ -560,6 +567,15 @@ class Resolver:
         self._opened: list[int] = []  # descriptors opened here (closed by close())
         self._frames: dict[Frame, list[tuple[str, str]]] = {}
         self.refused: dict[int, str] = {}  # module index -> why its file was not read
+
+    def stats(self) -> dict[str, Any]:
+        """What this resolver did: files read and where their names came from, frames named,
+        DWARF entries parsed for inlined frames, whether that budget ran out, files refused."""
+        return {"files": {mn.elf.label: mn.source for mn in self._by_key.values()},
+                "frames": len(self._frames), "dies_parsed": self.budget.used,
+                "inline_budget_exhausted": self.budget.exhausted and self.budget.used > 0,
+                "refused": dict(list({self.modules[i].name: why for i, why in self.refused.items()}.items())[:16]),
+                "debug_refused": self.debug.refused[:16]}
 
     def close(self) -> None:
         for mn in self._by_key.values():

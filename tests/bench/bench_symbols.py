@@ -13,7 +13,11 @@ symbolize_cost   N distinct frames (default 1000) spread uniformly over the func
                  frame, the share of frames named, frames that became more than one (inlined),
                  DWARF entries parsed and whether the budget ran out. Uniform over a whole library
                  is the worst case for the DWARF walk (a real stack table meets far fewer functions).
-Needs no root and no BPF.
+symbolize_real   --real: the stack table of a real run (the stacks source with the CFI walk, 99 Hz,
+                 a few seconds of tests/progs/py_calltree.py, a Python program calling numpy, and of
+                 nofp_tree, C -O2 -g) named at seal three ways: without debug roots, with them but
+                 no inlined frames, with both (default budget). Needs root and BCC.
+Needs no root and no BPF (but --real).
 """
 
 from __future__ import annotations
@@ -84,12 +88,62 @@ def run(path: str, offsets: list[int], roots: list[str], die_budget: int | None,
         r.close()
 
 
+def real_tables(seconds: float) -> None:
+    sys.path.insert(0, str(REPO / "tests" / "progs"))
+    from harness import GatedProcess, bpf_skip_reason, make_ctx
+    from stackcopy_run import nofp_tree
+
+    from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+
+    reason = bpf_skip_reason()
+    if reason:
+        raise SystemExit(f"--real: {reason}")
+    programs = {"py_calltree": [sys.executable, str(REPO / "tests" / "progs" / "py_calltree.py"), str(seconds)],
+                "nofp_tree": [str(nofp_tree()), str(seconds)]}
+    for name, cmd in programs.items():
+        src = BpfStacksSource(99, python_frames=True, unwinder="cfi")
+        gated = GatedProcess(cmd)
+        pid = gated.pid
+        src.start(make_ctx(lambda p=pid: frozenset({p}), ("stacks",)))
+        try:
+            gated.go()
+            while gated.proc.poll() is None:
+                time.sleep(src.interval_s)
+                src.sample(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+            gated.wait()
+            src.final(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+            store = src.store
+            assert store is not None
+            for roots, budget in (((), 0), (("/usr/lib/debug",), 0), (("/usr/lib/debug",), None)):
+                store.debug_roots = roots
+                t0, c0 = time.perf_counter(), time.process_time()
+                frames, symbols = store.symbol_tables(die_budget=budget)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                names = [s["name"].decode() for s in symbols]
+                st = store.last_resolver_stats
+                unknown = sum(is_unknown(names[int(i)]) for i in frames["symbol_id"])
+                print(json.dumps({"bench": "symbolize_real", "program": name, "stacks": len(store.stacks),
+                                  "frame_rows": len(frames), "debug_roots": list(roots), "inline": budget != 0,
+                                  "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                                  "unknown_row_share": round(unknown / max(1, len(frames)), 3),
+                                  "dies_parsed": st.get("dies_parsed"),
+                                  "inline_budget_exhausted": st.get("inline_budget_exhausted"),
+                                  "files": len(st.get("files", {})), "load_avg": list(os.getloadavg())}), flush=True)
+        finally:
+            src.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=1000)
     ap.add_argument("--debug-root", default="/usr/lib/debug")
     ap.add_argument("--unbounded", action="store_true", help="also the DWARF walk without a budget (slow)")
+    ap.add_argument("--real", action="store_true", help="the stack tables of real runs (root, BCC)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="--real: each program's run")
     a = ap.parse_args()
+    if a.real:
+        real_tables(a.seconds)
+        return 0
     for path in FILES:
         if not os.path.exists(path):
             continue
