@@ -411,3 +411,49 @@ def test_mini_debuginfo_names_static_functions(tmp_path: Path) -> None:
     assert resolve(lib, hidden + 4)[0].startswith("[unknown libsym.so+")
     subprocess.run(["objcopy", f"--add-section=.gnu_debugdata={mini}.xz", str(lib)], check=True)
     assert resolve(lib, hidden + 4) == ["symlib_hidden_work"]
+
+
+@needs_gcc
+def test_broken_files_give_unknown_frames_never_an_error(tmp_path: Path) -> None:
+    """A library cut short, one with garbage after its ELF header, a FIFO and a directory at the
+    path: each frame `[unknown NAME+0xOFF]`, the reason recorded, nothing raised or blocked."""
+    lib = lib_variant(tmp_path, "libsym.so")
+    data = lib.read_bytes()
+    (tmp_path / "cut.so").write_bytes(data[: len(data) // 3])
+    (tmp_path / "garbage.so").write_bytes(data[:64] + os.urandom(4096))
+    os.mkfifo(tmp_path / "fifo.so")
+    (tmp_path / "dir.so").mkdir()
+    names = ["cut.so", "garbage.so", "fifo.so", "dir.so", "absent.so"]
+    mods = [Module("kernel", name="[kernel]"), *(Module("elf", str(tmp_path / n), 0, n) for n in names)]
+    r = Resolver(mods, debug_roots=[str(tmp_path)])
+    try:
+        for i, n in enumerate(names, start=1):
+            got = r.resolve_frames(i, 0x1234)
+            assert len(got) == 1 and got[0][0].startswith(f"[unknown {n}+0x"), (n, got)
+        assert set(r.refused) >= {3, 4, 5}, r.refused  # the FIFO, the directory, the absent file
+        assert "not a regular file" in r.refused[3]
+    finally:
+        r.close()
+
+
+def test_store_names_a_live_process_through_its_held_descriptor() -> None:
+    """This very process: its maps read, its python executable held through map_files (as root),
+    one of its exported functions named from an address in it."""
+    store = StackStore(debug_roots=())
+    pid = os.getpid()
+    store.watch([pid])
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    addr = ctypes.cast(libc.getpid, ctypes.c_void_p).value
+    assert addr is not None
+    sid = store.intern_user(pid, [addr + 1])
+    frames, symbols = store.symbol_tables()
+    sym = int(frames[frames["stack_id"] == sid]["symbol_id"][0])
+    name = symbols[symbols["symbol_id"] == sym]["name"][0].decode()
+    assert name in ("getpid", "__getpid"), name
+    if os.geteuid() == 0:
+        assert store.held, store.held_refused
+    assert store.last_resolver_stats["frames"] >= 1
+    store.close()
+    assert not store.held
