@@ -97,6 +97,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cfi_prewarm": Key(bool, True, "compile the tables of the node's common runtime libraries (C, C++ and "
                                         "Fortran runtimes, MPI, the Python interpreter, numpy's BLAS) into the "
                                         "disk cache when a collector starts, once per host"),
+        "debug_roots": Key(list, ["/usr/lib/debug"], "where separate debug files are looked for at seal "
+                                                     "(ROOT/.build-id/xx/rest.debug, ROOT/<dir>/<debuglink>); "
+                                                     "root's directories, absolute paths"),
     },
     "sources.collectives": {
         "mpi_path": Key(str, "auto", "auto, uprobe or fastpath (PMPI interposer)"),

@@ -12,10 +12,12 @@ capped before a byte is read. docs/probes.md ("Files the collector reads as root
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
 from collections.abc import Collection
+from typing import Any
 
 PERF_MAP_MAX_BYTES = 16 << 20
 ELF_MAX_BYTES = 1 << 30
@@ -26,19 +28,60 @@ class UnsafeFile(ValueError):
     message names the file and why."""
 
 
+# openat2(2) (Linux 5.6): RESOLVE_NO_SYMLINKS refuses a symlink in *any* component of the path
+_SYS_OPENAT2 = 437  # x86-64 and the generic table alike
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_AT_FDCWD = -100
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc: Any = None
+_openat2_missing = False  # the kernel said ENOSYS once: O_NOFOLLOW on the last component only
+
+
+def _open_no_symlinks(path: str, flags: int) -> int:
+    """os.open(path, flags) refusing a symlink anywhere on the path (openat2 RESOLVE_NO_SYMLINKS);
+    where the kernel has no openat2, O_NOFOLLOW (the last component only)."""
+    global _libc, _openat2_missing
+    if not _openat2_missing:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.syscall.restype = ctypes.c_long
+        how = _OpenHow(flags, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        fd = int(_libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(_AT_FDCWD), os.fsencode(path),
+                               ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:
+            raise OSError(err, os.strerror(err), path)
+        _openat2_missing = True
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def open_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int,
-                   magic_link: bool = False) -> tuple[int, os.stat_result]:
+                   magic_link: bool = False, no_symlinks: bool = False) -> tuple[int, os.stat_result]:
     """(descriptor, fstat) of path opened read-only without following a symlink in its last
     component or blocking on a FIFO. Raises UnsafeFile when it is not a regular file, not owned by
     one of owners (None: any owner) or larger than max_bytes; OSError when it cannot be opened.
     magic_link: path is a /proc link the kernel resolves to the object itself (map_files/START-END:
-    the file a process maps, whatever its path now names), so it is followed."""
-    nofollow = 0 if magic_link else os.O_NOFOLLOW
+    the file a process maps, whatever its path now names), so it is followed.
+    no_symlinks: a symlink in any component of the path is refused too (openat2's
+    RESOLVE_NO_SYMLINKS; for paths the kernel gave in /proc/PID/maps, which are already resolved,
+    so a symlink on one means the path was changed since)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
-        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        if no_symlinks and not magic_link:
+            fd = _open_no_symlinks(path, flags)
+        else:
+            fd = os.open(path, flags | (0 if magic_link else os.O_NOFOLLOW))
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UnsafeFile(f"{path}: is a symlink; not followed") from None
+            raise UnsafeFile(f"{path}: is or passes through a symlink; not followed") from None
         raise
     try:
         st = os.fstat(fd)

@@ -437,10 +437,12 @@ STACK_FRAMES = Table(
 STACK_SYMBOLS = Table(
     "stacks",
     "symbols",
-    "function names of the frames (written at seal; '[unknown]' = not resolved, docs/probes.md)",
+    "function names of the frames (written at seal; '[unknown MODULE+0xOFF]' = not resolved, where it is; "
+    "docs/probes.md)",
     (
         C("symbol_id", "<u4", "", "symbol id"),
-        C("name", "S200", "", "function (demangled), Python 'py::' frame, or '[unknown]'"),
+        C("name", "S200", "", "function (demangled; inlined functions are frames of their own), Python 'py::' "
+                              "frame, '[unknown MODULE+0xOFF]' (OFF: file offset) or '[unknown]' (kernel)"),
         C("module", "S64", "", "file name of the ELF object, '[kernel]', or perf-PID.map"),
     ),
 )

@@ -5,10 +5,14 @@ The BPF programs store stacks in kernel stack-trace maps; every drain reads the 
 that its rows reference, turns each address into (module, file offset) with the process's mappings
 as last read from /proc/PID/maps (read when a pid is first seen, again when an address falls outside
 them or the pid exec'd), and gives the whole stack an id of its own. So a process that exited before
-seal still symbolizes: its libraries are named by path, and their symbols are read from the files at
-seal (`ElfSymbols`: .symtab when present, else .dynsym), with BCC's resolver (`BPF.sym`, which also
-follows debuglink/build-id debug files) for what the file alone does not name while the process is
-still alive. Kernel frames: BCC's `BPF.ksym`. Frames in anonymous executable memory (JIT code,
+seal still symbolizes: each mapped file is opened once, at first sight, through
+/proc/PID/map_files/START-END (the object the process maps, whatever its path names later) and the
+descriptor kept until seal, where its symbols are read (collector/debuginfo.py: .symtab, else
+.dynsym; the separate debug file found by build id under the debug roots; inlined frames from
+DWARF). A file not held so (the process was gone before it could be opened) is opened by its path
+only through safeio's opener: no symlink anywhere on the path, the same device and inode as the
+process mapped, owned by root or the process's user. What nothing names is written as
+`[unknown MODULE+0xOFFSET]`. Kernel frames: BCC's `BPF.ksym`. Frames in anonymous executable memory (JIT code,
 Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map when the process wrote one. Python frames
 read from the interpreter (collector/pyframes.py) are named when the stack is interned (the code
 objects are read from the live process) and put in place of the interpreter's evaluation frames
@@ -36,16 +40,34 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import attach_path, elf_symbols, parse_maps, pid_alive, read_maps_text
+from gpuprof.collector.bpf_support import attach_path, parse_maps, pid_alive, read_maps_text
+from gpuprof.collector.debuginfo import (
+    DEFAULT_DEBUG_ROOTS,
+    DIE_BUDGET,
+    INLINE_BUDGET_S,
+    DebugFiles,
+    DebugInfoError,
+    DieBudget,
+    ModuleNames,
+    debug_roots_from,
+    demangle,  # noqa: F401 - its users import it from here
+    read_elf_fd,
+)
 from gpuprof.collector.pyframes import frame_label
-from gpuprof.collector.safeio import PERF_MAP_MAX_BYTES, UnsafeFile, read_user_file
+from gpuprof.collector.safeio import (
+    ELF_MAX_BYTES,
+    PERF_MAP_MAX_BYTES,
+    UnsafeFile,
+    open_user_file,
+    read_user_file,
+)
 
 log = logging.getLogger("gpuprof.collector")
 
 STACK_NONE = 0
 STACK_LOST = 0xFFFFFFFF  # the kernel could not store the stack (map full, hash collision)
 KERNEL = 0  # module index of kernel frames
-UNKNOWN_NAME = "[unknown]"
+UNKNOWN_NAME = "[unknown]"  # kernel frames BCC does not name (their addresses are not written: KASLR)
 
 Frame = tuple[int, int]  # (module index, offset: file offset for ELF files, address otherwise)
 
@@ -56,7 +78,24 @@ class Module:
     path: str = ""  # ELF: a path the collector can open; perfmap: the perf map file; python: the source file
     pid: int = 0
     name: str = ""  # shown in /stacks/symbols.module
-    uid: int = -1  # perfmap: the process's uid when its maps were read (the map must be its own file)
+    uid: int = -1  # perfmap, elf: the process's uid when its maps were read (whose files it may read)
+    ident: str = ""  # elf: "DEV:INODE" as /proc/PID/maps gave it (the file itself, not its path)
+
+
+def unknown_name(module: str, offset: int) -> str:
+    """The name of a frame nothing names: where it is, so that a reader with the file's symbols
+    can name it later (docs/probes.md)."""
+    return f"[unknown {module}+0x{offset:x}]"
+
+
+def is_unknown(name: str) -> bool:
+    """Whether a /stacks/symbols name is an unnamed frame (`[unknown]`, `[unknown MODULE+0xOFF]`)."""
+    return name.startswith("[unknown")
+
+
+# Mapped files held open from first sight to seal (one descriptor per distinct file): past this,
+# files are opened by path at seal (safeio's checks). The collector's own limit is 1024 descriptors.
+HELD_FILES_MAX = 256
 
 
 # Addresses held by the caches of interned stacks by address (per process, and of kernel stacks,
@@ -85,8 +124,13 @@ class _ProcMaps:
 class StackStore:
     """Stack ids shared by the tables of one collector's eBPF sources (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, debug_roots: Iterable[str] = DEFAULT_DEBUG_ROOTS) -> None:
         self.lock = threading.Lock()
+        self.debug_roots = debug_roots_from(list(debug_roots))
+        self.held: dict[str, int] = {}  # Module.ident -> descriptor of the mapped file (map_files)
+        self.held_refused: dict[str, str] = {}  # ident -> why it could not be held (first 64)
+        self._hold_tried: set[str] = set()  # idents tried and not held (not tried again; bounded)
+        self.last_resolver_stats: dict[str, Any] = {}  # the last seal's naming figures (status, benches)
         self.modules: list[Module] = [Module("kernel", name="[kernel]")]
         self._module_ids: dict[Module, int] = {self.modules[0]: KERNEL}
         self.bases: dict[int, tuple[int, int]] = {}  # module -> (pid, load address of offset 0)
@@ -151,12 +195,18 @@ class StackStore:
         if not maps:
             return self._maps.get(pid)
         pm = _ProcMaps(_exe(pid), text=text)
+        uid: int | None = None
         for m in sorted(maps, key=lambda m: m.start):
             if "x" not in m.perms:
                 continue
             if m.path.startswith("/") and not m.path.endswith(" (deleted)"):
-                idx = self._module(Module("elf", attach_path(pid, m.path), 0, os.path.basename(m.path)))
+                if uid is None:
+                    uid = _uid(pid)
+                ident = f"{m.dev}:{m.inode}"
+                idx = self._module(Module("elf", attach_path(pid, m.path), 0, os.path.basename(m.path), uid, ident))
                 self.bases.setdefault(idx, (pid, m.start - m.offset))
+                if ident not in self.held and ident not in self._hold_tried:
+                    self._hold(pid, m.start, m.end, ident)
                 off = m.offset
             elif m.path in ("[vdso]", "[vsyscall]"):
                 idx, off = self._module(Module("none", name=m.path)), m.start
@@ -175,6 +225,36 @@ class StackStore:
         self._maps[pid] = pm
         self._refreshed.add(pid)
         return pm
+
+    def _hold(self, pid: int, start: int, end: int, ident: str) -> None:
+        """Open the file mapped at [start, end) through /proc/PID/map_files (the object itself: no
+        path of the job's is walked) and keep it for seal, when it is the file the maps line named."""
+        if len(self.held) >= HELD_FILES_MAX:
+            return
+        if len(self._hold_tried) >= 4096:
+            self._hold_tried.clear()
+        try:
+            fd, st = open_user_file(f"/proc/{pid}/map_files/{start:x}-{end:x}", owners=None, max_bytes=ELF_MAX_BYTES,
+                                    magic_link=True)
+        except (OSError, UnsafeFile) as e:
+            self._hold_tried.add(ident)
+            if len(self.held_refused) < 64:
+                self.held_refused[ident] = str(e)
+            return
+        if _ident(st) != ident:
+            # remapped between the maps read and the open, or a file system whose maps line names
+            # another device than the file's (overlayfs): named by path at seal, if at all
+            os.close(fd)
+            self._hold_tried.add(ident)
+            return
+        self.held[ident] = fd
+
+    def close(self) -> None:
+        """Close the files held for seal (a store is not used after)."""
+        with self.lock:
+            for fd in self.held.values():
+                os.close(fd)
+            self.held.clear()
 
     def _user_frame(self, pid: int, addr: int) -> Frame:
         return self._user_frame_hit(pid, addr)[0]
@@ -301,22 +381,37 @@ class StackStore:
             return (m.path, off) if m.kind == "elf" else None
 
     # --- at seal -------------------------------------------------------------------------------
-    def symbol_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """(/stacks/frames rows, /stacks/symbols rows) of every stack interned so far."""
+    def symbol_tables(self, die_budget: int | None = None,
+                      inline_seconds: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(/stacks/frames rows, /stacks/symbols rows) of every stack interned so far. A frame in
+        inlined code is several rows (the inlined functions innermost, then the real one).
+        die_budget, inline_seconds: the DWARF walk's bound (None: debuginfo's defaults; benches)."""
         with self.lock:
             stacks = list(self.stacks)
             modules = list(self.modules)
             bases = dict(self.bases)
             py_names = list(self.py_names)
-        resolver = Resolver(modules, bases, py_names)
-        sym_ids: dict[tuple[str, str], int] = {}
-        frames = schema.STACK_FRAMES.empty(sum(len(s) for s in stacks))
-        k = 0
-        for sid, st in enumerate(stacks):
-            for depth, (mod, off) in enumerate(st):
-                key = resolver.resolve(mod, off)
-                frames[k] = (sid, depth, sym_ids.setdefault(key, len(sym_ids)))
-                k += 1
+            held = dict(self.held)
+        resolver = Resolver(modules, bases, py_names, held=held, debug_roots=self.debug_roots, die_budget=die_budget,
+                            inline_seconds=inline_seconds)
+        try:
+            sym_ids: dict[tuple[str, str], int] = {}
+            rows: list[tuple[int, int, int]] = []
+            for sid, st in enumerate(stacks):
+                depth = 0
+                for mod, off in st:
+                    for key in resolver.resolve_frames(mod, off):
+                        rows.append((sid, depth, sym_ids.setdefault(key, len(sym_ids))))
+                        depth += 1
+        finally:
+            stats = resolver.stats()
+            resolver.close()
+        with self.lock:
+            self.last_resolver_stats = stats
+        frames = schema.STACK_FRAMES.empty(len(rows))
+        if rows:
+            arr = np.array(rows, dtype=np.int64)
+            frames["stack_id"], frames["depth"], frames["symbol_id"] = arr[:, 0], np.minimum(arr[:, 1], 65535), arr[:, 2]
         symbols = schema.STACK_SYMBOLS.empty(len(sym_ids))
         for (name, module), i in sym_ids.items():
             symbols[i] = (i, _fit(name, 200), _fit(module, 64))
@@ -434,6 +529,11 @@ def _uid(pid: int) -> int:
         return -1
 
 
+def _ident(st: os.stat_result) -> str:
+    """A file's "DEV:INODE" as /proc/PID/maps writes it (hex major:minor, decimal inode)."""
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+
+
 def _exe(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/exe")
@@ -442,43 +542,125 @@ def _exe(pid: int) -> str:
 
 
 class Resolver:
-    """(module, offset) -> (function name, module name), each module's symbols loaded once."""
+    """(module, offset) -> names and module name, each ELF file's names loaded once (by build id).
 
-    def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]],
-                 py_names: list[str] | None = None) -> None:
+    held: Module.ident -> a descriptor of the file the process mapped (StackStore._hold); a module
+    without one is opened by its path through safeio's opener only (no symlink on the path, the
+    device and inode its maps line gave, owned by root or the process's user): anything refused is
+    `[unknown MODULE+0xOFFSET]`, and nothing of it is read."""
+
+    def __init__(self, modules: list[Module], bases: dict[int, tuple[int, int]] | None = None,
+                 py_names: list[str] | None = None, *, held: dict[str, int] | None = None,
+                 debug_roots: Iterable[str] = DEFAULT_DEBUG_ROOTS, die_budget: int | None = None,
+                 inline_seconds: float | None = None) -> None:
         self.modules = modules
-        self.bases = bases
+        self.bases = bases or {}
         self.py_names = py_names or []
+        self.held = held or {}
+        self.debug = DebugFiles(tuple(debug_roots))
+        # what inlined frames may cost this seal (collector/debuginfo.py: DIE_BUDGET, INLINE_BUDGET_S)
+        self.budget = DieBudget(DIE_BUDGET if die_budget is None else die_budget,
+                                INLINE_BUDGET_S if inline_seconds is None else inline_seconds)
         self._perfmaps: dict[int, tuple[list[int], list[tuple[int, int, str]]]] = {}
+        self._names: dict[int, ModuleNames | None] = {}  # module index -> its file's names
+        self._by_key: dict[str, ModuleNames] = {}  # build id (else DEV:INODE) -> names
+        self._opened: list[int] = []  # descriptors opened here (closed by close())
+        self._frames: dict[Frame, list[tuple[str, str]]] = {}
+        self.refused: dict[int, str] = {}  # module index -> why its file was not read
+
+    def stats(self) -> dict[str, Any]:
+        """What this resolver did: files read and where their names came from, frames named,
+        DWARF entries parsed for inlined frames, whether that budget ran out, files refused."""
+        return {"files": {mn.elf.label: mn.source for mn in self._by_key.values()},
+                "frames": len(self._frames), "dies_parsed": self.budget.used,
+                "inline_budget_exhausted": self.budget.exhausted and self.budget.used > 0,
+                "refused": dict(list({self.modules[i].name: why for i, why in self.refused.items()}.items())[:16]),
+                "debug_refused": self.debug.refused[:16]}
+
+    def close(self) -> None:
+        for mn in self._by_key.values():
+            mn.close()
+        self._by_key.clear()
+        self._names.clear()
+        self.debug.close()
+        for fd in self._opened:
+            os.close(fd)
+        self._opened.clear()
 
     def resolve(self, mod: int, off: int) -> tuple[str, str]:
+        """(name, module) of a frame: the function holding it (the outermost of resolve_frames)."""
+        return self.resolve_frames(mod, off)[-1]
+
+    def resolve_frames(self, mod: int, off: int) -> list[tuple[str, str]]:
+        """[(name, module)] of a frame, innermost first: more than one where DWARF says the code
+        at off was inlined."""
+        hit = self._frames.get((mod, off))
+        if hit is not None:
+            return hit
         m = self.modules[mod]
-        name: str | None = None
+        names: list[str] = []
+        unknown = UNKNOWN_NAME
         if m.kind == "kernel":
             name = _ksym(off)
+            names = [name] if name else []
         elif m.kind == "elf":
-            name = self._elf(mod, m, off)
+            mn = self._module_names(mod, m)
+            if mn is not None:
+                names = mn.names(off)
+                if not names:
+                    unknown = unknown_name(m.name, mn.function_start(off))
+            else:
+                unknown = unknown_name(m.name, off)
         elif m.kind == "perfmap":
             name = self._perfmap(mod, m, off)
+            names = [name] if name else []
+            unknown = unknown_name(m.name, off)
         elif m.kind == "python":
-            name = self.py_names[off] if 0 <= off < len(self.py_names) else None
-        return name or UNKNOWN_NAME, m.name
+            names = [self.py_names[off]] if 0 <= off < len(self.py_names) else []
+        else:  # "none": [vdso], or an address in no mapping of the process (pid N)
+            unknown = unknown_name(m.name, off)
+        out = [(n, m.name) for n in names] or [(unknown, m.name)]
+        self._frames[(mod, off)] = out
+        return out
 
-    def _elf(self, mod: int, m: Module, off: int) -> str | None:
+    def _module_names(self, mod: int, m: Module) -> ModuleNames | None:
+        if mod in self._names:
+            return self._names[mod]
+        mn: ModuleNames | None = None
         try:
-            syms = elf_symbols(m.path)
-        except (OSError, ValueError):
-            syms = None
-        if syms is not None:
-            vaddr = syms.offset_to_vaddr(off)
-            hit = syms.function_at(vaddr) if vaddr is not None else None
-            if hit is not None:
-                return demangle(hit[0])
-        base = self.bases.get(mod)
-        if base is not None and pid_alive(base[0]):
-            # BCC also reads separate debug files (debuglink, build-id) the file itself lacks
-            return _bcc_sym(base[1] + off, base[0])
-        return None
+            mn = self._load(m)
+        except (OSError, UnsafeFile, DebugInfoError) as e:
+            self.refused[mod] = str(e)
+            log.info("symbols of %s not read: %s", m.path, e)
+        self._names[mod] = mn
+        return mn
+
+    def _load(self, m: Module) -> ModuleNames:
+        fd = self.held.get(m.ident) if m.ident else None
+        if fd is None:
+            fd = self._open_by_path(m)
+        elf = read_elf_fd(fd, m.path)
+        key = elf.build_id or m.ident or m.path
+        mn = self._by_key.get(key)
+        if mn is None:
+            owners = (0,) if m.uid < 0 else (0, m.uid)
+            # .debug/ beside the file only where its path here is the one the process named
+            file_dir = os.path.dirname(m.path) if not m.path.startswith("/proc/") else None
+            debug = None
+            if not elf.has_symtab() or not elf.has_dwarf():
+                debug = self.debug.find(elf, file_dir, owners)
+            mn = self._by_key[key] = ModuleNames(elf, fd, debug, self.budget)
+        return mn
+
+    def _open_by_path(self, m: Module) -> int:
+        """The module's file by its path (no descriptor was held): safeio's checks, and the device
+        and inode the process's maps gave (else a file put there since would be named instead)."""
+        owners = (0,) if m.uid < 0 else (0, m.uid)
+        fd, st = open_user_file(m.path, owners=owners, max_bytes=ELF_MAX_BYTES, no_symlinks=True)
+        self._opened.append(fd)
+        if m.ident and _ident(st) != m.ident:
+            raise UnsafeFile(f"{m.path}: not the file the process mapped ({_ident(st)}, not {m.ident})")
+        return fd
 
     def _perfmap(self, mod: int, m: Module, addr: int) -> str | None:
         pm = self._perfmaps.get(mod)
@@ -534,46 +716,6 @@ def _ksym(addr: int) -> str | None:
     if not name or name == b"[unknown]":
         return None
     return name.decode(errors="replace")
-
-
-def _bcc_sym(addr: int, pid: int) -> str | None:
-    try:
-        from bcc import BPF
-    except ImportError:
-        return None
-    name = BPF.sym(addr, pid)
-    if not name or name == b"[unknown]":
-        return None
-    return name.decode(errors="replace")
-
-
-_cxa: Any = None
-
-
-@lru_cache(maxsize=65536)
-def demangle(name: str) -> str:
-    """C++ names through libstdc++'s __cxa_demangle (others unchanged)."""
-    global _cxa
-    if not name.startswith("_Z"):
-        return name
-    if _cxa is None:
-        try:
-            lib = ctypes.CDLL("libstdc++.so.6")
-            _cxa = lib.__cxa_demangle
-            _cxa.restype = ctypes.c_void_p
-            _cxa.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-        except (OSError, AttributeError):
-            _cxa = False
-    if not _cxa:
-        return name
-    status = ctypes.c_int()
-    p = _cxa(name.encode(), None, None, ctypes.byref(status))
-    if not p or status.value != 0:
-        return name
-    try:
-        return ctypes.string_at(p).decode(errors="replace")
-    finally:
-        ctypes.CDLL(None).free(ctypes.c_void_p(p))
 
 
 # --- reading the tables back -----------------------------------------------------------------------

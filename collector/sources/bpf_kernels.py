@@ -83,7 +83,7 @@ class BpfKernelsSource(Source):
             self.hub.release()
             self.hub = None
             raise SourceUnavailable("the shared BPF object was compiled without kernels")
-        self.store = stack_store(self.hub)
+        self.store = stack_store(self.hub, ctx)
         b = self.hub.bpf
         b[b"gp_launches"].open_ring_buffer(self._on_launch)
         b[b"gp_kfuncs"].open_ring_buffer(self._on_kfunc)

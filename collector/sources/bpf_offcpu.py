@@ -59,7 +59,7 @@ class BpfOffcpuSource(Source):
             self.hub.release()
             self.hub = None
             raise SourceUnavailable("the shared BPF object was compiled without off-CPU tracepoints")
-        self.store = stack_store(self.hub)
+        self.store = stack_store(self.hub, ctx)
         self.hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
         b = self.hub.bpf

@@ -38,12 +38,13 @@ PERF_TYPE_SOFTWARE = 1
 PERF_COUNT_SW_CPU_CLOCK = 0
 
 
-def stack_store(hub: BpfHub) -> StackStore:
-    """The StackStore of a BPF object: one id space for every stack table of the file."""
+def stack_store(hub: BpfHub, ctx: SourceContext) -> StackStore:
+    """The StackStore of a BPF object: one id space for every stack table of the file (its debug
+    roots: sources.stacks.debug_roots)."""
     with hub.attach_lock:
         store = hub.shared.get("stack_store")
         if store is None:
-            store = hub.shared["stack_store"] = StackStore()
+            store = hub.shared["stack_store"] = StackStore(ctx.config["sources.stacks"]["debug_roots"])
         return store
 
 
@@ -326,7 +327,7 @@ class BpfStacksSource(Source):
             if compiler is not None:
                 compiler.close()
             raise SourceUnavailable("the shared BPF object was compiled without stacks")
-        self.store = stack_store(self.hub)
+        self.store = stack_store(self.hub, ctx)
         self.hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
         self.counts = WindowedCounts(self.hub.bpf, b"gp_cpu_counts", b"gp_cpu_gen", b"gp_cpu_stacks")

@@ -56,6 +56,7 @@ from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python
 from stackcopy_run import NOFP_TREE, copied_stacks, nofp_tree, unwinder_skip_reason
 
 from gpuprof.collector import schema
+from gpuprof.collector.symbolize import is_unknown
 
 CALLTREE = str(REPO / "tests" / "progs" / "py_calltree.py")
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -145,14 +146,14 @@ def fully_named(names: list[str], modules: list[str]) -> bool:
     end = len(names)
     while end and (modules[end - 1].startswith("libc.so") or names[end - 1] == "_start"):
         end -= 1
-    return end > 0 and "[unknown]" not in names[:end]
+    return end > 0 and not any(is_unknown(n) for n in names[:end])
 
 
 def named_to_python(names: list[str]) -> bool:
     """No [unknown] frame from the leaf to the outermost Python frame (the interpreter's start-up
     path below it, static functions that Debian's stripped python3.11 does not name, left out)."""
     py = [i for i, n in enumerate(names) if n.startswith("py::")]
-    return bool(py) and "[unknown]" not in names[: py[-1] + 1] and "py::[unknown]" not in names
+    return bool(py) and not any(is_unknown(n) for n in names[: py[-1] + 1]) and "py::[unknown]" not in names
 
 
 def _quality(program: str, run: dict[str, Any], python_prog: bool, unwinder: str = "cfi") -> dict[str, Any]:
