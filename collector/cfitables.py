@@ -360,7 +360,7 @@ def file_key(st: os.stat_result) -> str:
 
 
 COMPILE_LOCK_WAIT_S = 120.0  # longest wait for another collector's compile of the same file
-CANCEL_POLL_S = 0.1  # how soon a stopping collector's compile child is killed
+CANCEL_POLL_S = 0.1  # how soon a stopping collector stops waiting for its compile child
 
 
 class TableCache:
@@ -385,8 +385,8 @@ class TableCache:
         self.child_cpu_s = 0.0  # CPU of the compile children, as they report it
         self.waited_for_others = 0  # tables another process of the host compiled while this one waited
         self.warmed = 0  # tables compiled ahead of the job's processes (warm)
-        # set when the collector stops: compiles in children are killed, lock waits end (a stop
-        # must not wait for a compile of seconds: the seal has a deadline)
+        # set when the collector stops: a compile child is left to finish into the disk cache (killed
+        # when there is none), lock waits end (a stop must not wait for seconds: the seal has a deadline)
         self.cancel = threading.Event()
 
     def peek(self, st: os.stat_result) -> CfiTable | None:

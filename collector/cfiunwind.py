@@ -107,8 +107,8 @@ class Compiler:
             return not self.pending
 
     def close(self) -> None:
-        """Stop at once: a compile in flight is killed (the seal has a deadline; what was compiled
-        is in the disk cache for the next job)."""
+        """Stop at once (the seal has a deadline): a compile in flight is left to finish into the disk
+        cache for the next job (compile_in_child), lock waits end."""
         self.cache.cancel.set()
         self.queue.put((-1, next(self.order), None))
         self.thread.join(timeout=1)
@@ -496,7 +496,7 @@ ROW_BYTES = ROW_DTYPE.itemsize
 
 
 # Runtime libraries most jobs of an HPC or ML node map (sonames, as `ldconfig -p` lists them):
-# compiled into the host's disk cache when a collector starts (CfiUnwinder._prewarm)
+# compiled into the host's disk cache when a collector starts (start_compiler)
 PREWARM_SONAMES = ("libc.so.6", "ld-linux-x86-64.so.2", "libm.so.6", "libgcc_s.so.1", "libstdc++.so.6",
                    "libgfortran.so.5", "libmpi.so.40", "libopen-pal.so.40", "libopen-rte.so.40", "libmpich.so.12")
 
@@ -505,7 +505,7 @@ def prewarm_files() -> list[str]:
     """Real paths of PREWARM_SONAMES found by the dynamic loader's cache, then this collector's own
     interpreter (the node's Python: a Python job's interpreter is usually that very file) and the
     BLAS its numpy loaded, the largest table (hundreds of thousands of rows) last. Root-owned
-    files only (opened so by _prewarm)."""
+    files only (opened so by start_compiler)."""
     import re
     import sys
 

@@ -71,12 +71,15 @@ def test_runnable_time_of_threads_sharing_a_cpu(tmp_path: Path) -> None:
         pytest.skip("CPU count unknown")
     rows, info, _, errors = run_offcpu(tmp_path, ["contend", str(SECONDS)])
     assert not errors, errors
+    total = 0
     for tid in info["tids"]:
         mine = rows[rows["tid"] == tid]
         runnable = int(mine["runnable_ns"].sum())
         blocked = int(mine["blocked_ns"].sum())
-        # two busy threads pinned to CPU 0: each waits for the other about half of the time
-        assert 0.3 * SECONDS * 1e9 <= runnable <= 0.7 * SECONDS * 1e9, (tid, runnable)
+        total += runnable
+        # two busy threads pinned to CPU 0: each waits for the other about half of the time, more
+        # when other work of the machine runs on CPU 0 too
+        assert 0.3 * SECONDS * 1e9 <= runnable <= 1.05 * SECONDS * 1e9, (tid, runnable)
         assert blocked < 0.1 * runnable, (tid, blocked)
         # a runnable switch-out keeps no stack (an MPI rank polling with sched_yield switches
         # hundreds of thousands of times a second; two stack walks at each slowed hpcc by 40 %)
@@ -84,3 +87,7 @@ def test_runnable_time_of_threads_sharing_a_cpu(tmp_path: Path) -> None:
         assert len(preempted) and np.all(preempted["user_stack"] == STACK_NONE), preempted
         assert np.all(preempted["kernel_stack"] == STACK_NONE)
     assert np.all(rows["pid"] == info["pid"])
+    # what the threads did not run of their lives they waited for CPU 0, whatever the machine's load:
+    # their waits and their CPU time add up to the two lifetimes
+    lives = 2 * SECONDS * 1e9
+    assert abs(total + info["cpu_s"] * 1e9 - lives) <= 0.15 * lives, (total, info["cpu_s"])

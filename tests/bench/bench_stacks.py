@@ -193,6 +193,12 @@ def stack_quality(quick: bool) -> list[dict[str, Any]]:
         ("nofp_tree (C, no frame pointers; CFI walk)", [str(nofp_tree()), str(seconds)], False, "cfi"),
         ("nofp_cpp (C++ templates, no frame pointers; CFI walk)", [str(native_progs.nofp_cpp()), str(seconds)],
          False, "cfi"),
+        ("nofp_threads (C, 3 threads, no frame pointers; CFI walk)", [str(native_progs.nofp_threads()), str(seconds)],
+         False, "cfi"),
+        ("nofp_dlopen (C, a library dlopen()ed 1.5 s after start; CFI walk)",
+         [str(p) for p in native_progs.nofp_dlopen()] + [str(seconds)], False, "cfi"),
+        *([("nofp_fortran (Fortran, no frame pointers; CFI walk)", [str(native_progs.nofp_fortran()), str(seconds)],
+            False, "cfi")] if native_progs.fortran_skip_reason() is None else []),
         ("nofp_tree (C, no frame pointers; frame-pointer walk)", [str(nofp_tree()), str(seconds)], False,
          "frame_pointers"),
     ):
