@@ -156,6 +156,20 @@ def named_to_python(names: list[str]) -> bool:
     return bool(py) and not any(is_unknown(n) for n in names[: py[-1] + 1]) and "py::[unknown]" not in names
 
 
+def evaluating(names: list[str]) -> bool:
+    """The sample was taken while the interpreter ran Python code: a Python frame, or the
+    interpreter's evaluation loop in the native stack (its Python frames then missing)."""
+    return any(n.startswith("py::") or n == "_PyEval_EvalFrameDefault" for n in names)
+
+
+def _python_share_while_evaluating(stacks: list[tuple[list[str], int]]) -> float | None:
+    """Of the samples taken while the interpreter evaluated Python code, the share with Python
+    frames (the issue's figure: start-up and teardown in C are not Python code to show)."""
+    ev = sum(n for st, n in stacks if evaluating(st))
+    py = sum(n for st, n in stacks if any(x.startswith("py::") for x in st))
+    return round(py / ev, 3) if ev else None
+
+
 def _quality(program: str, run: dict[str, Any], python_prog: bool, unwinder: str = "cfi") -> dict[str, Any]:
     info, rows, names, modules = run["info"], run["rows"], run["names"], run["modules"]
     mine = rows[np.isin(rows["tid"], info["tids"])]
@@ -164,9 +178,11 @@ def _quality(program: str, run: dict[str, Any], python_prog: bool, unwinder: str
     total = int(mine["count"].sum())
     named = py = to_py = 0
     depths: list[int] = []
+    pairs: list[tuple[list[str], int]] = []
     for r in mine:
         stack = names.get(int(r["user_stack"]), [])
         n = int(r["count"])
+        pairs.append((stack, n))
         if fully_named(stack, modules.get(int(r["user_stack"]), [])):
             named += n
         if any(s.startswith("py::") for s in stack):
@@ -177,6 +193,7 @@ def _quality(program: str, run: dict[str, Any], python_prog: bool, unwinder: str
             "fully_named_share": round(named / total, 3) if total else None,
             "depth_median": statistics.median(depths) if depths else None,
             "python_frames_share": (round(py / total, 3) if total else None) if python_prog else None,
+            "python_frames_share_while_evaluating": _python_share_while_evaluating(pairs) if python_prog else None,
             "named_to_python_share": (round(to_py / total, 3) if total else None) if python_prog else None,
             "unwinder": unwinder, "load_avg": _load()}
 
@@ -223,9 +240,11 @@ def demo_quality(quick: bool) -> dict[str, Any]:
     total = int(mine["count"].sum())
     named = py = to_py = 0
     depths: list[int] = []
+    pairs: list[tuple[list[str], int]] = []
     for r in mine:
         sid, n = int(r["user_stack"]), int(r["count"])
         stack = names.get(sid, [])
+        pairs.append((stack, n))
         named += n * fully_named(stack, modules.get(sid, []))
         py += n * any(x.startswith("py::") for x in stack)
         to_py += n * named_to_python(stack)
@@ -235,6 +254,7 @@ def demo_quality(quick: bool) -> dict[str, Any]:
             "fully_named_share": round(named / total, 3) if total else None,
             "depth_median": statistics.median(depths) if depths else None,
             "python_frames_share": round(py / total, 3) if total else None,
+            "python_frames_share_while_evaluating": _python_share_while_evaluating(pairs),
             "named_to_python_share": round(to_py / total, 3) if total else None, "unwinder": "cfi",
             "load_avg": _load(), "cfi": run["cfi"]}
 
