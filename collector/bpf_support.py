@@ -232,9 +232,10 @@ def elf_symbols(path: str) -> ElfSymbols:
 
 
 def _parse_elf(path: str) -> ElfSymbols:
-    # A file a job process maps, maybe in the user's space: no symlink, no FIFO, bounded (safeio).
+    # A file a job process maps, maybe in the user's space: no symlink anywhere on its path (a
+    # container's inside its root), no FIFO, bounded (safeio).
     try:
-        data = read_user_file(path, owners=None, max_bytes=ELF_MAX_BYTES)
+        data = read_user_file(path, owners=None, max_bytes=ELF_MAX_BYTES, no_symlinks=True)
     except UnsafeFile as e:
         raise ValueError(str(e)) from None
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:

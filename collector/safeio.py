@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import stat
 from collections.abc import Collection
 from typing import Any
@@ -32,7 +33,10 @@ class UnsafeFile(ValueError):
 _SYS_OPENAT2 = 437  # x86-64 and the generic table alike
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_IN_ROOT = 0x10
 _AT_FDCWD = -100
+# a file of another mount namespace, as the collector reaches it (bpf_support.attach_path)
+_PROC_ROOT = re.compile(r"^(/proc/\d+/root)(/.*)$")
 
 
 class _OpenHow(ctypes.Structure):
@@ -51,12 +55,23 @@ def _open_no_symlinks(path: str, flags: int) -> int:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
             _libc.syscall.restype = ctypes.c_long
-        how = _OpenHow(flags, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-        fd = int(_libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(_AT_FDCWD), os.fsencode(path),
-                               ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+        # /proc/PID/root/REST (a container's file): the root is a magic link the kernel resolves to
+        # the process's root directory; REST is then resolved inside it, no symlink allowed
+        m = _PROC_ROOT.match(path)
+        dirfd, rel, resolve = _AT_FDCWD, path, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        if m is not None:
+            dirfd = os.open(m[1], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            rel, resolve = m[2].lstrip("/"), resolve | _RESOLVE_IN_ROOT
+        try:
+            how = _OpenHow(flags, 0, resolve)
+            fd = int(_libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), os.fsencode(rel),
+                                   ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+            err = ctypes.get_errno()
+        finally:
+            if dirfd != _AT_FDCWD:
+                os.close(dirfd)
         if fd >= 0:
             return fd
-        err = ctypes.get_errno()
         if err != errno.ENOSYS:
             raise OSError(err, os.strerror(err), path)
         _openat2_missing = True
@@ -97,9 +112,10 @@ def open_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int,
     return fd, st
 
 
-def read_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int) -> bytes:
+def read_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int,
+                   no_symlinks: bool = False) -> bytes:
     """The whole file, checked as open_user_file does; at most max_bytes even if it grows meanwhile."""
-    fd, _ = open_user_file(path, owners=owners, max_bytes=max_bytes)
+    fd, _ = open_user_file(path, owners=owners, max_bytes=max_bytes, no_symlinks=no_symlinks)
     try:
         chunks: list[bytes] = []
         left = max_bytes + 1

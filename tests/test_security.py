@@ -406,6 +406,23 @@ def test_safe_reads_of_elf_files_never_block(tmp_path: Path) -> None:
         read_user_file(str(big), owners=None, max_bytes=16 << 20)
 
 
+def test_elf_symbols_never_read_through_a_symlinked_directory(tmp_path: Path) -> None:
+    """A job's library path whose directory a user swapped for a symlink (to a root-only tree): the
+    symbol reader of the Python walk and of the kernels source refuses it, through the process's
+    root too (resolved inside that root), and still reads a real path both ways."""
+    real = tmp_path / "real"
+    real.mkdir()
+    lib = real / "libc.so.6"
+    shutil.copy("/lib/x86_64-linux-gnu/libc.so.6", lib)
+    (tmp_path / "swapped").symlink_to(real)
+    me = f"/proc/{os.getpid()}/root"
+    for path in (str(tmp_path / "swapped" / "libc.so.6"), me + str(tmp_path / "swapped" / "libc.so.6")):
+        refused = _try(_parse_elf, path)
+        assert isinstance(refused, ValueError) and "symlink" in str(refused), (path, refused)
+    for path in (str(lib), me + str(lib)):
+        assert "printf" in _parse_elf(path).by_name, path
+
+
 def _try(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
