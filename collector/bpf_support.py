@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
+from gpuprof.collector.debuginfo import offset_to_vaddr, vaddr_to_offset
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
 from gpuprof.collector.schema import INTERNAL_COMM_OPS
 from gpuprof.collector.sources.base import SourceUnavailable
@@ -196,16 +197,10 @@ class ElfSymbols:
     loads: list[tuple[int, int, int]] = field(default_factory=list)  # (p_offset, p_vaddr, p_filesz)
 
     def offset_to_vaddr(self, off: int) -> int | None:
-        for p_off, p_vaddr, p_filesz in self.loads:
-            if p_off <= off < p_off + max(p_filesz, 1):
-                return off - p_off + p_vaddr
-        return None
+        return offset_to_vaddr(self.loads, off)
 
     def vaddr_to_offset(self, vaddr: int) -> int | None:
-        for p_off, p_vaddr, p_filesz in self.loads:
-            if p_vaddr <= vaddr < p_vaddr + max(p_filesz, 1):
-                return vaddr - p_vaddr + p_off
-        return None
+        return vaddr_to_offset(self.loads, vaddr)
 
     def function_at(self, vaddr: int) -> tuple[str, int] | None:
         """(name, offset into it) of the function containing vaddr."""

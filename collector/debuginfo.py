@@ -55,6 +55,22 @@ PT_LOAD = 1
 NT_GNU_BUILD_ID = 3
 
 
+
+def offset_to_vaddr(loads: Sequence[tuple[int, int, int]], off: int) -> int | None:
+    """The virtual address of a file offset, by the loadable segments (p_offset, p_vaddr, p_filesz)."""
+    for p_off, p_vaddr, p_filesz in loads:
+        if p_off <= off < p_off + max(p_filesz, 1):
+            return off - p_off + p_vaddr
+    return None
+
+
+def vaddr_to_offset(loads: Sequence[tuple[int, int, int]], vaddr: int) -> int | None:
+    """The file offset of a virtual address, by the loadable segments (offset_to_vaddr's inverse)."""
+    for p_off, p_vaddr, p_filesz in loads:
+        if p_vaddr <= vaddr < p_vaddr + max(p_filesz, 1):
+            return vaddr - p_vaddr + p_off
+    return None
+
 class DebugInfoError(ValueError):
     """An ELF or debug file that gives no names (not ELF64 little-endian, truncated, too big, a
     debug file of another build); the message names the file and why."""
@@ -187,16 +203,10 @@ class ElfFile:
         return s is not None and s.type != SHT_NOBITS and s.size > 0
 
     def offset_to_vaddr(self, off: int) -> int | None:
-        for p_off, p_vaddr, p_filesz in self.loads:
-            if p_off <= off < p_off + max(p_filesz, 1):
-                return off - p_off + p_vaddr
-        return None
+        return offset_to_vaddr(self.loads, off)
 
     def vaddr_to_offset(self, vaddr: int) -> int | None:
-        for p_off, p_vaddr, p_filesz in self.loads:
-            if p_vaddr <= vaddr < p_vaddr + max(p_filesz, 1):
-                return vaddr - p_vaddr + p_off
-        return None
+        return vaddr_to_offset(self.loads, vaddr)
 
     def functions(self, kinds: Collection[int] = (SHT_SYMTAB, SHT_DYNSYM)) -> FuncTable:
         """Function symbols of the tables of these kinds. At one address the first name by
