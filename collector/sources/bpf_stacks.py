@@ -445,8 +445,9 @@ class BpfStacksSource(Source):
     def at_seal(self, f: Any) -> None:
         if self.store is not None:
             self.store.write(f)
-        f.attrs["unwind_json"] = json.dumps({"unwinder": "cfi" if self.unwind_status is not None else "frame_pointers",
-                                             "cfi": self.unwind_status}, sort_keys=True)
+            # the unwinder that ran (frame_pointers also where cfi was asked for and did not start)
+            f.attrs["unwind_json"] = json.dumps({"unwinder": "cfi" if self.unwind_status is not None
+                                                 else "frame_pointers", "cfi": self.unwind_status}, sort_keys=True)
 
 
 def _now_ns() -> int:
