@@ -44,7 +44,7 @@ from gpuprof.collector import schema
 from gpuprof.collector.errors import TraceFormatError
 from gpuprof.mpi_merge import roofline
 from gpuprof.mpi_merge.clock import NodeClockModel
-from gpuprof.mpi_merge.common import Pool
+from gpuprof.mpi_merge.common import Pool, row_blocks
 from gpuprof.mpi_merge.export import open_job_file
 from gpuprof.mpi_merge.jobclock import clock_model, segment_rows_by_node, time_mapper
 
@@ -68,7 +68,6 @@ MAX_CLOCK_POINTS = 120  # segments drawn per node
 MAX_RANK_ROWS = 1024
 SEQ_TIME_POINTS = 200  # (collective index, time) points per communicator: the stack lanes' axis
 OFFCPU_SPREAD = 20  # points each off-CPU window's blocked time is spread over
-READ_ROWS = 4096  # rows of a [seq x rank] table read at once
 
 COVERAGE = [("collectives/calls", "collective calls"), ("gpu/samples", "GPU metrics (NVML)"),
             ("gpu/gpm", "GPU activity (GPM)"), ("host/node", "host metrics"), ("stacks/samples", "CPU stacks"),
@@ -607,6 +606,14 @@ def _lane_ranks(g: h5py.Group, size: int, straggler_nodes: list[str]) -> np.ndar
     return np.array(sorted(keep)[:MAX_LANE_RANKS])
 
 
+def _lane_cells(ds: h5py.Dataset, s0: int, s1: int, ranks: np.ndarray) -> np.ndarray:
+    """ds[s0:s1][:, ranks], read by blocks of rows of BLOCK_CELLS cells: the rows hold every rank
+    of the communicator, the lanes only a few (80 rows of 32768 ranks were 21 MB a table)."""
+    size = ds.shape[1]
+    parts = [ds[s0 + a:s0 + b][:, ranks] for a, b in row_blocks(s1 - s0, size)]
+    return np.concatenate(parts) if parts else ds[s0:s1][:, ranks]
+
+
 def prepare_comm(g: h5py.Group, straggler_nodes: list[str], epoch: int) -> CommPrep:
     """The CommPrep of /collectives/comm_<id> group `g` (of the job file, or of a file with the same
     tables); `straggler_nodes`: the report's, whose ranks get lanes first."""
@@ -623,9 +630,12 @@ def prepare_comm(g: h5py.Group, straggler_nodes: list[str], epoch: int) -> CommP
     # the first arrival of each instance, for the lanes' window and the stack lanes' axis
     first_e = np.full(n_seq, np.nan)
     W, E = g["wait_ns"], g["enter_aligned_ns"]
-    for i0 in range(0, n_seq, READ_ROWS):  # (each table read once: the largest reads of the page)
-        w = W[i0:i0 + READ_ROWS][:, ranks].astype(np.float64)
-        e = E[i0:i0 + READ_ROWS].astype(np.float64)
+    # each table read once, the page's largest reads: by blocks of rows of BLOCK_CELLS cells (the
+    # tables' chunks), not of a fixed row count, whose reads grew with the ranks (200 rows of 32768
+    # ranks, 115 MB of temporaries); every cell is summed in the same row order as before
+    for i0, i1 in row_blocks(n_seq, size):
+        w = W[i0:i1][:, ranks].astype(np.float64)
+        e = E[i0:i1].astype(np.float64)
         e[e < 0] = np.nan
         with np.errstate(invalid="ignore"):
             skew[i0:i0 + len(e)] = np.nanmax(e, axis=1) - np.nanmin(e, axis=1) if e.shape[1] else np.nan
@@ -863,10 +873,10 @@ class PayloadBuilder:
         if s1 - s0 < n_seq:
             self.summarized.append(f"communicator {cid}: time lanes of instances {s0}-{s1 - 1} of {n_seq} (around "
                                    f"the largest arrival skew, seq {worst})")
-        ew = g["enter_aligned_ns"][s0:s1][:, ranks].astype(np.int64)
-        xw = g["exit_aligned_ns"][s0:s1][:, ranks].astype(np.int64)
-        ww = g["wait_ns"][s0:s1][:, ranks].astype(np.float64)
-        op = g["op"][s0:s1][:, ranks]
+        ew = _lane_cells(g["enter_aligned_ns"], s0, s1, ranks).astype(np.int64)
+        xw = _lane_cells(g["exit_aligned_ns"], s0, s1, ranks).astype(np.int64)
+        ww = _lane_cells(g["wait_ns"], s0, s1, ranks).astype(np.float64)
+        op = _lane_cells(g["op"], s0, s1, ranks)
         last = g["last_rank"][s0:s1]
         # a cell per (instance, lane) that has both ends, instance by instance (row-major order)
         keep = (ew >= 0) & (xw >= 0)

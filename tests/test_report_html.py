@@ -18,10 +18,12 @@ import pytest
 from click.testing import CliRunner
 
 from gpuprof.collector import schema
-from gpuprof.mpi_merge import html_report, roofline
+from gpuprof.mpi_merge import common, html_report, roofline
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.cli import report as report_cmd
 from gpuprof.mpi_merge.common import SerialPool
+from gpuprof.mpi_merge.export import METADATA_CACHE_BYTES, open_job_file
+from gpuprof.mpi_merge.jobfile import JOB_SCHEMA
 from gpuprof.mpi_merge.merge import merge
 
 RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
@@ -449,3 +451,52 @@ def test_clock_segments_in_another_order_give_the_same_page(rich_job: Path, tmp_
     page = html_report.render_html_file(job)
     assert page == rich_job.with_suffix(".html").read_text()
     assert pooled_page(job, 2) == page
+
+
+def test_communicator_sections_read_by_blocks_give_the_same_page(synth_job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page reads a communicator's [seq x rank] tables (its heat map, skew and lanes) by blocks
+    of rows of BLOCK_CELLS cells, so a read does not grow with the ranks times a fixed row count.
+    With blocks of one row the page is the same, byte for byte, in the merge's two ways (sections
+    computed before, or by the page), and no 2-D read of /collectives holds more than one block."""
+    page = html_report.render_html_file(synth_job)
+    with h5py.File(synth_job, "r") as f:
+        size = max(int(g.attrs["size"]) for g in f["collectives"].values())
+    assert size > 1
+    cells = size  # one row of the widest communicator a block
+    monkeypatch.setattr(common, "BLOCK_CELLS", cells)
+    reads: list[tuple[str, tuple[int, ...]]] = []
+    getitem = h5py.Dataset.__getitem__
+
+    def recording(ds: h5py.Dataset, key: object) -> np.ndarray:
+        out = getitem(ds, key)
+        if ds.name.startswith("/collectives/") and ds.ndim == 2:
+            reads.append((ds.name, np.shape(out)))
+        return out
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", recording)
+    assert html_report.render_html_file(synth_job) == page
+    assert pooled_page(synth_job, 2) == page
+    assert reads and {n.rpartition("/")[2] for n, _ in reads} >= {"wait_ns", "enter_aligned_ns", "exit_aligned_ns", "op"}
+    assert max(int(np.prod(s)) for _, s in reads) <= cells, max(reads, key=lambda r: int(np.prod(r[1])))
+
+
+def test_reading_the_report_does_not_grow_the_metadata_cache(tmp_path: Path) -> None:
+    """HDF5 grows a file's metadata cache at once by 1.4x any entry larger than a quarter of it
+    (the report's attribute: 14 MB at 32768 ranks), and the page then fills it with the node
+    groups' object headers (230 MB more at 4096 nodes). The job file is read with the cache fixed
+    at its initial size, for every handle of the file; a plain h5py open grows it."""
+    job = tmp_path / "big.gpuprof.h5"
+    big = json.dumps({"ranks": [{"rank": i, "wait_ns_total": float(i)} for i in range(60_000)]})
+    assert len(big) > METADATA_CACHE_BYTES // 4  # beyond HDF5's flash threshold
+    with h5py.File(job, "w", libver="latest") as f:
+        f.attrs["schema"] = JOB_SCHEMA
+        f.create_group("analysis").attrs["report_json"] = big
+    with h5py.File(job, "r") as f:  # the control: HDF5's default grows the cache past the report
+        assert json.loads(f["analysis"].attrs["report_json"]) == json.loads(big)
+        assert f.id.get_mdc_size()[0] > len(big)
+    with open_job_file(job) as f:
+        assert json.loads(f["analysis"].attrs["report_json"]) == json.loads(big)
+        assert f.id.get_mdc_size()[0] == METADATA_CACHE_BYTES
+        with h5py.File(job, "r") as g:  # another handle of the same file shares the bounded cache
+            assert len(g["analysis"].attrs["report_json"]) == len(big)
+            assert g.id.get_mdc_size()[0] == METADATA_CACHE_BYTES
