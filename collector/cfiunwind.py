@@ -223,15 +223,12 @@ class CfiUnwinder:
         self.stack_words = np.frombuffer(self.stack_leaf, np.uint64)
 
     # --- registration ----------------------------------------------------------------------------
-    def register(self, pids: Iterable[int], drain: bool = True) -> None:
+    def register(self, pids: Iterable[int]) -> None:
         """Register (or refresh) the processes of pids that need it, and those the BPF program marked
         stale (an exec, a pc outside their mappings, a job process not registered yet); those
         whose tables are not all compiled yet are registered with what is there and again when
-        the compile thread has more. drain: ranges freed before become reusable (once a drain)."""
+        the compile thread has more. (Freed ranges become reusable once a drain: _poll.)"""
         with self.lock:
-            if drain:
-                self.rows.new_drain()
-                self.mappings.new_drain()
             stale = self._take_stale()
             retry = self.waiting if self.compiler.done != self._done_seen else set()
             self._done_seen = self.compiler.done
@@ -260,7 +257,7 @@ class CfiUnwinder:
                         self._forget(set(live))
                 pending = next(iter(self.stale_map.keys()), None) is not None
                 if pending or (self.waiting and self.compiler.done != self._done_seen):
-                    self.register((), drain=False)
+                    self.register(())
             except (OSError, ValueError, KeyError) as e:
                 self._error(f"CFI registration between drains failed: {e}")
 
