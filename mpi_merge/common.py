@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import time
 import warnings
 from collections import deque
@@ -178,6 +179,68 @@ def _any_source() -> int:
     from mpi4py import MPI  # only where there are other ranks: library use needs no MPI
 
     return int(MPI.ANY_SOURCE)
+
+
+class ChoresComm:
+    """An mpi4py communicator whose waits do work: while this rank waits for another rank's message
+    (recv) or broadcast, it runs `chores()` one short step at a time until the message is there or
+    the chores say there is nothing to do now (the merge's writer copies node tables into the job
+    file then, one node a step: work that would otherwise wait for the end while rank 0 waits for
+    it). A step takes milliseconds, so a message is taken at most one step late. So that a rank can
+    work while it waits for a broadcast, every rank broadcasts in two parts: the pickled size by a
+    nonblocking broadcast, which a waiting rank tests between steps, then the bytes; what each rank
+    gets is what mpi4py's bcast gives. Every rank of the communicator must use this class (the two
+    parts are the protocol); only a rank with chores set works in its waits."""
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        self.chores: Callable[[], bool] | None = None
+        self.chore_seconds = 0.0
+
+    def Get_rank(self) -> int:
+        return int(self.comm.Get_rank())
+
+    def Get_size(self) -> int:
+        return int(self.comm.Get_size())
+
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self.comm.send(obj, dest=dest, tag=tag)
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Any:
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def iprobe(self, source: int = 0, tag: int = 0) -> bool:
+        return bool(self.comm.iprobe(source=source, tag=tag))
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return list(self.comm.allgather(obj))
+
+    def _work_until(self, arrived: Callable[[], bool]) -> None:
+        while self.chores is not None and not arrived():
+            t0 = time.monotonic()
+            more = self.chores()
+            self.chore_seconds += time.monotonic() - t0
+            if not more:
+                return
+
+    def recv(self, buf: Any = None, source: int = 0, tag: int = 0) -> Any:
+        self._work_until(lambda: bool(self.comm.iprobe(source=source, tag=tag)))
+        return self.comm.recv(buf, source=source, tag=tag)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        size = np.zeros(1, np.int64)
+        if self.comm.Get_rank() == root:
+            data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            size[0] = len(data)
+            self.comm.Ibcast(size, root=root).Wait()
+            self.comm.Bcast(data, root=root)
+            return obj
+        req = self.comm.Ibcast(size, root=root)
+        self._work_until(lambda: bool(req.Test()))
+        req.Wait()
+        data = bytearray(int(size[0]))
+        self.comm.Bcast(data, root=root)
+        return pickle.loads(data)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import h5py
 from gpuprof.collector import schema
 from gpuprof.collector.errors import TraceFormatError
 from gpuprof.mpi_merge.jobclock import node_time_mapper
-from gpuprof.mpi_merge.jobfile import JOB_SCHEMA
+from gpuprof.mpi_merge.jobfile import JOB_SCHEMA, bound_metadata_cache
 
 # perfetto = chrome-json (Chrome trace event JSON, which Perfetto opens too); perfetto-proto is
 # Perfetto's native protobuf (perfetto_export.py), otf2 an OTF2 archive directory (otf2_export.py)
@@ -32,25 +32,6 @@ FORMATS = ("perfetto", "chrome-json", "perfetto-proto", "otf2", "collapsed", "sp
 # node groups it walks, each several times its stored size once decoded in memory: reading the
 # report grew the page's memory at 4096 nodes by 230 MB. 2 MB is HDF5's initial size, which the
 # page's passes never grow: the same reads, hence the same speed, in a bounded cache.
-METADATA_CACHE_BYTES = 2 << 20
-
-
-def bound_metadata_cache(f: h5py.File, size: int = METADATA_CACHE_BYTES) -> None:
-    """Fix the metadata cache of `f`'s file at `size` bytes (no flash or adaptive increase). HDF5
-    shares one cache between every handle of the same file in a process, so this bounds them all."""
-    cfg = f.id.get_mdc_config()
-    cfg.set_initial_size = True
-    cfg.initial_size = size
-    cfg.min_size = size
-    cfg.max_size = size
-    # HDF5's enums (H5Cpublic.h), which h5py does not name: H5C_incr__off, H5C_flash_incr__off,
-    # H5C_decr__off (min == max leaves nothing to decrease)
-    cfg.incr_mode = 0
-    cfg.flash_incr_mode = 0
-    cfg.decr_mode = 0
-    f.id.set_mdc_config(cfg)
-
-
 def open_job_file(path: Path) -> h5py.File:
     try:
         f = h5py.File(path, "r")

@@ -2,9 +2,9 @@
 
 Bulk per-node data never passes through rank 0's memory: the job file's writer (the last rank; rank 0
 when alone) copies each selected node file's groups into the job file with HDF5's object copy, which
-moves stored chunks without holding a whole table (copy_node_tables), while rank 0 analyzes; then it
-copies in each node's aligned call times, which the node's rank wrote into a small file of their
-own (write_aligned_times, copy_aligned_times). Rank 0 writes the [seq x rank] tables of
+moves stored chunks without holding a whole table, whenever it would otherwise wait for rank 0;
+then it copies in each node's aligned call times, which the node's rank wrote into a small file of
+their own (write_aligned_times, JobFileCopies). Rank 0 writes the [seq x rank] tables of
 /collectives into a part file of its own block by block as the analysis produces them
 (CollectivesWriter, one chunk per block), and at the end adds them, /clock, /analysis and the root
 attributes to the job file (finish_job_file). The job file is written under a temporary name and
@@ -40,11 +40,32 @@ CHUNK = 1 << 16
 FILTERS: dict[str, Any] = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
 
 
+# HDF5's metadata cache of a job file: its size fixed (bytes of the entries as stored), not grown
+# as HDF5 does by default (see export.open_job_file for what growth cost the page).
+METADATA_CACHE_BYTES = 2 << 20
+
+
+def bound_metadata_cache(f: h5py.File, size: int = METADATA_CACHE_BYTES) -> None:
+    """Fix the metadata cache of `f`'s file at `size` bytes (no flash or adaptive increase). HDF5
+    shares one cache between every handle of the same file in a process, so this bounds them all."""
+    cfg = f.id.get_mdc_config()
+    cfg.set_initial_size = True
+    cfg.initial_size = size
+    cfg.min_size = size
+    cfg.max_size = size
+    # HDF5's enums (H5Cpublic.h), which h5py does not name: H5C_incr__off, H5C_flash_incr__off,
+    # H5C_decr__off (min == max leaves nothing to decrease)
+    cfg.incr_mode = 0
+    cfg.flash_incr_mode = 0
+    cfg.decr_mode = 0
+    f.id.set_mdc_config(cfg)
+
+
 def write_aligned_times(out: str | os.PathLike[str], calls: np.ndarray, model: NodeClockModel, epoch_rt: int) -> None:
     """A small file with /collectives/calls_aligned for one node: reference-clock realtime ns of the
     enter and exit of each row of the node's /collectives/calls (-1 where the call never returned),
     from `calls`, those rows on the node's own realtime clock (loading.call_rows), chunk by chunk.
-    The node's rank writes it; the job file's writer copies it in (copy_aligned_times)."""
+    The node's rank writes it; the job file's writer copies it in (JobFileCopies)."""
     with h5py.File(out, "w", libver="latest") as dst:
         al_ds = dst.create_dataset(
             "/collectives/calls_aligned", shape=(len(calls),), maxshape=(None,), dtype=ALIGNED_DTYPE,
@@ -194,42 +215,64 @@ class CollectivesWriter:
         self.g = None
 
 
-def start_job_file(job_tmp: Path) -> None:
-    """Create the job file with an empty /nodes (copy_node_tables fills it)."""
-    with h5py.File(job_tmp, "w", libver="latest") as f:
-        f.create_group("nodes")
+class JobFileCopies:
+    """The writer's copies into the job file, one node a step (`step`): every selected node's tables,
+    then, once `aligned_ready()` says every rank has written its nodes' aligned call times, those.
+    A node's tables are its node file's root group (attributes and every group), copied by one HDF5
+    object copy straight from the node file: stored chunks move as they are, nothing is decompressed
+    or held in memory (one copy of the root is about half the cost of a copy per group plus the
+    attributes rewritten). The merge's writer runs the steps while it would otherwise wait for rank 0
+    (common.ChoresComm) and the rest at the end (`finish`), so every rank count writes the same file
+    in the same order. The job file stays open between steps with its metadata cache bounded (each
+    copied object would otherwise grow it with the node count); `finish` closes it."""
 
+    def __init__(self, job_tmp: Path, nodes: list[tuple[str, Path]], aligned: list[tuple[str, Path]],
+                 aligned_ready: Callable[[], bool]):
+        self.nodes = nodes
+        self.aligned = aligned
+        self.aligned_ready = aligned_ready
+        self.nodes_done = 0
+        self.aligned_done = 0
+        self.f: h5py.File | None = h5py.File(job_tmp, "w", libver="latest")
+        bound_metadata_cache(self.f)
+        self.f.create_group("nodes")
 
-def copy_node_tables(job_tmp: Path, nodes: list[tuple[str, Path]], stop: Callable[[], bool] | None = None) -> int:
-    """Add /nodes/<node> to the job file for each node in order: the node file's root group (its
-    attributes and every group) by one HDF5 object copy straight from the node file (stored chunks
-    move as they are: nothing is decompressed or held in memory, and nothing is staged in between;
-    one copy of the root is about half the cost of a copy per group plus the attributes rewritten).
-    Returns how many nodes were copied: all, or fewer when `stop()` said so before a node (the
-    merge's writer copies while rank 0 works alone, and the rest later)."""
-    # One open of the job file per node: closing it empties HDF5's metadata cache, which would
-    # otherwise grow with every copied object and make the writer's memory grow with the node count.
-    for i, (name, node_file) in enumerate(nodes):
-        if stop is not None and stop():
-            return i
-        if not node_file.exists():
-            raise MergeError(f"node {name}: its node file {node_file} is missing (was it removed during the merge?)")
-        with h5py.File(job_tmp, "a", libver="latest") as f, h5py.File(node_file, "r") as src:
-            h5py.h5o.copy(src.id, b"/", f["nodes"].id, name.encode())
-    return len(nodes)
-
-
-def copy_aligned_times(job_tmp: Path, aligned: list[tuple[str, Path]]) -> None:
-    """Add /nodes/<node>/collectives/calls_aligned from each node's file of write_aligned_times,
-    for every node whose tables include calls."""
-    for name, path in aligned:
-        with h5py.File(job_tmp, "a", libver="latest") as f:
-            if f"nodes/{name}/{schema.COLLECTIVE_CALLS.path.lstrip('/')}" not in f:
-                continue
+    def step(self) -> bool:
+        """Copy one node's tables or aligned times; False when there is nothing to copy now (all done,
+        or the aligned times are not all written yet)."""
+        if self.f is None:
+            return False
+        if self.nodes_done < len(self.nodes):
+            name, node_file = self.nodes[self.nodes_done]
+            if not node_file.exists():
+                raise MergeError(f"node {name}: its node file {node_file} is missing (was it removed during the merge?)")
+            with h5py.File(node_file, "r") as src:
+                h5py.h5o.copy(src.id, b"/", self.f["nodes"].id, name.encode())
+            self.nodes_done += 1
+            return True
+        if self.aligned_done < len(self.aligned) and self.aligned_ready():
+            name, path = self.aligned[self.aligned_done]
+            self.aligned_done += 1
+            if f"nodes/{name}/{schema.COLLECTIVE_CALLS.path.lstrip('/')}" not in self.f:
+                return True  # a node without calls has no aligned times
             if not path.exists():
                 raise MergeError(f"node {name}: no aligned call times at {path} (its rank did not write them)")
             with h5py.File(path, "r") as src:
-                src.copy(src["collectives/calls_aligned"], f[f"nodes/{name}/collectives"], name="calls_aligned")
+                src.copy(src["collectives/calls_aligned"], self.f[f"nodes/{name}/collectives"], name="calls_aligned")
+            return True
+        return False
+
+    def finish(self, wait_aligned: Callable[[], None]) -> None:
+        """Copy what is left (`wait_aligned()` returns once every rank's aligned times are written), then
+        close the job file."""
+        while self.nodes_done < len(self.nodes):
+            self.step()
+        wait_aligned()
+        while self.step():
+            pass
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
 
 def finish_job_file(job_tmp: Path, a: JobAnalysis, collectives_part: Path, *, merge_ranks: int,

@@ -10,15 +10,15 @@
      selected node files' tables into /nodes, straight from the node file (one HDF5 object copy of
      each node file's root), while rank 0 loads the calls one node at a time in the job's node
      order into the job-wide [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and
-     closes it; every rank opens it read-only from then on. The writer stops copying when rank 0
-     sends the tables' layout (every later step needs all ranks) and copies the nodes left at the
-     end, before the aligned times. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
+     closes it; every rank opens it read-only from then on. The writer copies a node at a time
+     whenever it waits for rank 0 (common.ChoresComm, jobfile.JobFileCopies), here and in every
+     later step, and what its waits left at the end of the analysis. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
      over the ranks (common.RankPool), rank 0 writes the clock fit's input from their results into
      a file of its own; then every rank fits the clocks, the windows dealt over the ranks
      (common.CommSpread), and all hold the models;
   4. every rank writes the aligned call times of the nodes it read into files of their own, from
-     the saved calls; the writer adds them to the job file once every rank is done (after step 5's
-     items when it is not rank 0), and tells rank 0;
+     the saved calls; the writer adds them to the job file once every rank is done (in its waits,
+     the rest after step 5's items when it is not rank 0), and tells rank 0;
   5. rank 0 leads the rest of the analysis (analysis.JobAnalyzer.finish) and every other rank
      serves its items (common.RankPool: the blocks of the wait states, the delay analysis's
      baselines and ranges of the time order, the straggler scores' windows). A block computed on
@@ -70,15 +70,13 @@ from gpuprof.mpi_merge.analysis import (
     p2p_rows,
 )
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from gpuprof.mpi_merge.common import CommSpread, DealStats, RankPool, SerialSpread
+from gpuprof.mpi_merge.common import ChoresComm, CommSpread, DealStats, RankPool, SerialSpread
 from gpuprof.mpi_merge.html_report import PageContext, prepare_comms, render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
     CollectivesWriter,
-    copy_aligned_times,
-    copy_node_tables,
+    JobFileCopies,
     finish_job_file,
-    start_job_file,
     write_aligned_times,
 )
 from gpuprof.mpi_merge.loading import NodeSummary, discover, expected_nodes_from_attrs, summarize_node
@@ -168,6 +166,11 @@ class StepTimes:
         """How a step's items were dealt (rank 0): printed on a line of its own."""
         if self.on:
             self.dealt.append((step, stats))
+
+    def note(self, what: str, seconds: float) -> None:
+        """Seconds spent inside the steps (the writer's copies in its waits): printed among them."""
+        if self.on:
+            self.steps.append((what, seconds))
 
     def mark(self, step: str) -> None:
         """The step that just ended."""
@@ -335,6 +338,11 @@ def merge(
     """Merge a job's node files. Returns the result on rank 0, None on the other ranks.
     show_progress: rank 0 prints progress lines per step on stderr."""
     c: Comm = comm if comm is not None else SerialComm()
+    if c.Get_size() > 1:
+        from mpi4py import MPI  # only with other ranks: library use needs no MPI
+
+        if isinstance(c, MPI.Comm):
+            c = ChoresComm(c)  # the writer's copies run in its waits (another wrapper keeps its own waits)
     rank = c.Get_rank()
     t_start = time.monotonic()
     plan: dict[str, Any] | None = None
@@ -424,18 +432,32 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     if size > 1:  # every rank's summaries are in: all files are read
         progress("reading node files", len(files), len(files), "files read", force=True)
 
-    # 3. the writer starts the job file with every selected node's tables, copied straight from the
-    #    node files, while rank 0 fills the job-wide tables with the calls, one node at a time in the
-    #    job's node order, and fits the clocks
-    node_files = [(node, Path(f)) for f, node in selected]
-    copied = 0
+    # 3. the writer starts the job file and copies every selected node's tables into it, straight
+    #    from the node files, while it waits for rank 0 (which fills the job-wide tables with the
+    #    calls, one node at a time in the job's node order) here and in the later steps
+    copies: JobFileCopies | None = None
+    aligned_from = {r for r in range(size) if r != writer}  # the ranks whose aligned times the writer awaits
+
+    def aligned_ready() -> bool:
+        for r in sorted(aligned_from):
+            if c.iprobe(source=r, tag=TAG_ALIGNED):
+                c.recv(source=r, tag=TAG_ALIGNED)  # there: taken without a wait
+                aligned_from.discard(r)
+        return not aligned_from
+
+    def wait_aligned() -> None:
+        while aligned_from:
+            r = min(aligned_from)
+            c.recv(source=r, tag=TAG_ALIGNED)
+            aligned_from.discard(r)
+
     if rank == writer:
-        start_job_file(job_tmp)
-        # with other ranks, only while rank 0 loads the calls alone (until the tables' layout comes):
-        # every later step needs the writer too, and the rest of the copy waits for the end
-        layout_sent = None if writer == 0 else (lambda: c.iprobe(source=0, tag=TAG_LAYOUT))
-        copied = copy_node_tables(job_tmp, node_files, stop=layout_sent)
-        steps.mark("copy_nodes")
+        copies = JobFileCopies(job_tmp, [(node, Path(f)) for f, node in selected],
+                               [(node, aligned_of[f]) for f, node in selected], aligned_ready)
+        if isinstance(c, ChoresComm) and writer != 0:
+            # with other ranks, the copies run whenever the writer waits for rank 0 (from the loading
+            # of the calls, which rank 0 does alone, to the end of the analysis)
+            c.chores = copies.step
     job: JobAnalyzer | None = None
     clock_in: ClockInput | None = None
     layout: list[tuple[StoredComm, dict[str, str]]] | None = None
@@ -456,7 +478,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
             layout = _store_layout(store)
         # the tables are complete: closed here, and every rank reads them from now on
         steps.mark("load_calls")
-    # point to point, not a broadcast: the writer looks for it between two nodes' copies
+    # point to point: the writer's copies run while it waits for it
     if rank == 0:
         for req in [c.isend(layout, dest=r, tag=TAG_LAYOUT) for r in range(1, size)]:
             req.wait()
@@ -511,15 +533,13 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     if rank != writer:
         c.send(True, dest=writer, tag=TAG_ALIGNED)
 
-    def copy_aligned() -> None:
-        copy_node_tables(job_tmp, node_files[copied:])  # what the writer had no time for at the start
-        steps.mark("copy_nodes_rest")
-        for r in range(size):
-            if r != writer:
-                c.recv(source=r, tag=TAG_ALIGNED)
-        steps.mark("wait_aligned")
-        copy_aligned_times(job_tmp, [(node, aligned_of[f]) for f, node in selected])
-        steps.mark("copy_aligned")
+    def finish_copies() -> None:
+        assert copies is not None
+        if isinstance(c, ChoresComm):
+            c.chores = None
+            steps.note("copies_in_waits", c.chore_seconds)
+        copies.finish(wait_aligned)  # what the writer had no wait for
+        steps.mark("copies_left")
 
     if rank != 0:
         # 5. the other ranks: the items of rank 0's analysis (blocks of pass 2, the sweep's ranges, the
@@ -527,7 +547,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         RankPool(c, AnalysisContext(tables, names, models, ChunkPacker(tables, names, decision["epoch"]))).serve()
         steps.mark("analysis_items")
         if rank == writer:
-            copy_aligned()
+            finish_copies()
             c.send(True, dest=0, tag=TAG_NODES)
         # then the page's passes over the nodes of the finished job file, until rank 0 has drawn it
         page = PageContext(output_paths(Path(plan["stem"]))["h5"])
@@ -537,7 +557,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         steps.report()
         return None
     if writer == 0:
-        copy_aligned()
+        finish_copies()
 
     # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
     assert job is not None

@@ -56,38 +56,98 @@ def test_same_job_file_for_1_2_4_ranks(job: Path, tmp_path: Path) -> None:
     assert [s["node"] for s in reps[0]["stragglers"]] == ["node001"]
 
 
-def test_the_writers_copy_cut_at_the_layout_is_finished_at_the_end(job: Path, tmp_path: Path) -> None:
-    """The writer copies node tables only until rank 0 sends the tables' layout, and the nodes
-    left at the end: with the layout sent before its second node (rank 0 waits for it), the job file
-    is the one of a single rank, every node in it, and the writer says it copied the rest."""
+def _merge_script(tmp_path: Path, name: str, job: Path, patch: str) -> Path:
+    """A merge of `job` on the ranks of mpirun, with `patch` (Python lines) run first on every rank."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(
+        "import sys, time\n"
+        f"{patch}"
+        "from gpuprof.slurm_hooks.cli import main\n"
+        f"sys.argv = ['gpuprof', 'merge', {str(job)!r}, '--output-stem', {str(tmp_path / name)!r}, '--quiet']\n"
+        "main()\n")
+    return script
+
+
+@pytest.mark.parametrize("patch", ["no_waits", "slow_steps"])
+def test_the_writers_copies_in_its_waits_give_the_single_ranks_file(patch: str, job: Path, tmp_path: Path) -> None:
+    """The writer copies the node tables and aligned times while it waits for rank 0 and the rest at
+    the end: with no copy in any wait (all at the end), or with every copy 30 ms long (messages taken
+    late), the job file and the reports are the single rank's, every node in it, and the writer's
+    timing line says how much it copied in its waits."""
     one = mpirun(1, "-m", "gpuprof.slurm_hooks.cli", "merge", str(job), "--output-stem", str(tmp_path / "k1"),
                  "--quiet")
     assert one.returncode == 0, one.stderr[-3000:]
-    script = tmp_path / "cut_copy.py"
-    script.write_text(
-        "import sys, time\n"
-        "from gpuprof.mpi_merge import merge\n"
-        "real = merge.copy_node_tables\n"
-        "def first_node_only(job_tmp, nodes, stop=None):\n"
-        "    if stop is None:\n"
-        "        return real(job_tmp, nodes)\n"
-        "    got = real(job_tmp, nodes[:1])\n"
-        "    while not stop():  # the layout comes: stop here, as a slow copy would\n"
-        "        time.sleep(0.01)\n"
-        "    return got\n"
-        "merge.copy_node_tables = first_node_only\n"
-        "from gpuprof.slurm_hooks.cli import main\n"
-        f"sys.argv = ['gpuprof', 'merge', {str(job)!r}, '--output-stem', {str(tmp_path / 'cut')!r}, '--quiet']\n"
-        "main()\n")
+    lines = {
+        "no_waits": "from gpuprof.mpi_merge import common\n"
+                    "common.ChoresComm._work_until = lambda self, arrived: None\n",
+        "slow_steps": "from gpuprof.mpi_merge import jobfile\n"
+                      "real = jobfile.JobFileCopies.step\n"
+                      "def slow(self):\n"
+                      "    time.sleep(0.03)\n"
+                      "    return real(self)\n"
+                      "jobfile.JobFileCopies.step = slow\n",
+    }[patch]
+    script = _merge_script(tmp_path, "w", job, lines)
     p = subprocess.run(
         [MPIRUN or "mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "mpi4py",
          str(script)], capture_output=True, text=True, timeout=180, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT), GPUPROF_MERGE_TIMING="1"), check=False)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert re.search(r"timing rank 1: .*copy_nodes_rest=", p.stderr), p.stderr[-2000:]
-    assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / "cut.gpuprof.h5") == []
-    with h5py.File(tmp_path / "cut.gpuprof.h5", "r") as f:
+    in_waits = re.search(r"timing rank 1: .*copies_in_waits=([\d.]+) copies_left=", p.stderr)
+    assert in_waits, p.stderr[-2000:]
+    if patch == "no_waits":
+        assert float(in_waits.group(1)) == 0.0
+    else:  # 30 ms a step, 5 nodes and their aligned times: some of it ran in the waits
+        assert float(in_waits.group(1)) >= 0.03
+    assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / "w.gpuprof.h5") == []
+    for ext in ("txt", "json"):
+        assert (tmp_path / f"k1.gpuprof.{ext}").read_bytes() == (tmp_path / f"w.gpuprof.{ext}").read_bytes()
+    with h5py.File(tmp_path / "w.gpuprof.h5", "r") as f:
         assert len(f["nodes"]) == len(list(job.glob("*.h5")))
+        assert all("calls_aligned" in f[f"nodes/{n}/collectives"] for n in f["nodes"])
+
+
+def test_broadcast_of_a_rank_with_chores(tmp_path: Path) -> None:
+    """ChoresComm's broadcast (in two parts, so a waiting rank works) gives what mpi4py's bcast gives,
+    on 3 ranks and from every root, for small and large objects; the rank with chores runs them
+    while it waits for a late root, and stops asking in a wait once they say there is nothing to do."""
+    script = tmp_path / "chores_bcast.py"
+    script.write_text(
+        "import time\n"
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "from gpuprof.mpi_merge.common import ChoresComm\n"
+        "w = MPI.COMM_WORLD\n"
+        "c = ChoresComm(w)\n"
+        "done, calls = [], []\n"
+        "def chore():\n"
+        "    calls.append(1)\n"
+        "    if len(done) == 40:\n"
+        "        return False  # nothing to do now\n"
+        "    done.append(1)\n"
+        "    time.sleep(0.002)\n"
+        "    return True\n"
+        "if w.Get_rank() == 2:\n"
+        "    c.chores = chore\n"
+        "objs = [None, 7, {'a': [1, 2.5, 'x']}, np.arange(300000, dtype=np.int64), 'z' * 100000]\n"
+        "for root in range(3):\n"
+        "    for o in objs:\n"
+        "        if w.Get_rank() == root:\n"
+        "            time.sleep(0.05)  # the others wait\n"
+        "        got = c.bcast(o if w.Get_rank() == root else None, root=root)\n"
+        "        ref = w.bcast(o if w.Get_rank() == root else None, root=root)\n"
+        "        same = np.array_equal(got, ref) if isinstance(ref, np.ndarray) else got == ref\n"
+        "        assert same, (w.Get_rank(), root, type(o))\n"
+        "if w.Get_rank() == 2:\n"
+        "    print('CHORES', len(done), len(calls), round(c.chore_seconds, 3), flush=True)\n")
+    p = mpirun(3, str(script))
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = re.search(r"CHORES (\d+) (\d+) ([\d.]+)", p.stdout)
+    assert m, p.stdout + p.stderr[-2000:]
+    assert int(m.group(1)) == 40  # every step of work done in the waits
+    # after "nothing to do now", asked once more per wait only: 10 broadcasts from the other roots
+    assert int(m.group(2)) <= 40 + 10
+    assert float(m.group(3)) >= 40 * 0.002
 
 
 def merge_with_small_blocks(n: int, src: Path, stem: Path) -> subprocess.CompletedProcess[str]:

@@ -22,8 +22,8 @@ from gpuprof.mpi_merge import common, html_report, roofline
 from gpuprof.mpi_merge import synthetic as syn
 from gpuprof.mpi_merge.cli import report as report_cmd
 from gpuprof.mpi_merge.common import SerialPool
-from gpuprof.mpi_merge.export import METADATA_CACHE_BYTES, open_job_file
-from gpuprof.mpi_merge.jobfile import JOB_SCHEMA
+from gpuprof.mpi_merge.export import open_job_file
+from gpuprof.mpi_merge.jobfile import JOB_SCHEMA, METADATA_CACHE_BYTES
 from gpuprof.mpi_merge.merge import merge
 
 RECORDING = Path(__file__).parent / "recordings" / "demo-4nodes"
