@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
+from conftest import Cluster
 
 from gpuprof.collector import config
 from gpuprof.collector.errors import ConfigError
@@ -117,3 +120,50 @@ def test_the_merge_job_runs_with_mpich(tmp_path: Path) -> None:
     assert serial is not None
     assert compare_job_files(tmp_path / "slurm-88.gpuprof.h5", serial.job_file) == []
     assert stdout.read_text() == "the job's own output\n"
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPICH_PYTHON.exists() or shutil.which("mpiexec.mpich") is None,
+                    reason="no MPICH environment (etc/dev/setup.sh makes .venv-mpich where Debian's mpich installs)")
+def test_the_merge_job_runs_with_mpich_through_slurm(cluster: Cluster, test_user: str, user_tmpdir: Path) -> None:
+    """The merge job as the node Epilog submits it (merge_job_command: sbatch as the job's user, a
+    clean environment, a dependency on the job), with `merge.mpirun = mpiexec.mpich` and the MPICH
+    environment's Python as the hooks' Python: hydra starts 2 ranks inside the merge job's
+    allocation, and the job file beside the job's output is the serial merge's, the user's own."""
+    from gpuprof.mpi_merge import synthetic as syn
+    from gpuprof.mpi_merge.jobfile import compare_job_files
+    from gpuprof.mpi_merge.merge import merge
+
+    pw = pwd.getpwnam(test_user)
+    # the profiled job: a real one of the user's (the merge job depends on it), its traces generated
+    first = cluster.sbatch(["--wrap=echo the job output", f"--chdir={user_tmpdir}",
+                            f"--output={user_tmpdir}/slurm-%j.out", "--nodes=1"], user=test_user, cwd=user_tmpdir)
+    cluster.wait_job(first)
+    stdout = user_tmpdir / f"slurm-{first}.out"
+    node_dir = user_tmpdir / f"slurm-{first}.gpuprof.d"
+    syn.generate(syn.SynthConfig(nodes=4, ranks_per_node=2, duration_s=10, seed=8,
+                                 stragglers=[syn.Straggler(2, "host", 2.0, 8.0)]), node_dir)
+    for p in [node_dir, *node_dir.iterdir()]:
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    cfg = config.load(str(cluster.dir / "gpuprof.toml"))
+    cfg["merge"]["mpirun"] = "mpiexec.mpich"
+    cfg["merge"]["max_ranks"] = 2
+    info = JobInfo(first, test_user, pw.pw_uid, pw.pw_gid, [syn.node_name(i, 4) for i in range(4)],
+                   str(user_tmpdir), str(stdout), "COMPLETED")
+    cmd = automerge.merge_job_command(info, cfg, str(MPICH_PYTHON))
+    assert cmd[:2] == ["sbatch", "--parsable"]
+    merge_id = cluster.sbatch(cmd[2:], user=test_user, cwd=user_tmpdir)
+    state = cluster.wait_job(merge_id, timeout=300)["JobState"]
+    log = (user_tmpdir / f"slurm-{first}.gpuprof-merge.log").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    launched = next(line for line in log.splitlines() if line.startswith("gpuprof merge: mpiexec.mpich"))
+    assert " -n 2 " in launched and "--oversubscribe" not in launched
+    job_file = user_tmpdir / f"slurm-{first}.gpuprof.h5"
+    assert job_file.stat().st_uid == pw.pw_uid
+    with h5py.File(job_file, "r") as f:
+        assert int(f.attrs["merge_ranks"]) == 2  # one MPI job of 2 ranks, not 2 singletons
+    serial = merge(str(node_dir), output_stem=str(user_tmpdir / "serial"))
+    assert serial is not None
+    assert compare_job_files(job_file, serial.job_file) == []
+    assert stdout.read_text() == "the job output\n"

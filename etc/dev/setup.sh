@@ -160,7 +160,8 @@ fi
 
 # --- 6b. a second environment whose mpi4py is built for MPICH (tests/test_automerge.py) ----------
 # A site whose MPI is MPICH installs mpi4py built against it; this is that environment, for the
-# test that runs the merge job's body with MPICH's mpiexec (hydra). Only the merge's own dependencies.
+# tests that run the merge job with MPICH's mpiexec (hydra), by itself and submitted through Slurm.
+# Only the merge's own dependencies, and the project (editable, no dependencies: this tree).
 if command -v mpicc.mpich >/dev/null && command -v mpiexec.mpich >/dev/null; then
     MVENV="$REPO/.venv-mpich"
     if ! "$MVENV/bin/python" -c 'import mpi4py.MPI as m, h5py, scipy, click; assert "MPICH" in m.Get_library_version()' 2>/dev/null; then
@@ -168,7 +169,11 @@ if command -v mpicc.mpich >/dev/null && command -v mpiexec.mpich >/dev/null; the
         /usr/bin/python3 -m venv "$MVENV"
         MPICC=mpicc.mpich "$MVENV/bin/pip" install -q --disable-pip-version-check --no-binary mpi4py --no-cache-dir mpi4py \
             && "$MVENV/bin/pip" install -q --disable-pip-version-check "click>=8.1" "numpy>=1.24" "h5py>=3.9" "scipy>=1.10" \
-            && log "created $MVENV (mpi4py for MPICH)" || { warn "no MPICH environment: its merge test is skipped"; rm -rf "$MVENV"; }
+            && log "created $MVENV (mpi4py for MPICH)" || { warn "no MPICH environment: its merge tests are skipped"; rm -rf "$MVENV"; }
+    fi
+    if [ -x "$MVENV/bin/python" ] && ! "$MVENV/bin/python" -c 'import gpuprof.mpi_merge.merge' 2>/dev/null; then
+        "$MVENV/bin/pip" install -q --disable-pip-version-check --no-deps -e "$REPO" \
+            && log "installed the project into $MVENV" || warn "the project does not install into $MVENV"
     fi
 fi
 
