@@ -143,17 +143,35 @@ def parse_maps(text: str) -> list[Mapping]:
     return out
 
 
+def path_in_root(pid: int, path: str) -> str:
+    """A path of /proc/PID/maps as the process names it, inside its own root. The kernel writes a
+    mapped file's path as seen from the reader's root: a process chroot'ed in this mount namespace
+    (/proc/PID/root -> /srv/trixie) maps /srv/trixie/usr/bin/python3.13, which is
+    /usr/bin/python3.13 inside its root; a container's files (another mount namespace, its root
+    not reachable from here) are already named inside their root."""
+    try:
+        root = os.readlink(f"/proc/{pid}/root")
+    except OSError:
+        return path
+    if root != "/" and root.startswith("/") and path.startswith(root + "/"):
+        return path[len(root):]
+    return path
+
+
 def attach_path(pid: int, path: str) -> str:
-    """A path through which the collector can open a library the process maps: the path itself when
-    it is the same file here, else through the process's root (a container's file system)."""
+    """A path through which the collector can open a library the process maps (`path` as written
+    in /proc/PID/maps): the path itself when it is the same file here as inside the process's root,
+    else through the process's root (a container's file system; safeio opens /proc/PID/root/...
+    with RESOLVE_IN_ROOT)."""
+    inside = path_in_root(pid, path)
     try:
         st = os.stat(path)
-        pst = os.stat(f"/proc/{pid}/root{path}")
+        pst = os.stat(f"/proc/{pid}/root{inside}")
         if (st.st_dev, st.st_ino) == (pst.st_dev, pst.st_ino):
             return path
-        return f"/proc/{pid}/root{path}"
+        return f"/proc/{pid}/root{inside}"
     except OSError:
-        return f"/proc/{pid}/root{path}"
+        return f"/proc/{pid}/root{inside}"
 
 
 def mapped_libraries(pid: int, pattern: re.Pattern[str], maps: list[Mapping] | None = None) -> set[str]:
@@ -290,7 +308,8 @@ def symbol_address(pid: int, path: str, name: str, maps: list[Mapping] | None = 
     real = os.path.realpath(path)
     for m in maps if maps is not None else read_maps(pid):
         if m.offset == first[0] and m.path and (m.path == path or os.path.realpath(m.path) == real
-                                                or path.endswith(m.path)):
+                                                or path.endswith(m.path)
+                                                or path == f"/proc/{pid}/root{path_in_root(pid, m.path)}"):
             return m.start - first[1] + sym[0]
     return None
 

@@ -14,7 +14,6 @@ import sys
 import sysconfig
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python, run_source_over
+from py_calltree_check import check_known_tree
+from py_calltree_check import py_frames as _py
 
 from gpuprof.collector import pyframes, schema
 from gpuprof.collector.pyframes import (
@@ -105,10 +106,15 @@ def test_313_layout_comes_from_the_process_debug_offsets() -> None:
     values = list(range(1000, 1000 + n))
     values[0] = 0x030D02F0  # 3.13.2 final
     values[1] = 0  # not free-threaded
+    at = {name: i for i, name in enumerate(pyframes._DEBUG_OFFSETS_313)}
+    for name, off in pyframes._OBJECT_FIELDS_313.items():  # where the str and bytes readers look
+        values[at[name]] = off
+    values[at["unicode_object.asciiobject_size"]] = 40
     raw = DEBUG_COOKIE + struct.pack(f"<{n}Q", *values)
     lay = layout_from_debug_offsets(raw)
     idx = {name: 1000 + i for i, name in enumerate(pyframes._DEBUG_OFFSETS_313)}
-    assert lay.version == (3, 13) and not lay.tested
+    assert lay.version == (3, 13) and lay.tested  # tested on Debian 13's (tests/test_python_stacks_313.py)
+    assert (lay.unicode_ascii_size, lay.unicode_compact_size) == (40, 56)
     assert lay.runtime_interp_head == idx["runtime_state.interpreters_head"]
     assert lay.tstate_thread_id == idx["thread_state.native_thread_id"]
     assert lay.tstate_frame == idx["thread_state.current_frame"] and lay.cframe_frame == pyframes.NONE
@@ -124,6 +130,10 @@ def test_313_layout_comes_from_the_process_debug_offsets() -> None:
         layout_from_debug_offsets(DEBUG_COOKIE + struct.pack(f"<{n}Q", *values))
     with pytest.raises(ValueError, match="bytes read"):
         layout_from_debug_offsets(raw[:64])
+    values[1] = 0
+    values[at["bytes_object.ob_sval"]] = 40  # a str/bytes layout the readers do not know: refused
+    with pytest.raises(ValueError, match="ob_sval is 40"):
+        layout_from_debug_offsets(DEBUG_COOKIE + struct.pack(f"<{n}Q", *values))
 
 
 # --- line numbers --------------------------------------------------------------------------------
@@ -249,45 +259,6 @@ def run_calltree(tmp_path: Path, args: list[str], python_frames: bool = True) ->
     path = tmp_path / "node.h5"
     native_progs.sealed_file(path, [src], batches, ("stacks",))
     return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(path), src
-
-
-KNOWN_CHAIN = ("py::run_for", "py::train_step", "py::forward")
-
-
-def _py(names: list[str]) -> list[str]:
-    """The Python frames of a stack, root first, as `py::function`."""
-    return [n.split(" (")[0] for n in reversed(names) if n.startswith("py::")]
-
-
-def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], root: tuple[str, ...],
-                     outermost: bool = False, t_work_ns: int = 0) -> dict[str, Any]:
-    """The samples of the worker threads against the program's call tree: every Python stack of the
-    work (in run_for) holds `root` (from the outermost frame when `outermost`) then the known
-    chain, in order. Counted: the samples of windows that started after t_work_ns (the work, not
-    the interpreter's start-up before the collector found it)."""
-    mine = rows[np.isin(rows["tid"], tids) & (rows["t_ns"] >= t_work_ns)]
-    total = int(mine["count"].sum())
-    with_py = 0
-    leaves: Counter[str] = Counter()
-    layer_with_native = 0
-    for r in mine:
-        stack = names.get(int(r["user_stack"]), [])
-        py = _py(stack)
-        n = int(r["count"])
-        if not py:
-            continue
-        with_py += n
-        if "py::run_for" not in py:
-            continue  # interpreter start-up, imports (site.main, numpy.random): not the known tree
-        assert root[-1] in py, py
-        at = py.index(root[-1]) + 1
-        assert tuple(py[at - len(root): at]) == root and (at == len(root) or not outermost), py
-        assert tuple(py[at: at + 3]) == KNOWN_CHAIN[: len(py) - at], py
-        leaves[py[-1]] += n
-        if py[-1] == "py::layer" and not stack[0].startswith("py::"):
-            layer_with_native += n  # numpy's C code above the Python frame that called it
-    assert total > 0
-    return {"total": total, "with_py": with_py, "leaves": leaves, "layer_with_native": layer_with_native}
 
 
 @pytest.mark.bpf

@@ -3,7 +3,8 @@
 #   Debian packages (Slurm, munge, Open MPI, BCC, kernel headers, HDF5, tools), kernel headers
 #   linked for the running kernel, tracefs/debugfs mounted, cgroup v1 freezer checked, the SPANK
 #   plugin built, .venv created (with Debian's site packages, for `bcc`) and the project installed
-#   into it, and the unprivileged test user gpuprof-test.
+#   into it, the unprivileged test user gpuprof-test, and a minimal Debian 13 root with CPython 3.13
+#   (/var/lib/gpuprof-test/trixie, etc/dev/trixie-root.sh) for the Python-frames tests of 3.13.
 # Idempotent: every step checks first and does nothing when already done.
 #
 # Environment: GPUPROF_SKIP_APT=1 skips the package step (for machines prepared by hand).
@@ -42,6 +43,8 @@ REQUIRED_PKGS=(
     # a quota for the fault suite (tests/faultcheck.mount_quota): btrfs quota groups, the one quota
     # this kernel has (no CONFIG_QFMT_V2 for ext4, no XFS or tmpfs quotas)
     btrfs-progs
+    # the Debian 13 root with python3.13 of tests/test_python_stacks_313.py (step 8)
+    mmdebstrap
 )
 # Real MPI applications for demos and the fault-injection suite (tests/realapps), only when cheap:
 # hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
@@ -182,5 +185,10 @@ if ! id "$TEST_USER" >/dev/null 2>&1; then
     useradd --create-home --shell /bin/bash --comment "slurm-gpuprof tests" "$TEST_USER"
     log "created user $TEST_USER (uid $(id -u "$TEST_USER"))"
 fi
+
+# --- 8. a Debian 13 root with CPython 3.13 (tests/test_python_stacks_313.py) ----------------------
+# Python frames of 3.13 are tested on Debian 13's own interpreter, run in this root with chroot (on
+# Debian 12 and 13 alike). About 1 minute and 50 MB of downloads the first time (52-58 s here), nothing after.
+"$REPO/etc/dev/trixie-root.sh" || warn "no Debian 13 root: tests/test_python_stacks_313.py will fail"
 
 log "done"

@@ -5,6 +5,8 @@
 
 `python py_calltree.py SECONDS [THREADS]`: with THREADS > 0 the tree runs in that many threads
 (named worker-N, started from `spawn_workers`) while the main thread waits in `join_workers`.
+PY_CALLTREE_N (default 96) sets the matrices' size: with a reference BLAS (Debian 13's root in
+tests/test_python_stacks_313.py) 96 x 96 products take nearly all the time, 32 x 32 about half.
 It sleeps 1 s first: the collector looks for an interpreter in a new pid (or one that exec'd) at
 its next drain, so samples of the first moments of a process have no Python frames.
 Prints one JSON line at the end: pid, native thread ids of the workers, CPU seconds, train steps
@@ -26,7 +28,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # after the BLAS setting, which numpy reads at import
 
-A = np.random.default_rng(0).random((96, 96))
+N = int(os.environ.get("PY_CALLTREE_N", "96"))
+A = np.random.default_rng(0).random((N, N))
 
 
 def layer(x: np.ndarray) -> np.ndarray:
@@ -42,7 +45,7 @@ def activation(n: int) -> int:
 
 def forward(x: np.ndarray) -> np.ndarray:
     for _ in range(40):
-        x = layer(x) / 96.0
+        x = layer(x) / float(N)
     activation(6000)
     return x
 
@@ -55,7 +58,7 @@ STEPS: list[int] = []  # train steps done, one entry per thread (the bench's mea
 
 
 def run_for(seconds: float) -> None:
-    x = np.ones((96, 96))
+    x = np.ones((N, N))
     end = time.monotonic() + seconds
     steps = 0
     while time.monotonic() < end:

@@ -1,0 +1,47 @@
+"""The samples of tests/progs/py_calltree.py against its known call tree (the Python stack tests of
+3.11, tests/test_python_stacks.py, and of 3.13 in a Debian 13 root, tests/test_python_stacks_313.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+KNOWN_CHAIN = ("py::run_for", "py::train_step", "py::forward")
+
+
+def py_frames(names: list[str]) -> list[str]:
+    """The Python frames of a stack, root first, as `py::function`."""
+    return [n.split(" (")[0] for n in reversed(names) if n.startswith("py::")]
+
+
+def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], root: tuple[str, ...],
+                     outermost: bool = False, t_work_ns: int = 0) -> dict[str, Any]:
+    """The samples of the worker threads against the program's call tree: every Python stack of the
+    work (in run_for) holds `root` (from the outermost frame when `outermost`) then the known
+    chain, in order. Counted: the samples of windows that started after t_work_ns (the work, not
+    the interpreter's start-up before the collector found it)."""
+    mine = rows[np.isin(rows["tid"], tids) & (rows["t_ns"] >= t_work_ns)]
+    total = int(mine["count"].sum())
+    with_py = 0
+    leaves: Counter[str] = Counter()
+    layer_with_native = 0
+    for r in mine:
+        stack = names.get(int(r["user_stack"]), [])
+        py = py_frames(stack)
+        n = int(r["count"])
+        if not py:
+            continue
+        with_py += n
+        if "py::run_for" not in py:
+            continue  # interpreter start-up, imports (site.main, numpy.random): not the known tree
+        assert root[-1] in py, py
+        at = py.index(root[-1]) + 1
+        assert tuple(py[at - len(root): at]) == root and (at == len(root) or not outermost), py
+        assert tuple(py[at: at + 3]) == KNOWN_CHAIN[: len(py) - at], py
+        leaves[py[-1]] += n
+        if py[-1] == "py::layer" and not stack[0].startswith("py::"):
+            layer_with_native += n  # numpy's C code above the Python frame that called it
+    assert total > 0
+    return {"total": total, "with_py": with_py, "leaves": leaves, "layer_with_native": layer_with_native}

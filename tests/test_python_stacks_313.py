@@ -1,0 +1,314 @@
+"""Python frames of CPython 3.13 (Debian 13's), on a real interpreter: the 3.13 layout read from the
+process's own _Py_DebugOffsets, its frames and names, and programs with a known call tree sampled
+by BPF, single-threaded and in threads.
+
+The interpreter is Debian 13's /usr/bin/python3.13 in a minimal trixie root that `make setup` makes
+(etc/dev/trixie-root.sh, GPUPROF_TRIXIE_ROOT); programs run in it with `chroot --userspec` as an
+unprivileged user, so the collector sees their files through /proc/PID/root and, as /proc/PID/maps
+writes them, under the root's path here. A missing root is a failure (CI runs `make setup`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+import native_progs
+from harness import PROGS, GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+from py_calltree_check import check_known_tree, py_frames
+
+from gpuprof.collector import pyframes, schema
+from gpuprof.collector.bpf_support import attach_path, read_maps
+from gpuprof.collector.pyframes import FRAME_OWNED_BY_CSTACK, PyFrameNamer, find_interpreter
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+from gpuprof.collector.symbolize import folded_stacks, stack_names
+
+ROOT = Path(os.environ.get("GPUPROF_TRIXIE_ROOT", "/var/lib/gpuprof-test/trixie"))
+STAMP = ".gpuprof-root-complete"  # written last by etc/dev/trixie-root.sh
+PY313 = "/usr/bin/python3.13"  # inside the root
+THREADING = "/usr/lib/python3.13/threading.py"
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _root() -> Path:
+    if not (ROOT / STAMP).is_file() or not (ROOT / PY313.lstrip("/")).is_file():
+        pytest.fail(f"{ROOT}: no complete Debian 13 root with {PY313} (no {STAMP}); `make setup` makes it "
+                    "(etc/dev/trixie-root.sh)", pytrace=False)
+    if os.geteuid() != 0:
+        pytest.skip("chroot into the Debian 13 root needs root")
+    return ROOT
+
+
+def _user() -> pwd.struct_passwd:
+    for name in ("gpuprof-test", "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    pytest.skip("no unprivileged user to run the program as (make setup creates gpuprof-test)")
+
+
+@contextlib.contextmanager
+def in_root() -> Iterator[tuple[Path, str]]:
+    """A fresh directory in the root's /tmp: (its path here, its path inside the root). A test, not
+    a fixture: a missing root fails the test itself."""
+    root = _root()
+    d = Path(tempfile.mkdtemp(prefix="gpuprof-py313-", dir=root / "tmp"))
+    try:
+        d.chmod(0o755)
+        yield d, "/" + str(d.relative_to(root))
+    finally:
+        shutil.rmtree(d)
+
+
+def chroot_cmd(script: str, *args: str) -> list[str]:
+    pw = _user()
+    chroot = shutil.which("chroot", path=ENV["PATH"])
+    assert chroot is not None, "chroot (coreutils) not found"
+    # numeric ids: a user name would be looked up in the root's /etc/passwd, which lacks it
+    return [chroot, f"--userspec={pw.pw_uid}:{pw.pw_gid}", str(ROOT), PY313, script, *args]
+
+
+# --- the layout and frames of a 3.13 process, read as the collector reads them ----------------------
+BLOCKED_TREE = '''\
+import json, os, sys, threading
+
+def leaf(ev):
+    ev.wait()  # LEAF
+
+def middle(ev):
+    leaf(ev)  # MIDDLE
+
+def outer(ev):
+    middle(ev)  # OUTER
+
+def main():
+    ev = threading.Event()
+    threads = [threading.Thread(target=outer, args=(ev,), name=f"w{i}") for i in range(3)]
+    for t in threads:
+        t.start()
+    while sum(t.native_id is not None for t in threads) < 3:
+        pass
+    code = leaf.__code__
+    print(json.dumps({"pid": os.getpid(), "main": threading.get_native_id(),
+                      "workers": [t.native_id for t in threads], "version": list(sys.version_info[:2]),
+                      "code": id(code), "qualname": id(code.co_qualname), "filename": id(code.co_filename),
+                      "linetable": id(code.co_linetable), "firstlineno": code.co_firstlineno}), flush=True)
+    sys.stdin.readline()  # MAIN
+    ev.set()
+    for t in threads:
+        t.join()
+
+main()  # MODULE
+'''
+
+
+def _line(src: str, marker: str) -> int:
+    return next(i for i, t in enumerate(src.splitlines(), 1) if t.rstrip().endswith(f"# {marker}"))
+
+
+def walk_threads(proc: pyframes.PyProcess) -> dict[int, list[tuple[int, int, int]]]:
+    """Every thread's frames as bpf/pyframes.h walks them, read with the same offsets from user
+    space: native thread id -> [(code, instr, owner)], innermost first."""
+    lay = proc.layout
+    mem = pyframes.ProcessMemory(proc.pid)
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    interp = mem.u64(proc.runtime + lay.runtime_interp_head)
+    while interp:
+        ts = mem.u64(interp + lay.interp_threads_head)
+        while ts:
+            frames = []
+            frame = mem.u64(ts + lay.tstate_frame)
+            while frame and len(frames) < 64:
+                owner = mem.read(frame + lay.frame_owner, 1)[0]
+                frames.append((mem.u64(frame + lay.frame_code), mem.u64(frame + lay.frame_instr), owner))
+                frame = mem.u64(frame + lay.frame_previous)
+            out[mem.u64(ts + lay.tstate_thread_id)] = frames
+            ts = mem.u64(ts + lay.tstate_next)
+        interp = mem.u64(interp + lay.interp_next)
+    return out
+
+
+def test_313_process_in_a_debian_13_root_frames_and_names() -> None:
+    """Debian 13's python3.13, chroot'ed, blocked with three threads in leaf <- middle <- outer and
+    its main thread in main <- <module>: the interpreter is found through its root, the layout
+    comes from its _Py_DebugOffsets, and each thread's frames read with that layout name the
+    functions, file and line of the program, in order, each C-level call ending at an entry frame."""
+    with in_root() as (here, inside):
+        (here / "blocked_tree.py").write_text(BLOCKED_TREE)
+        _run_blocked_tree(f"{inside}/blocked_tree.py")
+
+
+def _run_blocked_tree(script: str) -> None:
+    p = subprocess.Popen(chroot_cmd(script), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        line = p.stdout.readline()
+        assert line, f"the program did not start: {p.stderr.read() if p.poll() is not None else ''}"
+        info = json.loads(line)
+        assert info["pid"] == p.pid and info["version"] == [3, 13]
+        assert os.readlink(f"/proc/{p.pid}/root") == str(ROOT)
+
+        # the executable is found through the process's root: the file it maps, no other
+        proc = find_interpreter(p.pid)
+        exe = os.stat(f"/proc/{p.pid}/exe")
+        st = os.stat(proc.path)
+        assert (st.st_dev, st.st_ino) == (exe.st_dev, exe.st_ino), proc.path
+        assert proc.path in (f"{ROOT}{PY313}", f"/proc/{p.pid}/root{PY313}"), proc.path
+        maps = [m for m in read_maps(p.pid) if m.path.endswith(PY313)]
+        assert maps and {attach_path(p.pid, m.path) for m in maps} == {proc.path}
+        lay = proc.layout
+        assert lay.version == (3, 13) and lay.tested and proc.eval_ranges
+        assert lay.cframe_frame == pyframes.NONE and lay.frame_is_entry == pyframes.NONE
+
+        # the code object's fields at the layout's offsets are the objects the process reports
+        mem = pyframes.ProcessMemory(p.pid)
+        code = info["code"]
+        assert mem.u64(code + lay.code_name) == info["qualname"]
+        assert mem.u64(code + lay.code_filename) == info["filename"]
+        assert mem.u64(code + lay.code_linetable) == info["linetable"]
+        assert mem.i32(code + lay.code_firstlineno) == info["firstlineno"]
+
+        # every thread's frames, named
+        deadline = time.monotonic() + 10
+        namer = PyFrameNamer(proc)
+        while True:  # the workers may not have reached ev.wait() yet
+            walked = walk_threads(proc)
+            named = {tid: [namer.name(c, i) if o != FRAME_OWNED_BY_CSTACK else "entry" for c, i, o in frames]
+                     for tid, frames in walked.items()}
+            settled = all(named.get(t, [("",)])[0][0] == "Condition.wait" for t in info["workers"]) \
+                and named.get(info["main"], [("",)])[0][0] == "main"
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(walked) == {info["main"], *info["workers"]}, walked
+        lines = {m: _line(BLOCKED_TREE, m) for m in ("LEAF", "MIDDLE", "OUTER", "MAIN", "MODULE")}
+        want_main = [("main", script, lines["MAIN"]), ("<module>", script, lines["MODULE"]), "entry"]
+        assert named[info["main"]] == want_main, named[info["main"]]
+        for tid in info["workers"]:
+            frames = named[tid]
+            # innermost: threading's Condition.wait (in Event.wait), then the program's three
+            assert [f[0] for f in frames[:2]] == ["Condition.wait", "Event.wait"], frames
+            assert all(f[1] == THREADING and f[2] > 0 for f in frames[:2]), frames
+            assert frames[2:5] == [("leaf", script, lines["LEAF"]), ("middle", script, lines["MIDDLE"]),
+                                   ("outer", script, lines["OUTER"])], frames
+            assert [f[0] for f in frames[5:8]] == ["Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"]
+            assert frames[8:] == ["entry"], frames
+        assert namer.read_errors == 0
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(timeout=30) == 0, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+# --- the call-tree program under BPF ----------------------------------------------------------------------
+def run_calltree_313(here: Path, inside: str, tmp_path: Path, args: list[str]) -> tuple[Any, dict[str, Any],
+                                                                                          Any, BpfStacksSource]:
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    shutil.copy(PROGS / "py_calltree.py", here / "py_calltree.py")
+    src = BpfStacksSource(99)
+    # 32 x 32 matrices: the root's numpy uses the reference BLAS, whose 96 x 96 products (the
+    # program's default, sized for OpenBLAS) would leave the pure Python leaf ~1 % of the samples
+    gated = GatedProcess(chroot_cmd(f"{inside}/py_calltree.py", *args), env={**ENV, "PY_CALLTREE_N": "32"})
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
+    assert rc == 0, err
+    assert not errors, errors
+    assert src.python is not None
+    path = tmp_path / "node.h5"
+    native_progs.sealed_file(path, [src], batches, ("stacks",))
+    return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(path), src
+
+
+_LABEL = re.compile(r"^py::(.+) \((.+):(\d+)\)$")
+
+
+def _files_and_lines(names: dict[int, list[str]], script: str) -> dict[str, set[tuple[str, int]]]:
+    """(file, line) of each function of the program in the stacks."""
+    out: dict[str, set[tuple[str, int]]] = {}
+    for st in names.values():
+        for n in st:
+            m = _LABEL.match(n)
+            if m and m[2] == script:
+                out.setdefault(m[1], set()).add((m[2], int(m[3])))
+    return out
+
+
+@pytest.mark.bpf
+def test_313_call_tree_single_thread(tmp_path: Path) -> None:
+    """py_calltree.py (main -> run_for -> train_step -> forward -> layer -> numpy's matmul, and
+    forward -> activation) under Debian 13's python3.13: the work's samples hold its Python frames
+    in order, with the program's file and the lines being run."""
+    with in_root() as (here, inside):
+        rows, info, f, src = run_calltree_313(here, inside, tmp_path, ["3"])
+    names = stack_names(f)
+    got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
+                           t_work_ns=info["t_work_ns"])
+    print("python3.13 single thread:", json.dumps({k: dict(v) if k == "leaves" else v for k, v in got.items()}))
+    assert got["with_py"] >= 0.9 * got["total"], got
+    assert got["leaves"]["py::layer"] >= 0.2 * got["total"], got
+    assert got["leaves"]["py::activation"] >= 0.1 * got["total"], got
+    assert got["layer_with_native"] >= 0.8 * got["leaves"]["py::layer"], got  # numpy's C code above layer
+    script = f"{inside}/py_calltree.py"
+    src_lines = (PROGS / "py_calltree.py").read_text().splitlines()
+
+    def line_of(text: str, after: str = "") -> int:
+        """The first line holding text (after the line holding `after`)."""
+        start = next(i for i, t in enumerate(src_lines, 1) if after in t)
+        return next(i for i, t in enumerate(src_lines, 1) if i >= start and text in t)
+
+    where = _files_and_lines(names, script)
+    # the line being run in each caller: its call of the next function down
+    assert where["forward"] >= {(script, line_of("x = layer(x)"))}, where["forward"]
+    assert where["train_step"] == {(script, line_of("return forward(x)"))}, where["train_step"]
+    assert where["main"] == {(script, line_of("run_for(seconds)", after="def main"))}, where["main"]
+    assert where["layer"] == {(script, line_of("return np.matmul(x, A)"))}, where["layer"]
+    callers = {st[i + 1] for st in names.values() for i, n in enumerate(st[:-1])
+               if n.startswith("py::layer (") and st[i + 1].startswith("py::forward (")}
+    assert callers == {f"py::forward ({script}:{line_of('x = layer(x)')})"}, callers
+    # numpy's C code above layer, named through the root: the reference BLAS's dgemm_ innermost
+    assert any(";py::layer (" in k and k.endswith(";cblas_dgemm;dgemm_") for k in folded_stacks(f)), \
+        sorted(folded_stacks(f))[:5]
+    walked, _missing, not_stored, _truncated = src.python.last_counts
+    assert walked > 0 and not_stored == 0
+
+
+@pytest.mark.bpf
+def test_313_call_tree_threads(tmp_path: Path) -> None:
+    """Three threads in the same tree under python3.13: each sample is named from its own thread's
+    frames, under threading's Thread.run (python3.13's own threading.py, inside the root)."""
+    with in_root() as (here, inside):
+        rows, info, f, _ = run_calltree_313(here, inside, tmp_path, ["3", "3"])
+    names = stack_names(f)
+    assert len(info["tids"]) == 3
+    for tid in info["tids"]:
+        got = check_known_tree(rows, names, [tid], ("py::Thread._bootstrap_inner", "py::Thread.run",
+                                                    "py::spawn_workers.<locals>.work"), t_work_ns=info["t_work_ns"])
+        print(f"python3.13 thread {tid}:", json.dumps({k: dict(v) if k == "leaves" else v for k, v in got.items()}))
+        assert got["with_py"] >= 0.9 * got["total"], (tid, got)
+    threading_frames = {n for st in names.values() for n in st if n.startswith("py::Thread.run (")}
+    assert threading_frames and all(f"({THREADING}:" in n for n in threading_frames), threading_frames
+    for r in rows[rows["tid"] == info["pid"]]:
+        assert "py::run_for" not in py_frames(names.get(int(r["user_stack"]), [])), "a worker's frames on main"
