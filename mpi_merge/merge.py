@@ -12,10 +12,10 @@
      order into the job-wide [seq x rank] tables of a scratch HDF5 file (matching.CommStore) and
      closes it; every rank opens it read-only from then on. The writer copies a node at a time
      whenever it waits for rank 0 (common.ChoresComm, jobfile.JobFileCopies), here and in every
-     later step, and what its waits left at the end of the analysis. The blocks of the scan (analysis.JobAnalyzer.scan) are dealt
-     over the ranks (common.RankPool), rank 0 writes the clock fit's input from their results into
-     a file of its own; then every rank fits the clocks, the windows dealt over the ranks
-     (common.CommSpread), and all hold the models;
+     later step, and what its waits left at the end of the analysis. The blocks of the scan
+     (analysis.JobAnalyzer.scan) are dealt over the ranks (common.RankPool), rank 0 writes the
+     clock fit's input from their results into a file of its own; then every rank fits the clocks,
+     the windows dealt over the ranks (common.CommSpread), and all hold the models;
   4. every rank writes the aligned call times of the nodes it read into files of their own, from
      the saved calls; the writer adds them to the job file once every rank is done (in its waits,
      the rest after step 5's items when it is not rank 0), and tells rank 0;
