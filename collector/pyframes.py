@@ -80,7 +80,7 @@ class PyLayout:
 
 LAYOUTS: dict[tuple[int, int], PyLayout] = {
     (3, 10): PyLayout(
-        (3, 10), False, runtime_interp_head=40, interp_next=0, interp_threads_head=8, tstate_next=8,
+        (3, 10), False, runtime_interp_head=32, interp_next=0, interp_threads_head=8, tstate_next=8,
         tstate_thread_id=176, tstate_frame=24, cframe_frame=NONE, frame_code=32, frame_previous=24,
         frame_instr=96, frame_owner=NONE, frame_is_entry=NONE, thread_id_is_pthread=True, instr_is_index=True,
         boundary_each_frame=True, code_filename=104, code_name=112, code_linetable=120, code_firstlineno=40,
@@ -219,6 +219,12 @@ class PyProcess:
     runtime: int  # run-time address of _PyRuntime
     layout: PyLayout
     eval_ranges: tuple[tuple[int, int], ...]  # file offsets of _PyEval_EvalFrameDefault (and .cold) in path
+
+
+def named_like_interpreter(path: str) -> bool:
+    """The file's name is one an interpreter's executable or libpython has (python3.10,
+    libpython3.12.so.1.0), whatever it holds."""
+    return _INTERP_FILE.match(os.path.basename(path)) is not None
 
 
 class NotPython(LookupError):
