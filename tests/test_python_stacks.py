@@ -97,8 +97,10 @@ def test_311_layout_is_the_headers_own(tmp_path: Path) -> None:
     assert got == want
 
 
-def test_311_is_the_only_layout_marked_tested() -> None:
-    assert [v for v, lay in LAYOUTS.items() if lay.tested] == [(3, 11)]
+def test_every_table_layout_is_marked_tested() -> None:
+    # 3.11 here; 3.10, 3.11 and 3.12 on pyenv's builds (tests/test_python_stacks_pyenv.py); 3.13's
+    # layout is read from the process (tests/test_python_stacks_313.py)
+    assert [v for v, lay in LAYOUTS.items() if lay.tested] == [(3, 10), (3, 11), (3, 12)]
 
 
 def test_313_layout_comes_from_the_process_debug_offsets() -> None:
