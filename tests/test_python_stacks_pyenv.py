@@ -232,10 +232,11 @@ def test_call_tree_single_thread(version: str, tmp_path: Path) -> None:
     assert where["forward"] >= {_src_line("x = layer(x)")}, where["forward"]
     # each at the line being run, its call of the next function down; or at its `def` line, a frame
     # sampled before its first instruction (3.12's prev_instr of a new frame is before its code)
-    for func, line in (("train_step", _src_line("return forward(x)")),
-                       ("main", _src_line("run_for(seconds)", after="def main")),
-                       ("layer", _src_line("return zlib.crc32(DATA, int(x))"))):
-        assert line in where[func] and where[func] <= {line, _src_line(f"def {func}(")}, (func, where[func])
+    for func, line, def_line in (
+            ("train_step", _src_line("return forward(x)"), _src_line("def train_step(")),
+            ("main", _src_line("run_for(seconds)", after="def main"), _src_line("def main(")),
+            ("layer", _src_line("return zlib.crc32(DATA, int(x))"), _src_line("def layer(", after='LEAF == "zlib"'))):
+        assert line in where[func] and where[func] <= {line, def_line}, (func, where[func], line, def_line)
     # forward's frame under layer's (the Python frames only: on 3.10 each one is a C-level call of
     # its own, with the interpreter's native frames between them)
     pys = [[n for n in st if n.startswith("py::")] for st in names.values()]
