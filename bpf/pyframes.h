@@ -50,6 +50,9 @@ struct gp_py_proc {
     u8 owner_cstack;       /* the owner value of entry frames (3 in 3.12/3.13) */
     u16 frame_read_from;   /* a frame is read from its first field used ... */
     u16 frame_read_len;    /* ... to its last (at most GP_PY_FRAME_READ bytes) */
+    u32 task_fsbase;       /* 3.10: offsetof(struct task_struct, thread.fsbase) in the running
+                            * kernel, from its BTF (the headers BCC compiles with may be another
+                            * build's); 0 otherwise */
 };
 
 #define GP_PY_LAST_OF_CALL (1ULL << 63) /* in instr: the last frame of its C-level call */
@@ -92,14 +95,20 @@ static __always_inline u64 gp_py_read_u64(u64 addr)
     return v;
 }
 
-/* The value the thread's PyThreadState holds for it (native tid, or pthread_self on 3.10). */
+/* The value the thread's PyThreadState holds for it (native tid, or pthread_self on 3.10: the
+ * thread pointer, the fs base on x86-64, which the kernel keeps in task->thread.fsbase from the
+ * thread's clone or arch_prctl on; read at the offset the collector took from the kernel's BTF). */
 static __always_inline u64 gp_py_thread_key(const struct gp_py_proc *p, u32 tid)
 {
     if (!p->thread_id_is_pthread)
         return tid;
 #if defined(__x86_64__)
-    struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-    return task->thread.fsbase; /* glibc's pthread_self() is the thread pointer, fs base on x86-64 */
+    u64 fsbase = 0;
+    if (p->task_fsbase == 0 || p->task_fsbase > 65536)
+        return 0;
+    if (bpf_probe_read_kernel(&fsbase, sizeof(fsbase), (u8 *)bpf_get_current_task() + p->task_fsbase) != 0)
+        return 0;
+    return fsbase;
 #else
     return 0;
 #endif

@@ -116,6 +116,49 @@ class Mapping:
     perms: str
 
 
+VMLINUX_BTF = "/sys/kernel/btf/vmlinux"
+# bytes after the 12-byte header of a BTF type, per kind: fixed, and per vlen item
+# (INT 1, ARRAY 3, STRUCT 4, UNION 5, ENUM 6, FUNC_PROTO 13, VAR 14, DATASEC 15, DECL_TAG 17, ENUM64 19)
+_BTF_EXTRA = {1: (4, 0), 3: (12, 0), 4: (0, 12), 5: (0, 12), 6: (0, 8), 13: (0, 8), 14: (4, 0), 15: (0, 12),
+              17: (4, 0), 19: (0, 12)}
+_BTF_KINDS_WITHOUT_DATA = {2, 7, 8, 9, 10, 11, 12, 16, 18}
+
+
+@lru_cache(maxsize=8)
+def kernel_member_offset(struct_name: str, member: str, btf_path: str = VMLINUX_BTF) -> int:
+    """Byte offset of a member of a kernel struct, from the running kernel's own BTF: the kernel
+    headers BCC compiles against may be another build's (a struct read through them is then read at
+    the wrong place). Raises OSError (no BTF) or LookupError/ValueError (not found, unknown format)."""
+    data = Path(btf_path).read_bytes()
+    if len(data) < 24 or int.from_bytes(data[:2], "little") != 0xEB9F:
+        raise ValueError(f"{btf_path}: not little-endian BTF")
+    hdr_len, type_off, type_len, str_off = (int.from_bytes(data[i:i + 4], "little") for i in (4, 8, 12, 16))
+    strings = hdr_len + str_off
+
+    def name(off: int) -> str:
+        end = data.index(b"\0", strings + off)
+        return data[strings + off:end].decode("ascii", "replace")
+
+    i, end = hdr_len + type_off, hdr_len + type_off + type_len
+    while i < end:
+        name_off, info = int.from_bytes(data[i:i + 4], "little"), int.from_bytes(data[i + 4:i + 8], "little")
+        kind, vlen, kflag = info >> 24 & 0x1F, info & 0xFFFF, info >> 31
+        i += 12
+        if kind == 4 and name(name_off) == struct_name:
+            for j in range(vlen):
+                m = i + 12 * j
+                if name(int.from_bytes(data[m:m + 4], "little")) == member:
+                    bits = int.from_bytes(data[m + 8:m + 12], "little")
+                    return (bits & 0xFFFFFF if kflag else bits) // 8
+            raise LookupError(f"{btf_path}: struct {struct_name} has no member {member}")
+        if kind in _BTF_EXTRA:
+            fixed, per = _BTF_EXTRA[kind]
+            i += fixed + per * vlen
+        elif kind not in _BTF_KINDS_WITHOUT_DATA:
+            raise ValueError(f"{btf_path}: BTF type kind {kind} unknown")
+    raise LookupError(f"{btf_path}: no struct {struct_name}")
+
+
 _MAPS_RE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) ([0-9a-f]+) (\S+) (\d+)\s*(.*)$")
 
 

@@ -9,16 +9,17 @@ entry where one C-level call of the evaluation loop ends. This module turns thos
 (cached per pid and code address, bounded).
 
 Layouts are data, one table per version (x86-64, default builds, not free-threaded):
-* 3.11: measured here with offsetof() over Debian 12's python3.11-dev headers, and tested
-  (tests/test_python_stacks.py);
-* 3.10, 3.12: written from CPython's headers of those versions (Include/internal/pycore_frame.h,
-  pycore_interp.h, pycore_runtime.h, cpython/pystate.h, cpython/code.h), every offset checked
-  against the structs bloomberg/pystack re-declares per version; not tested here;
+* 3.10, 3.11, 3.12: offsetof() over each version's own headers (Debian 12's python3.11-dev; pyenv's
+  builds 3.10.13, 3.11.7 and 3.12.1 under /root/.pyenv/versions, whose include/ has the internal
+  headers), checked by tests that compile them; tested on Debian 12's python3.11
+  (tests/test_python_stacks.py) and on pyenv's builds, which map libpython3.X.so
+  (tests/test_python_stacks_pyenv.py: frames of four threads of a blocked program read with the
+  layout, programs sampled by BPF in one and three threads);
 * 3.13: read from the process itself (_Py_DebugOffsets at the start of _PyRuntime, cookie
-  "xdebugpy": all 72 fields, in 3.13's order, compared with Debian 13's 3.13.5 header); tested on
-  Debian 13's python3.13 in a trixie root made by `make setup`, run with chroot
-  (tests/test_python_stacks_313.py: frames of four threads read with the layout, programs
-  sampled by BPF in one and three threads).
+  "xdebugpy": all 72 fields, in 3.13's order, compared with Debian 13's 3.13.5 header by hand and
+  with pyenv's 3.13.0 header by offsetof()); tested on Debian 13's python3.13 in a trixie root made
+  by `make setup`, run with chroot (tests/test_python_stacks_313.py), and on pyenv's 3.13.0
+  (tests/test_python_stacks_pyenv.py), with the same checks.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PyLayout:
 
 LAYOUTS: dict[tuple[int, int], PyLayout] = {
     (3, 10): PyLayout(
-        (3, 10), False, runtime_interp_head=40, interp_next=0, interp_threads_head=8, tstate_next=8,
+        (3, 10), True, runtime_interp_head=32, interp_next=0, interp_threads_head=8, tstate_next=8,
         tstate_thread_id=176, tstate_frame=24, cframe_frame=NONE, frame_code=32, frame_previous=24,
         frame_instr=96, frame_owner=NONE, frame_is_entry=NONE, thread_id_is_pthread=True, instr_is_index=True,
         boundary_each_frame=True, code_filename=104, code_name=112, code_linetable=120, code_firstlineno=40,
@@ -93,7 +94,7 @@ LAYOUTS: dict[tuple[int, int], PyLayout] = {
         code_adaptive=184, unicode_ascii_size=48, unicode_compact_size=72, linetable="3.11",
         runtime_gil_holder=576),
     (3, 12): PyLayout(
-        (3, 12), False, runtime_interp_head=40, interp_next=0, interp_threads_head=72, tstate_next=8,
+        (3, 12), True, runtime_interp_head=40, interp_next=0, interp_threads_head=72, tstate_next=8,
         tstate_thread_id=144, tstate_frame=56, cframe_frame=0, frame_code=0, frame_previous=8,
         frame_instr=56, frame_owner=70, frame_is_entry=NONE, thread_id_is_pthread=False, instr_is_index=False,
         boundary_each_frame=False, code_filename=112, code_name=128, code_linetable=136, code_firstlineno=68,
@@ -219,6 +220,12 @@ class PyProcess:
     runtime: int  # run-time address of _PyRuntime
     layout: PyLayout
     eval_ranges: tuple[tuple[int, int], ...]  # file offsets of _PyEval_EvalFrameDefault (and .cold) in path
+
+
+def named_like_interpreter(path: str) -> bool:
+    """The file's name is one an interpreter's executable or libpython has (python3.10,
+    libpython3.12.so.1.0), whatever it holds."""
+    return _INTERP_FILE.match(os.path.basename(path)) is not None
 
 
 class NotPython(LookupError):

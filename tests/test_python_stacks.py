@@ -97,8 +97,10 @@ def test_311_layout_is_the_headers_own(tmp_path: Path) -> None:
     assert got == want
 
 
-def test_311_is_the_only_layout_marked_tested() -> None:
-    assert [v for v, lay in LAYOUTS.items() if lay.tested] == [(3, 11)]
+def test_every_table_layout_is_marked_tested() -> None:
+    # 3.11 here; 3.10, 3.11 and 3.12 on pyenv's builds (tests/test_python_stacks_pyenv.py); 3.13's
+    # layout is read from the process (tests/test_python_stacks_313.py)
+    assert [v for v, lay in LAYOUTS.items() if lay.tested] == [(3, 10), (3, 11), (3, 12)]
 
 
 def test_313_layout_comes_from_the_process_debug_offsets() -> None:
@@ -398,3 +400,72 @@ def test_a_process_that_exited_before_the_drain_gives_unknown_frames() -> None:
         p.wait()
     assert namer.name(code_addr, code_addr) == pyframes.UNKNOWN_FRAME and namer.read_errors == 1
     assert frame_label(*pyframes.UNKNOWN_FRAME) == "py::[unknown]"
+
+
+class _FakeMap(dict):  # type: ignore[type-arg]
+    """The few calls PythonStacks.register makes on a BCC table."""
+
+    class Leaf:
+        pass
+
+    @staticmethod
+    def Key(pid: int) -> int:  # BCC's name
+        return pid
+
+
+def test_an_interpreter_whose_libpython_is_not_mapped_yet_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared-libpython build (pyenv's) has /proc/PID/exe changed at exec, and libpython3.X.so
+    mapped by the dynamic loader just after: a drain in between finds no _PyRuntime. Such a process
+    (its executable named like an interpreter) is looked at again at the next drains, a bounded
+    number of times; a process named otherwise is looked at once per executable."""
+    from gpuprof.collector.sources import bpf_stacks
+
+    exes = {1: "/opt/py/bin/python3.10", 2: "/usr/bin/sleep", 3: "/opt/py/bin/python3.12"}
+    calls: dict[int, int] = {1: 0, 2: 0, 3: 0}
+    mapped_after = {1: 2}  # pid 1's libpython shows at its second look; pid 3's never does
+
+    def fake_find(pid: int, maps: Any) -> pyframes.PyProcess:
+        calls[pid] += 1
+        if calls[pid] < mapped_after.get(pid, 10**9):
+            raise pyframes.NotPython(f"pid {pid}: no mapped python executable or libpython defines _PyRuntime")
+        return pyframes.PyProcess(pid, "/opt/py/lib/libpython3.10.so.1.0", 0x1000, LAYOUTS[(3, 10)], ())
+
+    monkeypatch.setattr(bpf_stacks, "find_interpreter", fake_find)
+    monkeypatch.setattr(bpf_stacks, "read_maps", lambda pid: [])
+    monkeypatch.setattr(bpf_stacks, "_exe", lambda pid: exes[pid])
+    # 3.10's threads are matched by fs base: task_struct's offsets from the kernel's BTF
+    btf = {("task_struct", "thread"): 3088, ("thread_struct", "fsbase"): 40}
+    monkeypatch.setattr(bpf_stacks, "kernel_member_offset", lambda s, m: btf[(s, m)])
+    procs = _FakeMap()
+    py = bpf_stacks.PythonStacks({b"gp_py_procs": procs, b"gp_py_stacks": _FakeMap(), b"gp_py_counters": _FakeMap()})
+    py.register([1, 2, 3])
+    assert set(procs) == set() and set(py.not_python) == {1, 2, 3}
+    py.register([1, 2, 3])
+    assert set(procs) == {1} and 1 not in py.not_python and procs[1].interp_head_addr == 0x1000 + 32
+    assert procs[1].task_fsbase == 3088 + 40
+    for _ in range(3 * bpf_stacks.PY_INTERP_RETRIES):
+        py.register([1, 2, 3])
+    assert calls == {1: 2, 2: 1, 3: 1 + bpf_stacks.PY_INTERP_RETRIES}
+    assert set(procs) == {1} and set(py.not_python) == {2, 3}
+    exes[3] = "/opt/py/bin/python3.13"  # an exec: looked at again, with retries of its own
+    py.register([3])
+    assert calls[3] == 2 + bpf_stacks.PY_INTERP_RETRIES
+    py.forget({1})
+    assert set(py.retries) <= {1} and set(py.procs) == {1}
+
+
+def test_kernel_member_offsets_come_from_the_running_kernels_btf() -> None:
+    """task_struct.thread.fsbase (how 3.10's threads are matched) read from /sys/kernel/btf/vmlinux:
+    the same offsets as BCC's compile only when its headers are this kernel's."""
+    from gpuprof.collector.bpf_support import VMLINUX_BTF, kernel_member_offset
+
+    if not Path(VMLINUX_BTF).is_file():
+        pytest.skip(f"{VMLINUX_BTF} missing: a kernel built without CONFIG_DEBUG_INFO_BTF")
+    thread = kernel_member_offset("task_struct", "thread")
+    fsbase = kernel_member_offset("thread_struct", "fsbase")
+    assert 0 < thread < 16384 and 0 < fsbase < 256, (thread, fsbase)
+    assert kernel_member_offset("task_struct", "pid") < thread
+    with pytest.raises(LookupError, match="no member"):
+        kernel_member_offset("task_struct", "no_such_member")
+    with pytest.raises(LookupError, match="no struct"):
+        kernel_member_offset("no_such_struct_gpuprof", "x")

@@ -15,10 +15,8 @@ import os
 import pwd
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 import native_progs
 from harness import PROGS, GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
 from py_calltree_check import check_known_tree, py_frames
+from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree
 
 from gpuprof.collector import pyframes, schema
 from gpuprof.collector.bpf_support import attach_path, read_maps
-from gpuprof.collector.pyframes import FRAME_OWNED_BY_CSTACK, PyFrameNamer, find_interpreter
+from gpuprof.collector.pyframes import find_interpreter
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 from gpuprof.collector.symbolize import folded_stacks, stack_names
 
@@ -85,139 +84,30 @@ def chroot_cmd(script: str, *args: str) -> list[str]:
 
 
 # --- the layout and frames of a 3.13 process, read as the collector reads them ----------------------
-BLOCKED_TREE = '''\
-import json, os, sys, threading
-
-def leaf(ev):
-    ev.wait()  # LEAF
-
-def middle(ev):
-    leaf(ev)  # MIDDLE
-
-def outer(ev):
-    middle(ev)  # OUTER
-
-def main():
-    ev = threading.Event()
-    threads = [threading.Thread(target=outer, args=(ev,), name=f"w{i}") for i in range(3)]
-    for t in threads:
-        t.start()
-    while sum(t.native_id is not None for t in threads) < 3:
-        pass
-    code = leaf.__code__
-    print(json.dumps({"pid": os.getpid(), "main": threading.get_native_id(),
-                      "workers": [t.native_id for t in threads], "version": list(sys.version_info[:2]),
-                      "code": id(code), "qualname": id(code.co_qualname), "filename": id(code.co_filename),
-                      "linetable": id(code.co_linetable), "firstlineno": code.co_firstlineno}), flush=True)
-    sys.stdin.readline()  # MAIN
-    ev.set()
-    for t in threads:
-        t.join()
-
-main()  # MODULE
-'''
-
-
-def _line(src: str, marker: str) -> int:
-    return next(i for i, t in enumerate(src.splitlines(), 1) if t.rstrip().endswith(f"# {marker}"))
-
-
-def walk_threads(proc: pyframes.PyProcess) -> dict[int, list[tuple[int, int, int]]]:
-    """Every thread's frames as bpf/pyframes.h walks them, read with the same offsets from user
-    space: native thread id -> [(code, instr, owner)], innermost first."""
-    lay = proc.layout
-    mem = pyframes.ProcessMemory(proc.pid)
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    interp = mem.u64(proc.runtime + lay.runtime_interp_head)
-    while interp:
-        ts = mem.u64(interp + lay.interp_threads_head)
-        while ts:
-            frames = []
-            frame = mem.u64(ts + lay.tstate_frame)
-            while frame and len(frames) < 64:
-                owner = mem.read(frame + lay.frame_owner, 1)[0]
-                frames.append((mem.u64(frame + lay.frame_code), mem.u64(frame + lay.frame_instr), owner))
-                frame = mem.u64(frame + lay.frame_previous)
-            out[mem.u64(ts + lay.tstate_thread_id)] = frames
-            ts = mem.u64(ts + lay.tstate_next)
-        interp = mem.u64(interp + lay.interp_next)
-    return out
-
-
 def test_313_process_in_a_debian_13_root_frames_and_names() -> None:
     """Debian 13's python3.13, chroot'ed, blocked with three threads in leaf <- middle <- outer and
-    its main thread in main <- <module>: the interpreter is found through its root, the layout
-    comes from its _Py_DebugOffsets, and each thread's frames read with that layout name the
-    functions, file and line of the program, in order, each C-level call ending at an entry frame."""
+    its main thread in main <- <module> (tests/progs/py_blocked_tree.py): the interpreter is found
+    through its root, the layout comes from its _Py_DebugOffsets, and each thread's frames read with
+    that layout name the functions, file and line of the program, in order, each C-level call
+    ending at an entry frame (tests/progs/py_frames_check.py)."""
     with in_root() as (here, inside):
-        (here / "blocked_tree.py").write_text(BLOCKED_TREE)
-        _run_blocked_tree(f"{inside}/blocked_tree.py")
-
-
-def _run_blocked_tree(script: str) -> None:
-    p = subprocess.Popen(chroot_cmd(script), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        line = p.stdout.readline()
-        assert line, f"the program did not start: {p.stderr.read() if p.poll() is not None else ''}"
-        info = json.loads(line)
-        assert info["pid"] == p.pid and info["version"] == [3, 13]
-        assert os.readlink(f"/proc/{p.pid}/root") == str(ROOT)
-
-        # the executable is found through the process's root: the file it maps, no other
-        proc = find_interpreter(p.pid)
-        exe = os.stat(f"/proc/{p.pid}/exe")
-        st = os.stat(proc.path)
-        assert (st.st_dev, st.st_ino) == (exe.st_dev, exe.st_ino), proc.path
-        assert proc.path in (f"{ROOT}{PY313}", f"/proc/{p.pid}/root{PY313}"), proc.path
-        maps = [m for m in read_maps(p.pid) if m.path.endswith(PY313)]
-        assert maps and {attach_path(p.pid, m.path) for m in maps} == {proc.path}
-        lay = proc.layout
-        assert lay.version == (3, 13) and lay.tested and proc.eval_ranges
-        assert lay.cframe_frame == pyframes.NONE and lay.frame_is_entry == pyframes.NONE
-
-        # the code object's fields at the layout's offsets are the objects the process reports
-        mem = pyframes.ProcessMemory(p.pid)
-        code = info["code"]
-        assert mem.u64(code + lay.code_name) == info["qualname"]
-        assert mem.u64(code + lay.code_filename) == info["filename"]
-        assert mem.u64(code + lay.code_linetable) == info["linetable"]
-        assert mem.i32(code + lay.code_firstlineno) == info["firstlineno"]
-
-        # every thread's frames, named
-        deadline = time.monotonic() + 10
-        namer = PyFrameNamer(proc)
-        while True:  # the workers may not have reached ev.wait() yet
-            walked = walk_threads(proc)
-            named = {tid: [namer.name(c, i) if o != FRAME_OWNED_BY_CSTACK else "entry" for c, i, o in frames]
-                     for tid, frames in walked.items()}
-            settled = all(named.get(t, [("",)])[0][0] == "Condition.wait" for t in info["workers"]) \
-                and named.get(info["main"], [("",)])[0][0] == "main"
-            if settled or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert set(walked) == {info["main"], *info["workers"]}, walked
-        lines = {m: _line(BLOCKED_TREE, m) for m in ("LEAF", "MIDDLE", "OUTER", "MAIN", "MODULE")}
-        want_main = [("main", script, lines["MAIN"]), ("<module>", script, lines["MODULE"]), "entry"]
-        assert named[info["main"]] == want_main, named[info["main"]]
-        for tid in info["workers"]:
-            frames = named[tid]
-            # innermost: threading's Condition.wait (in Event.wait), then the program's three
-            assert [f[0] for f in frames[:2]] == ["Condition.wait", "Event.wait"], frames
-            assert all(f[1] == THREADING and f[2] > 0 for f in frames[:2]), frames
-            assert frames[2:5] == [("leaf", script, lines["LEAF"]), ("middle", script, lines["MIDDLE"]),
-                                   ("outer", script, lines["OUTER"])], frames
-            assert [f[0] for f in frames[5:8]] == ["Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"]
-            assert frames[8:] == ["entry"], frames
-        assert namer.read_errors == 0
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.wait(timeout=30) == 0, p.stderr.read()
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+        shutil.copy(BLOCKED_TREE, here / "py_blocked_tree.py")
+        script = f"{inside}/py_blocked_tree.py"
+        with blocked_tree(chroot_cmd(script), ENV) as (p, info):
+            assert info["version"] == [3, 13]
+            assert os.readlink(f"/proc/{p.pid}/root") == str(ROOT)
+            # the executable is found through the process's root: the file it maps, no other
+            proc = find_interpreter(p.pid)
+            exe = os.stat(f"/proc/{p.pid}/exe")
+            st = os.stat(proc.path)
+            assert (st.st_dev, st.st_ino) == (exe.st_dev, exe.st_ino), proc.path
+            assert proc.path in (f"{ROOT}{PY313}", f"/proc/{p.pid}/root{PY313}"), proc.path
+            maps = [m for m in read_maps(p.pid) if m.path.endswith(PY313)]
+            assert maps and {attach_path(p.pid, m.path) for m in maps} == {proc.path}
+            lay = proc.layout
+            assert lay.version == (3, 13) and lay.tested and proc.eval_ranges
+            assert lay.cframe_frame == pyframes.NONE and lay.frame_is_entry == pyframes.NONE
+            check_blocked_tree(proc, info, script, THREADING)
 
 
 # --- the call-tree program under BPF ----------------------------------------------------------------------
@@ -282,9 +172,13 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
     where = _files_and_lines(names, script)
     # the line being run in each caller: its call of the next function down
     assert where["forward"] >= {(script, line_of("x = layer(x)"))}, where["forward"]
-    assert where["train_step"] == {(script, line_of("return forward(x)"))}, where["train_step"]
-    assert where["main"] == {(script, line_of("run_for(seconds)", after="def main"))}, where["main"]
-    assert where["layer"] == {(script, line_of("return np.matmul(x, A)"))}, where["layer"]
+    # or at its `def` line: a frame sampled at its first instruction (RESUME is on the def line)
+    for func, line, def_line in (
+            ("train_step", line_of("return forward(x)"), line_of("def train_step(")),
+            ("main", line_of("run_for(seconds)", after="def main"), line_of("def main(")),
+            ("layer", line_of("return np.matmul(x, A)"), line_of("def layer(", after='LEAF == "numpy"'))):
+        assert (script, line) in where[func] and where[func] <= {(script, line), (script, def_line)}, \
+            (func, where[func], line, def_line)
     callers = {st[i + 1] for st in names.values() for i, n in enumerate(st[:-1])
                if n.startswith("py::layer (") and st[i + 1].startswith("py::forward (")}
     assert callers == {f"py::forward ({script}:{line_of('x = layer(x)')})"}, callers

@@ -8,8 +8,11 @@ the stack ids those rows use into the collector's `StackStore` (collector/symbol
 them in the kernel map. Names are resolved at seal (/stacks/frames, /stacks/symbols).
 
 Python processes (CPython 3.10-3.13, collector/pyframes.py) are registered in gp_py_procs when
-first seen (and again after an exec): their samples also carry a Python stack id (bpf/pyframes.h),
-whose frames are named from the live process at the drain and merged into the user stack.
+first seen (and again after an exec; a process whose executable is named like an interpreter but
+whose libpython is not mapped yet, between its exec and the dynamic loader's mmap, is looked at
+again at the next drains, PY_INTERP_RETRIES at most): their samples also carry a Python stack id
+(bpf/pyframes.h), whose frames are named from the live process at the drain and merged into the
+user stack.
 
 With sources.stacks.unwinder = "cfi" (collector/cfiunwind.py, bpf/cfiunwind.h) the user stacks of
 job processes are walked by the CFI tables of their mapped files in the BPF program (code without
@@ -28,9 +31,24 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import BpfHub, defines_for_all, read_maps, read_ring_drops, stack_unwinder
+from gpuprof.collector.bpf_support import (
+    BpfHub,
+    defines_for_all,
+    kernel_member_offset,
+    read_maps,
+    read_ring_drops,
+    stack_unwinder,
+)
 from gpuprof.collector.cfiunwind import CfiUnwinder, start_compiler, start_unwinder
-from gpuprof.collector.pyframes import NONE, NotPython, PyFrameNamer, PyProcess, PyReadError, find_interpreter
+from gpuprof.collector.pyframes import (
+    NONE,
+    NotPython,
+    PyFrameNamer,
+    PyProcess,
+    PyReadError,
+    find_interpreter,
+    named_like_interpreter,
+)
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, StackStore, _exe
 
@@ -198,6 +216,12 @@ def own_stack(store: StackStore, sid: int, frames: Mapping[int, Sequence[int] | 
     return store.intern_kernel(addrs) if pid is None else store.intern_user(pid, addrs)
 
 
+# Drains at which a process whose executable is named like an interpreter (python3.X) but maps no
+# interpreter yet is looked at again: a shared-libpython build (pyenv's, --enable-shared) has
+# /proc/PID/exe changed at exec but its libpython3.X.so mapped by the dynamic loader just after.
+PY_INTERP_RETRIES = 5
+
+
 class PythonStacks:
     """The Python side of the sampler: which job processes run CPython (registered in gp_py_procs
     with their layout), and the frames of the Python stack ids of a drain, named."""
@@ -209,6 +233,7 @@ class PythonStacks:
         self.procs: dict[int, tuple[str, PyProcess | None]] = {}  # pid -> (exe when checked, interpreter)
         self.namers: dict[int, PyFrameNamer] = {}
         self.not_python: dict[int, str] = {}  # pid -> why (last seen), for status and tests
+        self.retries: dict[int, int] = {}  # pid -> drains left to look again (its exe unchanged)
         self.last_counts = [0, 0, 0, 0]  # counts() as of the last drain (the map dies at stop)
 
     def register(self, pids: Iterable[int]) -> None:
@@ -216,7 +241,8 @@ class PythonStacks:
         for pid in pids:
             exe = _exe(pid)
             known = self.procs.get(pid)
-            if known is not None and known[0] == exe:
+            same_exe = known is not None and known[0] == exe
+            if same_exe and self.retries.get(pid, 0) <= 0:
                 continue
             proc: PyProcess | None = None
             try:
@@ -226,12 +252,30 @@ class PythonStacks:
             self.procs[pid] = (exe, proc)
             if proc is not None:
                 self.not_python.pop(pid, None)
+                self.retries.pop(pid, None)
+            elif same_exe:
+                self.retries[pid] -= 1
+            elif named_like_interpreter(exe):
+                self.retries[pid] = PY_INTERP_RETRIES
+            else:
+                self.retries.pop(pid, None)
             key = self.procs_map.Key(pid)
             if proc is None:
                 if self.procs_map.get(key) is not None:
                     del self.procs_map[key]
                 continue
             lay = proc.layout
+            task_fsbase = 0
+            if lay.thread_id_is_pthread:  # 3.10: threads matched by their fs base, read from the task
+                try:
+                    task_fsbase = (kernel_member_offset("task_struct", "thread")
+                                   + kernel_member_offset("thread_struct", "fsbase"))
+                except (OSError, LookupError, ValueError) as e:
+                    self.not_python[pid] = f"pid {pid}: Python 3.10's threads are matched by fs base: {e}"
+                    self.procs[pid] = (exe, None)
+                    if self.procs_map.get(key) is not None:
+                        del self.procs_map[key]
+                    continue
             leaf = self.procs_map.Leaf()
             leaf.interp_head_addr = proc.runtime + lay.runtime_interp_head
             for field in ("interp_next", "interp_threads_head", "tstate_next", "tstate_thread_id", "tstate_frame",
@@ -246,6 +290,7 @@ class PythonStacks:
                                 lay.frame_is_entry) if o != NONE]
             leaf.frame_read_from = min(used)
             leaf.frame_read_len = max(used) + 8 - min(used)  # one read per frame, of the fields used only
+            leaf.task_fsbase = task_fsbase
             self.procs_map[key] = leaf
             self.namers[pid] = PyFrameNamer(proc)
 
@@ -255,6 +300,7 @@ class PythonStacks:
             del self.procs[pid]
             self.namers.pop(pid, None)
             self.not_python.pop(pid, None)
+            self.retries.pop(pid, None)
             try:
                 del self.procs_map[self.procs_map.Key(pid)]
             except KeyError:

@@ -7,6 +7,9 @@
 (named worker-N, started from `spawn_workers`) while the main thread waits in `join_workers`.
 PY_CALLTREE_N (default 96) sets the matrices' size: with a reference BLAS (Debian 13's root in
 tests/test_python_stacks_313.py) 96 x 96 products take nearly all the time, 32 x 32 about half.
+PY_CALLTREE_LEAF (default numpy) = zlib: for an interpreter without numpy (pyenv's builds in
+tests/test_python_stacks_pyenv.py), `layer` calls zlib.crc32 over N * N * 8 bytes instead of the
+product, C code under the same Python frame; anything else is refused.
 It sleeps 1 s first: the collector looks for an interpreter in a new pid (or one that exec'd) at
 its next drain, so samples of the first moments of a process have no Python frames.
 Prints one JSON line at the end: pid, native thread ids of the workers, CPU seconds, train steps
@@ -21,19 +24,37 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 # One BLAS thread per caller: OpenBLAS's own threads spin between calls, and on a small machine
 # their spinning, not this program's code, would decide how fast it runs (and what is sampled).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # after the BLAS setting, which numpy reads at import
-
 N = int(os.environ.get("PY_CALLTREE_N", "96"))
-A = np.random.default_rng(0).random((N, N))
+LEAF = os.environ.get("PY_CALLTREE_LEAF", "numpy")
 
+if LEAF == "numpy":
+    import numpy as np  # after the BLAS setting, which numpy reads at import
 
-def layer(x: np.ndarray) -> np.ndarray:
-    return np.matmul(x, A)  # numpy's C code under a Python frame (the leaf of the known tree)
+    A = np.random.default_rng(0).random((N, N))
+
+    def layer(x: Any) -> Any:
+        return np.matmul(x, A)  # numpy's C code under a Python frame (the leaf of the known tree)
+
+    def start() -> Any:
+        return np.ones((N, N))
+elif LEAF == "zlib":
+    import zlib
+
+    DATA = bytes(range(256)) * (N * N * 8 // 256)
+
+    def layer(x: Any) -> Any:
+        return zlib.crc32(DATA, int(x))  # zlib's C code under a Python frame (the leaf of the known tree)
+
+    def start() -> Any:
+        return 1.0
+else:
+    sys.exit(f"PY_CALLTREE_LEAF={LEAF!r}: numpy or zlib")
 
 
 def activation(n: int) -> int:
@@ -43,14 +64,14 @@ def activation(n: int) -> int:
     return total
 
 
-def forward(x: np.ndarray) -> np.ndarray:
+def forward(x: Any) -> Any:
     for _ in range(40):
         x = layer(x) / float(N)
     activation(6000)
     return x
 
 
-def train_step(x: np.ndarray) -> np.ndarray:
+def train_step(x: Any) -> Any:
     return forward(x)
 
 
@@ -58,7 +79,7 @@ STEPS: list[int] = []  # train steps done, one entry per thread (the bench's mea
 
 
 def run_for(seconds: float) -> None:
-    x = np.ones((N, N))
+    x = start()
     end = time.monotonic() + seconds
     steps = 0
     while time.monotonic() < end:
