@@ -21,17 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import h5py
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
-import native_progs
-from harness import PROGS, GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+from harness import PROGS
 from py_calltree_check import check_known_tree, py_frames
-from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree
+from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree, sample_with_bpf
 
-from gpuprof.collector import pyframes, schema
+from gpuprof.collector import pyframes
 from gpuprof.collector.bpf_support import attach_path, read_maps
 from gpuprof.collector.pyframes import find_interpreter
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
@@ -113,23 +111,11 @@ def test_313_process_in_a_debian_13_root_frames_and_names() -> None:
 # --- the call-tree program under BPF ----------------------------------------------------------------------
 def run_calltree_313(here: Path, inside: str, tmp_path: Path, args: list[str]) -> tuple[Any, dict[str, Any],
                                                                                           Any, BpfStacksSource]:
-    reason = bpf_skip_reason()
-    if reason:
-        pytest.skip(reason)
     shutil.copy(PROGS / "py_calltree.py", here / "py_calltree.py")
-    src = BpfStacksSource(99)
     # 32 x 32 matrices: the root's numpy uses the reference BLAS, whose 96 x 96 products (the
     # program's default, sized for OpenBLAS) would leave the pure Python leaf ~1 % of the samples
-    gated = GatedProcess(chroot_cmd(f"{inside}/py_calltree.py", *args), env={**ENV, "PY_CALLTREE_N": "32"})
-    errors: list[str] = []
-    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
-    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
-    assert rc == 0, err
-    assert not errors, errors
-    assert src.python is not None
-    path = tmp_path / "node.h5"
-    native_progs.sealed_file(path, [src], batches, ("stacks",))
-    return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(path), src
+    return sample_with_bpf(chroot_cmd(f"{inside}/py_calltree.py", *args), {**ENV, "PY_CALLTREE_N": "32"},
+                           tmp_path / "node.h5")
 
 
 _LABEL = re.compile(r"^py::(.+) \((.+):(\d+)\)$")

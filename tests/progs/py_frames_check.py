@@ -13,8 +13,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuprof.collector import pyframes
+import h5py
+import native_progs
+import pytest
+from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, run_source_over
+
+from gpuprof.collector import pyframes, schema
 from gpuprof.collector.pyframes import FRAME_OWNED_BY_CSTACK, LAST_OF_CALL, NONE, PyFrameNamer, PyProcess
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 
 BLOCKED_TREE = Path(__file__).resolve().parent / "py_blocked_tree.py"
 
@@ -150,3 +156,24 @@ def check_blocked_tree(proc: PyProcess, info: dict[str, Any], script: str, threa
         assert _matches(named[k], want_worker), (k, named[k], want_worker)
     assert namer.read_errors == 0
     return {native_of[k]: runs for k, runs in named.items()}
+
+
+def sample_with_bpf(cmd: list[str], env: dict[str, str], node_file: Path) -> tuple[Any, dict[str, Any], h5py.File,
+                                                                                 BpfStacksSource]:
+    """Run `cmd` (a Python program that prints a JSON line last) gated under the BPF stacks source at
+    99 Hz: its stack samples, that JSON line, the sealed node file (opened) and the source. The
+    program's interpreter must have been found (its pid among the namers). Skips without BPF."""
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    src = BpfStacksSource(99)
+    gated = GatedProcess(cmd, env=env)
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
+    assert rc == 0, err
+    assert not errors, errors
+    assert src.python is not None
+    assert gated.pid in src.python.namers, src.python.not_python  # its interpreter was found
+    native_progs.sealed_file(node_file, [src], batches, ("stacks",))
+    return collect(batches, schema.STACK_SAMPLES), json.loads(out.strip().splitlines()[-1]), h5py.File(node_file), src
