@@ -70,7 +70,7 @@ from gpuprof.mpi_merge.analysis import (
     p2p_rows,
 )
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from gpuprof.mpi_merge.common import ChoresComm, CommSpread, DealStats, RankPool, SerialSpread
+from gpuprof.mpi_merge.common import ChoresComm, CommSpread, DealStats, RankPool, SerialSpread, open_scratch_for_reads
 from gpuprof.mpi_merge.html_report import PageContext, prepare_comms, render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
@@ -487,7 +487,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     assert layout is not None
     names = decision["nodes"]
     # closed by merge() when the merge ends
-    tables = _open_store(layout, decision["epoch"], resources.enter_context(h5py.File(scratch_file, "r")))
+    tables = _open_store(layout, decision["epoch"], resources.enter_context(open_scratch_for_reads(scratch_file)))
     if rank == 0:
         assert job is not None
         job.store = tables
@@ -514,7 +514,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     # every rank fits the clocks: the windows are dealt over the ranks (CommSpread), all get the models
     clock_in = c.bcast(clock_in.without_table() if clock_in is not None else None, root=0)
     assert clock_in is not None
-    with h5py.File(instances_file, "r") as inst_f:
+    with open_scratch_for_reads(instances_file) as inst_f:
         table = InstanceTable.existing(inst_f, clock_in.n_rows) if clock_in.names else None
         spread = CommSpread(c) if size > 1 else SerialSpread()
         clock = clock_in.fit(table, spread)
