@@ -786,6 +786,34 @@ def _piece_residual(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece]
     return _residual(rows, clocks, pc.r0, pc.r1) if pc.consistent else None
 
 
+def _tube_boxes(tube_lo: np.ndarray, tube_hi: np.ndarray, base: np.ndarray, ref: int) -> tuple[np.ndarray, np.ndarray]:
+    """[pieces, nodes] bounds of each piece's correction inside the nodes' tubes, the reference pinned."""
+    lo, hi = tube_lo - base, tube_hi - base
+    lo[:, ref] = hi[:, ref] = 0.0
+    return lo, hi
+
+
+def _repair_point(E: np.ndarray, X: np.ndarray, b_lo: np.ndarray, b_hi: np.ndarray, ref: int) -> np.ndarray | None:
+    """The repair's correction of one piece within the box, or, when none is, the constraints' own
+    (they win over the drift bound; said at the end of the fit if it shows)."""
+    d = _joint(E, X, np.zeros(len(b_lo)), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
+    return d if d is not None else _joint(E, X, np.zeros(len(b_lo)), *_ref_box(len(b_lo), ref))
+
+
+def _repair_item(rows: InstanceRows, clocks: RankClocks, pieces: list[_Piece], tube_box: tuple[np.ndarray, np.ndarray],
+                 ref: int, ahead: bool, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """Piece i's residual for the repair loop and, with other ranks to compute it (`ahead`), its
+    correction within its tube box alone. The loop bounds each piece by the last piece's point too;
+    where that bound binds no node the box is the tube box and this is the loop's own solve, done
+    here in parallel instead of serially on rank 0 (the loop checks and solves again otherwise, so
+    the result is the same for every rank count; on one rank nothing is solved ahead)."""
+    got = _piece_residual(rows, clocks, pieces, i)
+    if got is None:
+        return None
+    E, X = got
+    return E, X, (_repair_point(E, X, tube_box[0][i], tube_box[1][i], ref) if ahead else None)
+
+
 class RankClocks:
     """The clock models of a communicator's ranks (None, or a model without segments: the rank's times
     are kept), applied to [rows, ranks] blocks of raw times all at once when the models share their
@@ -996,9 +1024,10 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
             # piece in time order, each node kept inside its tube and its drift bound from the last point.
             # The loop is serial (each point bounds the next) and runs on rank 0; the pieces' residuals,
             # most of its cost, are computed on every rank and come to it in order (Spread.ordered)
-            residual = functools.partial(_piece_residual, rows, clocks, pieces)
+            tube_box = _tube_boxes(tube_lo, tube_hi, base, ref)
+            residual = functools.partial(_repair_item, rows, clocks, pieces, tube_box, ref, spread.size > 1)
             for i, got in enumerate(spread.ordered(residual, len(pieces))):
-                b_lo, b_hi = tube_lo[i] - base[i], tube_hi[i] - base[i]
+                b_lo, b_hi = tube_box[0][i].copy(), tube_box[1][i].copy()
                 if i:
                     g = s * (tp[i] - tp[i - 1])
                     b_lo = np.fmax(b_lo, pts[i - 1] - g - base[i])
@@ -1006,10 +1035,12 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                 b_lo[ref] = b_hi[ref] = 0.0
                 d = None
                 if got is not None:
-                    E, X = got
-                    d = _joint(E, X, np.zeros(n), b_lo, b_hi) if np.all(b_lo <= b_hi) else None
-                    if d is None:  # the constraints win over the drift bound (said below, if it shows)
-                        d = _joint(E, X, np.zeros(n), *_ref_box(n, ref))
+                    E, X, ahead = got
+                    if ahead is not None and np.array_equal(b_lo, tube_box[0][i]) and np.array_equal(
+                            b_hi, tube_box[1][i]):
+                        d = ahead  # the drift bound from the last point binds no node: the same solve
+                    else:
+                        d = _repair_point(E, X, b_lo, b_hi, ref)
                 pts[i] = base[i] + (d if d is not None else 0.0)
             pts = spread.share(pts)
         tp_all = np.concatenate([[t[0]], tp, [t[-1]]])

@@ -151,6 +151,8 @@ class Spread(Protocol):
     rank, each item computed on one rank only. Items must not depend on which rank runs them, so the
     result is the same for every rank count."""
 
+    size: int  # the ranks the items are spread over
+
     def map(self, fn: Callable[[int], T], n: int) -> list[T]: ...
 
     def ordered(self, fn: Callable[[int], T], n: int) -> Iterator[T]:
@@ -166,6 +168,8 @@ class Spread(Protocol):
 
 class SerialSpread:
     """Everything on this process (one rank, library use)."""
+
+    size = 1
 
     def map(self, fn: Callable[[int], T], n: int) -> list[T]:
         return [fn(i) for i in range(n)]
