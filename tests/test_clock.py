@@ -5,6 +5,7 @@ the other methods for comparison."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -297,3 +298,54 @@ def test_per_node_reductions_are_those_of_each_node_alone() -> None:
                 want[2][:, ni] = nanmedian_rows(exit_[:, c])
         for got, w in zip(_per_node(enter, exit_, nor, N), want):
             assert np.array_equal(got, w, equal_nan=True), trial
+
+
+class _TwoRanksHere:
+    """Test double of the merge's CommSpread: every item computed here, in order, but `size` says 2,
+    so the fit does what it does when other ranks compute its items (the repair's solves ahead)."""
+
+    size = 2
+
+    def map(self, fn: Any, n: int) -> list[Any]:
+        return [fn(i) for i in range(n)]
+
+    def ordered(self, fn: Any, n: int) -> Any:
+        return (fn(i) for i in range(n))
+
+    def share(self, obj: Any) -> Any:
+        return obj
+
+
+def test_repair_solves_ahead_give_the_serial_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With other ranks, the repair loop's per-piece solve is done ahead within the piece's tube box
+    and used where the drift bound from the last point binds no node; elsewhere the loop solves
+    again. Drifting clocks and a node absent for 10 s (its tube wide there: the bound binds) give
+    both cases; the models must be those of the serial fit, bit for bit."""
+    from gpuprof.mpi_merge import clock
+
+    where = {"_repair_item": 0, "_fit_minimal": 0}
+    solve = clock._repair_point
+
+    def counted(*a: Any) -> Any:
+        where[sys._getframe(1).f_code.co_name] += 1
+        return solve(*a)
+
+    monkeypatch.setattr(clock, "_repair_point", counted)
+    inst = _tight_instances(4000, 4, np.array([0.0, 2e6, -1e6, 4e6]), drift_ppm=np.array([0.0, 120, -200, 60]))
+    E, Xn, Xm = inst.enter_max.copy(), inst.exit_min.copy(), inst.exit_med.copy()
+    for arr in (E, Xn, Xm):
+        arr[1500:2500, 3] = np.nan
+    inst = NodeInstances(E, Xn, Xm, inst.comm_id, inst.seq)
+    serial = fit_clocks(inst, list("abcd"), "a")
+    assert where == {"_repair_item": 0, "_fit_minimal": where["_fit_minimal"]} and where["_fit_minimal"] > 100
+    loop_serial = where["_fit_minimal"]
+    where.update(_repair_item=0, _fit_minimal=0)
+    spread = fit_clocks(inst, list("abcd"), "a", spread=_TwoRanksHere())
+    assert where["_repair_item"] == loop_serial  # every piece solved ahead ...
+    assert 0 < where["_fit_minimal"] < loop_serial // 2  # ... and some solved again by the loop
+    for a, b in zip(serial.models, spread.models):
+        for field in ("seg_start", "seg_offset", "seg_drift_ppm", "point_lo", "point_hi"):
+            assert np.array_equal(getattr(a, field), getattr(b, field), equal_nan=True), (a.node, field)
+        assert (a.inconsistent, a.drift_note) == (b.inconsistent, b.drift_note)
+        assert np.array_equal(a.uncertainty_ns, b.uncertainty_ns, equal_nan=True)
+    assert serial.causality_violations == spread.causality_violations
