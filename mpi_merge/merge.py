@@ -75,7 +75,14 @@ from gpuprof.mpi_merge.analysis import (
     p2p_rows,
 )
 from gpuprof.mpi_merge.clock import DEFAULT_CLOCK_PARAMS, ClockParams, NodeClockModel
-from gpuprof.mpi_merge.common import ChoresComm, CommSpread, DealStats, RankPool, SerialSpread, open_scratch_for_reads
+from gpuprof.mpi_merge.common import (
+    ChoresComm,
+    CommSpread,
+    DealStats,
+    RankPool,
+    SerialSpread,
+    open_scratch_for_reads,
+)
 from gpuprof.mpi_merge.html_report import CommPrep, PageContext, prepare_comms, render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
