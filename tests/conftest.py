@@ -181,6 +181,16 @@ def test_user() -> str:
     return TEST_USER
 
 
+def unprivileged_user() -> pwd.struct_passwd:
+    """The user a test drops to: the test user of `make setup`, else nobody; skips without either."""
+    for name in (TEST_USER, "nobody"):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    pytest.skip(f"no unprivileged user to run as (make setup creates {TEST_USER})")
+
+
 @pytest.fixture
 def user_tmpdir(test_user: str) -> Iterator[Path]:
     """A fresh directory owned by the test user (mode 0755), removed afterwards."""

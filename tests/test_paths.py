@@ -1,11 +1,11 @@
 """Slurm filename patterns, result paths, and placement as the job's user without following symlinks."""
 
 import os
-import pwd
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import unprivileged_user
 
 from gpuprof.slurm_hooks.paths import (
     PatternContext,
@@ -46,15 +46,6 @@ def test_result_paths() -> None:
     assert node_dir_for_stdout("/w/noext") == Path("/w/noext.gpuprof.d")
 
 
-def _user() -> pwd.struct_passwd:
-    for name in ("gpuprof-test", "nobody"):
-        try:
-            return pwd.getpwnam(name)
-        except KeyError:
-            continue
-    pytest.skip("no unprivileged user to drop to")
-
-
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
     """Like pytest's tmp_path, but reachable by the unprivileged user (pytest's is 0700 root)."""
@@ -73,7 +64,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="placement drops privi
 @needs_root
 @pytest.mark.root
 def test_place_as_user_owns_file(tmp_path: Path) -> None:
-    u = _user()
+    u = unprivileged_user()
     dest = tmp_path / "w"
     dest.mkdir()
     os.chown(dest, u.pw_uid, u.pw_gid)
@@ -89,7 +80,7 @@ def test_place_as_user_owns_file(tmp_path: Path) -> None:
 @needs_root
 @pytest.mark.root
 def test_symlinked_stdout_dir_to_root_place_writes_nothing(tmp_path: Path) -> None:
-    u = _user()
+    u = unprivileged_user()
     root_dir = tmp_path / "rootonly"
     root_dir.mkdir(mode=0o755)
     link = tmp_path / "userdir"
@@ -104,7 +95,7 @@ def test_symlinked_stdout_dir_to_root_place_writes_nothing(tmp_path: Path) -> No
 @needs_root
 @pytest.mark.root
 def test_symlink_at_target_name_is_replaced_not_followed(tmp_path: Path) -> None:
-    u = _user()
+    u = unprivileged_user()
     dest = tmp_path / "w"
     (dest / "slurm-1.gpuprof.d").mkdir(parents=True)
     os.chown(dest, u.pw_uid, u.pw_gid)
@@ -122,7 +113,7 @@ def test_symlink_at_target_name_is_replaced_not_followed(tmp_path: Path) -> None
 @needs_root
 @pytest.mark.root
 def test_symlinked_subdir_is_refused(tmp_path: Path) -> None:
-    u = _user()
+    u = unprivileged_user()
     dest = tmp_path / "w"
     dest.mkdir()
     os.chown(dest, u.pw_uid, u.pw_gid)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import shutil
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
+from conftest import unprivileged_user
 from harness import PROGS
 from py_calltree_check import check_known_tree, py_frames
 from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree, sample_with_bpf
@@ -51,15 +51,6 @@ def _root() -> Path:
     return ROOT
 
 
-def _user() -> pwd.struct_passwd:
-    for name in ("gpuprof-test", "nobody"):
-        try:
-            return pwd.getpwnam(name)
-        except KeyError:
-            continue
-    pytest.skip("no unprivileged user to run the program as (make setup creates gpuprof-test)")
-
-
 @contextlib.contextmanager
 def in_root() -> Iterator[tuple[Path, str]]:
     """A fresh directory in the root's /tmp: (its path here, its path inside the root). A test, not
@@ -74,7 +65,7 @@ def in_root() -> Iterator[tuple[Path, str]]:
 
 
 def chroot_cmd(script: str, *args: str) -> list[str]:
-    pw = _user()
+    pw = unprivileged_user()
     chroot = shutil.which("chroot", path=ENV["PATH"])
     assert chroot is not None, "chroot (coreutils) not found"
     # numeric ids: a user name would be looked up in the root's /etc/passwd, which lacks it
