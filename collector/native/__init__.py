@@ -120,6 +120,9 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ringwatch_counts.restype = None
     lib.gp_ringwatch_free.argtypes = [vp]
     lib.gp_ringwatch_free.restype = None
+    lib.gp_stacks_take.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, vp, ctypes.c_long, vp, ctypes.c_long,
+                                   vp, ctypes.c_long, vp, vp]
+    lib.gp_stacks_take.restype = ctypes.c_long
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_records_to_rows.restype = ctypes.c_long
