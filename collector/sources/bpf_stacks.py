@@ -116,27 +116,7 @@ class WindowedCounts:
 
     def _lookup_all(self) -> tuple[np.ndarray, np.ndarray]:
         """Every entry of the counts map (copies), by BPF_MAP_LOOKUP_BATCH."""
-        lib, fd = self.lib, self.counts.map_fd
-        cap = len(self._keys)
-        kp, vp = self._keys.ctypes.data, self._leaves.ctypes.data
-        ks, vs = self.key_dtype.itemsize, self.leaf_dtype.itemsize
-        in_batch, out_batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
-        total = 0
-        while total < cap:
-            count.value = cap - total
-            res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
-                                       ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
-                                       ctypes.byref(count))
-            err = ctypes.get_errno()
-            total += count.value
-            if res != 0:
-                if err != errno.ENOENT:
-                    raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of a counts map: {os.strerror(err)}")
-                break  # the whole map was read
-            if count.value == 0:
-                break  # no progress (concurrent updates): the rest in the next drain
-            in_batch.value = out_batch.value
-        return self._keys[:total].copy(), self._leaves[:total].copy()
+        return lookup_all(self.lib, self.counts.map_fd, self._keys, self._leaves)
 
     def _delete(self, keys: np.ndarray) -> None:
         keys = np.ascontiguousarray(keys)
@@ -209,6 +189,31 @@ class WindowedCounts:
                 frames[sid] = tuple(flat[offs[j]: offs[j + 1]]) if st == 0 else None
             pos += got
         return frames
+
+
+def lookup_all(lib: Any, fd: int, keys: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every entry of the hash map fd (copies), by BPF_MAP_LOOKUP_BATCH into the buffers keys and
+    leaves (kept by the caller across reads; as many entries as the map holds at most)."""
+    cap = len(keys)
+    kp, vp = keys.ctypes.data, leaves.ctypes.data
+    ks, vs = keys.dtype.itemsize, leaves.dtype.itemsize
+    in_batch, out_batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
+    total = 0
+    while total < cap:
+        count.value = cap - total
+        res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
+                                   ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
+                                   ctypes.byref(count))
+        err = ctypes.get_errno()
+        total += count.value
+        if res != 0:
+            if err != errno.ENOENT:
+                raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
+            break  # the whole map was read
+        if count.value == 0:
+            break  # no progress (concurrent updates): the rest at the next read
+        in_batch.value = out_batch.value
+    return keys[:total].copy(), leaves[:total].copy()
 
 
 STACK_MAX_DEPTH = 127  # BCC's StackTrace.MAX_DEPTH
@@ -457,7 +462,9 @@ class BpfStacksSource(Source):
             return []
         pids = keys["pid"].tolist()
         sampled = set(pids)
-        self.store.watch(sampled)
+        # the tracker's pids were watched above (one readlink each, the drain's largest cost
+        # after the stacks' reads): only those forked since
+        self.store.watch(sampled - tgids)
         if self.python is not None:
             self.python.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
         cfi_ids = keys["cfi_stack"].tolist()
