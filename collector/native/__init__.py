@@ -34,7 +34,7 @@ HOST_PROC_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("pid", "<i4"), ("threads", "<u
 HOST_PROC_STALE, HOST_PROC_GONE = 1, 2  # hosttick.c's per-process flags
 # struct gp_ringwatch_ring of ringwatch.c: one ring the fast path's watch looks at
 RINGWATCH_DTYPE = np.dtype([("fd", "<i4"), ("pad", "<u4"), ("threshold", "<u8")])
-# ringwatch.c's wake(): called on the ticker's thread (ctypes takes the GIL for it)
+# ringwatch.c's and mapwatch.c's wake(): called on the ticker's thread (ctypes takes the GIL for it)
 WAKE_FN = ctypes.CFUNCTYPE(None)
 # nvmltick.c's rows: /gpu/samples values in schema column order, GPM, events, failed calls
 NVML_COLS, NVML_GPM_COLS, NVML_FIELDS = 14, 4, 6
@@ -120,6 +120,13 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ringwatch_counts.restype = None
     lib.gp_ringwatch_free.argtypes = [vp]
     lib.gp_ringwatch_free.restype = None
+    lib.gp_mapwatch_new.argtypes = [ctypes.c_int, ctypes.c_int, WAKE_FN]
+    lib.gp_mapwatch_new.restype = vp
+    for name in ("gp_mapwatch_ack", "gp_mapwatch_free"):
+        getattr(lib, name).argtypes = [vp]
+        getattr(lib, name).restype = None
+    lib.gp_mapwatch_wakes.argtypes = [vp]
+    lib.gp_mapwatch_wakes.restype = u64
     lib.gp_stacks_take.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, vp, ctypes.c_long, vp, ctypes.c_long,
                                    vp, ctypes.c_long, vp, vp]
     lib.gp_stacks_take.restype = ctypes.c_long
