@@ -179,7 +179,7 @@ class WindowedCounts:
         pos = 0
         while pos < len(ids32):
             got = int(self._take(self.stacks.map_fd, ctypes.sizeof(self._stack_leaf), STACK_MAX_DEPTH,
-                                 ids32[pos:].ctypes.data, min(len(ids32) - pos, TAKE_IDS), keep.ctypes.data,
+                                 ids32[pos:].ctypes.data, min(len(ids32) - pos, len(status)), keep.ctypes.data,
                                  len(keep), words.ctypes.data, len(words), offsets.ctypes.data, status.ctypes.data))
             if got <= 0:  # the value size was checked at start (_stack_reader): a broken build
                 raise OSError(-got or errno.EINVAL, f"gp_stacks_take: {os.strerror(-got or errno.EINVAL)}")

@@ -424,6 +424,7 @@ class FastpathSource(Source):
         self._watch_rings = np.zeros(0, native.RINGWATCH_DTYPE)
         self.drain_how = ""
         self._early_at_stop: dict[str, int] = {}
+        self._watch_failed = False
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -500,7 +501,8 @@ class FastpathSource(Source):
             rc = self._watch_lib.gp_ringwatch_set(self._watch, arr.ctypes.data, len(arr), -1 if dfd is None else dfd)
             if rc == 0:
                 self._watch_rings = arr
-            else:
+            elif not self._watch_failed:  # said once: it is tried again at each drain
+                self._watch_failed = True
                 self.ctx.report_error(self.name, f"ring watch: {os.strerror(-rc)}: rings added since are drained "
                                       f"every {DRAIN_INTERVAL_S} s only")
             return
