@@ -50,6 +50,10 @@ MAX_MAPPINGS_PER_PROC = 4096  # GP_CFI_MAP_STEPS = 12 binary search steps
 END_REASONS = ("complete", "no_mapping", "stop_rule", "read_failed", "bad_cfa", "truncated", "no_frame_pointer")
 COMPILE_QUEUE_MAX = 256  # files waiting for the compile thread (more wait for a later drain)
 POLL_S = 0.1  # registrations asked for by the BPF program are made this often between drains
+# With the native watch (collector/native/mapwatch.c) the registration thread sleeps until the BPF
+# program asks for a registration (the watch looks every POLL_S), a drain posts, or the compile
+# thread finishes a file; it looks on its own at least this often all the same.
+IDLE_POLL_S = 1.0
 
 
 class Compiler:
@@ -65,6 +69,7 @@ class Compiler:
         self.order = itertools.count()
         self.pending: set[str] = set()  # file identities queued or being compiled
         self.done = 0  # files finished (compiled, or found to have no table)
+        self.on_done: Any = None  # called after each file finished (the unwinder's wake-up), or None
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="gpuprof-cfi-compiler", daemon=True)
         self.thread.start()
@@ -101,6 +106,8 @@ class Compiler:
                 with self.lock:
                     self.pending.discard(file_key(st))
                     self.done += 1
+                if self.on_done is not None:
+                    self.on_done()
 
     def idle(self) -> bool:
         with self.lock:
@@ -216,6 +223,11 @@ class CfiUnwinder:
         progs = bpf[b"gp_cfi_progs"]
         progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
+        self._wake = threading.Event()  # something for the registration thread (with the native watch)
+        self._watch: _StaleWatch | None = _StaleWatch.start(self.stale_map, self._wake.set)
+        self.poll_how = (f"native watch every {POLL_S} s, python when asked or every {IDLE_POLL_S} s"
+                         if self._watch is not None else f"python every {POLL_S} s ({_StaleWatch.why_not})")
+        compiler.on_done = self._wake.set
         self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
         self.poller.start()
         self.stack_key = ctypes.c_uint64()
@@ -241,13 +253,21 @@ class CfiUnwinder:
         registration, which can take seconds when a process maps many files whose tables are
         compiled on the spot (a job's slurmstepd maps dozens of Slurm plugins)."""
         self._posted_live = frozenset(live)  # one assignment: read whole by the registration thread
+        self._wake.set()
 
     def _poll(self) -> None:
         """The registration thread: every POLL_S, the registrations the BPF program asked for
         (gp_cfi_stale: a job process sampled without tables, an exec, a dlopen), the processes whose
         tables the compile thread has finished, and what the last drain posted (after_drain). Only
         processes that are sampled are registered: a job process that never runs costs nothing."""
-        while not self._stop.wait(POLL_S):
+        timeout = IDLE_POLL_S if self._watch is not None else POLL_S
+        while True:
+            self._wake.wait(timeout)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            if self._watch is not None:
+                self._watch.ack()  # before the map is read: a request made after it wakes us again
             try:
                 live, self._posted_live = self._posted_live, None
                 if live is not None:
@@ -474,7 +494,12 @@ class CfiUnwinder:
     def close(self) -> None:
         """Stop the threads and unregister every process (the source stops)."""
         self._stop.set()
+        self._wake.set()
         self.poller.join(timeout=5)
+        if self._watch is not None:
+            self._watch.stop()  # after the poller: it acknowledges through the watch
+            self._watch = None
+        self.compiler.on_done = None
         self.compiler.close()
         on = self.bpf[b"gp_cfi_on"]
         on[on.Key(0)] = on.Leaf(0)
@@ -486,7 +511,9 @@ class CfiUnwinder:
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
                 "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
                 "compiled_by_another_collector": self.cache.waited_for_others, "prewarmed": self.cache.warmed,
-                "registrations": self.registrations, **self.counts()}
+                "registrations": self.registrations, "registration_wakeups": self.poll_how,
+                "registration_watch_wakes": self._watch.wakes() if self._watch is not None else None,
+                **self.counts()}
 
 
 ROW_BYTES = ROW_DTYPE.itemsize
@@ -548,6 +575,53 @@ def start_compiler(ctx: Any, unwinder: str | None) -> Compiler | None:
                 continue
             compiler.submit(fd, st, warm=True)
     return compiler
+
+
+class _StaleWatch:
+    """The native watch over gp_cfi_stale (collector/native/mapwatch.c on ticker.c): calls wake()
+    from its thread when the BPF program asked for a registration."""
+
+    why_not = ""  # why the last start() returned None
+
+    def __init__(self, lib: Any, ptr: int, ticker: Any, wake_fn: Any) -> None:
+        self.lib, self.ptr, self.ticker, self.wake_fn = lib, ptr, ticker, wake_fn
+
+    @classmethod
+    def start(cls, stale_map: Any, wake: Any) -> _StaleWatch | None:
+        from gpuprof.collector import native
+
+        try:
+            lib = native.sampler()
+        except native.NativeUnavailable as e:
+            cls.why_not = str(e)
+            return None
+        wake_fn = native.WAKE_FN(wake)
+        ptr = lib.gp_mapwatch_new(stale_map.map_fd, ctypes.sizeof(stale_map.Key), wake_fn)
+        if not ptr:
+            cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
+            return None
+        try:
+            ticker = native.Ticker(lib, "gp_mapwatch_tick", ptr, POLL_S)
+        except native.NativeUnavailable as e:
+            lib.gp_mapwatch_free(ptr)
+            cls.why_not = str(e)
+            return None
+        return cls(lib, ptr, ticker, wake_fn)
+
+    def ack(self) -> None:
+        self.lib.gp_mapwatch_ack(self.ptr)
+
+    def wakes(self) -> int:
+        return int(self.lib.gp_mapwatch_wakes(self.ptr))
+
+    def stop(self) -> None:
+        if self.ticker.stop(2.0):
+            self.lib.gp_mapwatch_free(self.ptr)
+        else:  # stuck in a wake-up: its thread may still use the watch and the callback, kept for good
+            _STUCK_WATCHES.append(self)
+
+
+_STUCK_WATCHES: list[_StaleWatch] = []
 
 
 def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None, compiler: Compiler | None = None) -> CfiUnwinder | None:

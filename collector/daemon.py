@@ -389,7 +389,7 @@ class Collector:
         self.stop_event.set()
 
     # --- threads ------------------------------------------------------------------------------------
-    def _ctx(self) -> SourceContext:
+    def _ctx(self, st: _SourceState) -> SourceContext:
         return SourceContext(
             job_id=self.opts.job_id or "",
             node=self.opts.node or "",
@@ -400,6 +400,7 @@ class Collector:
             report_error=self.report_error,
             report_missing=self.report_missing,
             uid=self.opts.uid,
+            request_sample=st.wake.set,
         )
 
     def _push(self, st: _SourceState, batches: Any) -> None:
@@ -417,7 +418,7 @@ class Collector:
             st.stopped.set()
             return
         try:
-            src.start(self._ctx())
+            src.start(self._ctx(st))
         except SourceUnavailable as e:
             st.status = f"unavailable: {e}"
             self.report_error(src.name, f"unavailable: {e}")

@@ -174,3 +174,87 @@ def test_frame_pointer_walk_cannot_unwind_the_same_program(tmp_path: Path) -> No
     leafy = [names.get(int(r["user_stack"]), []) for r in rows if names.get(int(r["user_stack"]), [""])[0] == "leaf_spin"]
     assert leafy, "no sample in leaf_spin"
     assert not any(tuple(s[:5]) == NOFP_TREE for s in leafy), leafy[:3]
+
+
+WINDOW_PROG = r"""
+struct key_t { u32 gen; int user_stack; int kernel_stack; };
+BPF_STACK_TRACE(st, 1024);
+BPF_HASH(counts, struct key_t, u64, 1024);
+BPF_ARRAY(gen, u32, 1);
+TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
+    if ((bpf_get_current_pid_tgid() >> 32) != TGID)
+        return 0;
+    int zero = 0;
+    u32 *g = gen.lookup(&zero);
+    struct key_t k = {.gen = g ? *g : 0};
+    k.user_stack = st.get_stackid(args, BPF_F_USER_STACK);
+    k.kernel_stack = st.get_stackid(args, 0);
+    counts.increment(k);
+    return 0;
+}
+"""
+
+
+# Calls getppid from 1..12 call depths (12 distinct user stacks, frame pointers kept) on each
+# line of its stdin, and answers a line when done.
+DEPTHS_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((noinline)) static void at(int d) { if (d > 1) at(d - 1); getppid(); __asm__ volatile(""); }
+int main(void) {
+    char line[16];
+    while (fgets(line, sizeof(line), stdin)) {
+        for (int d = 1; d <= 12; d++) at(d);
+        puts("done");
+        fflush(stdout);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("take_ids", [512, 3])
+def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WindowedCounts' stack reads and frees in C (collector/native/stacktake.c, in calls of
+    take_ids ids) give the frames the ctypes lookups give, in the same order, and free exactly the
+    ids not kept."""
+    import subprocess
+
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from bcc import BPF
+
+    from gpuprof.collector.sources import bpf_stacks
+
+    monkeypatch.setattr(bpf_stacks, "TAKE_IDS", take_ids)
+    (tmp_path / "depths.c").write_text(DEPTHS_C)
+    subprocess.run(["cc", "-O1", "-fno-omit-frame-pointer", "-o", str(tmp_path / "depths"), str(tmp_path / "depths.c")],
+                   check=True)
+    prog = subprocess.Popen([str(tmp_path / "depths")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert prog.stdin is not None and prog.stdout is not None
+    b = BPF(text=WINDOW_PROG.replace("TGID", str(prog.pid)).encode())
+    try:
+        wc = bpf_stacks.WindowedCounts(b, b"counts", b"gen", b"st")
+        assert wc.reader == "native"
+        for window in range(2):
+            prog.stdin.write("go\n")
+            prog.stdin.flush()
+            assert prog.stdout.readline() == "done\n"
+            keys = np.array([(int(k.user_stack), int(k.kernel_stack)) for k in b[b"counts"]])
+            ids = sorted({int(i) for i in keys.ravel() if i >= 0})
+            assert len(ids) >= 12, ids
+            want = {sid: wc.frames(sid) for sid in ids}  # read, not freed
+            assert all(want.values())
+            keep = set(ids[::3])
+            if window == 1:
+                monkeypatch.setattr(wc, "_take", None)  # the ctypes path, on the same kind of window
+            _k, _v, got = wc.drain(keep)
+            assert list(got) == ids and got == want
+            assert all((wc.frames(sid) is not None) == (sid in keep) for sid in ids)
+            for sid in keep:
+                wc.free(sid)
+    finally:
+        b.cleanup()
+        prog.stdin.close()
+        prog.wait(timeout=10)

@@ -575,3 +575,40 @@ def test_processes_exiting_mid_sample(state_dir: Path) -> None:
     assert int(rows["count"].sum()) > 0
     assert src.cfi is not None and not src.cfi.errors, src.cfi.errors
     assert all(lt.users for lt in src.cfi.loaded.values()), "a table kept without a process using it"
+
+
+def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
+    """The native watch over gp_cfi_stale (collector/native/mapwatch.c): no wake-up while the map is
+    empty, one when the BPF program asks (an entry), none more until the registration thread
+    acknowledges before reading, then one again while entries are left."""
+    import threading
+
+    from gpuprof.collector import cfiunwind
+
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from bcc import BPF
+
+    b = BPF(text=b"BPF_HASH(stale, u32, u8, 16);")
+    woke = threading.Event()
+    watch = cfiunwind._StaleWatch.start(b[b"stale"], woke.set)
+    assert watch is not None, cfiunwind._StaleWatch.why_not
+    stale = b[b"stale"]
+    try:
+        assert not woke.wait(5 * cfiunwind.POLL_S)
+        stale[stale.Key(7)] = stale.Leaf(1)
+        assert woke.wait(2.0)
+        woke.clear()
+        stale[stale.Key(8)] = stale.Leaf(1)
+        assert not woke.wait(3 * cfiunwind.POLL_S), "one wake-up until the thread acknowledges"
+        watch.ack()
+        assert woke.wait(2.0), "entries left after the acknowledgement: woken again"
+        assert watch.wakes() == 2
+        woke.clear()
+        stale.clear()
+        watch.ack()
+        assert not woke.wait(3 * cfiunwind.POLL_S)
+    finally:
+        watch.stop()
+        b.cleanup()

@@ -34,6 +34,7 @@ from harness import (
     mpirun_cmd,
     nccl_library,
     python,
+    ring_bytes,
     run_source_over,
 )
 
@@ -172,6 +173,58 @@ def test_foreign_and_corrupt_rings_ignored(built: dict[str, Path], tmp_path: Pat
     assert all(len(rows) == 0 for _, rows in batches)
     assert len(errors) == 1 and "gpuprof-99-125" in errors[0]  # O_NOFOLLOW refuses the link
     src.stop()
+
+
+def test_watch_asks_for_early_drains_only_when_needed(built: dict[str, Path], tmp_path: Path) -> None:
+    """With a caller that can be asked for a sample (the daemon), Python drains once a second and
+    the native watch (collector/native/ringwatch.c) asks for a drain at once when a ring is past a
+    quarter of its capacity or a file appears; once per drain at most, whatever a header says."""
+    assert fp._native_ring_rows() is not None, "collector/native not built (make setup builds it)"
+    lay = fp.layout()
+    ring = tmp_path / f"gpuprof-99-{os.getpid()}"
+    ring.write_bytes(ring_bytes(os.getpid(), capacity=64))
+    asked = threading.Event()
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({os.getpid()}), ("collectives",), errors=errors, config=FASTPATH, job_id="99")
+    ctx.request_sample = asked.set
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    src.start(ctx)
+    head = next(f[1] for f in lay["header"] if f[0] == "head")
+    try:
+        assert src.interval_s == fp.DRAIN_INTERVAL_S and src.drain_how.startswith("native watch"), src.drain_how
+        assert len(src.rings) == 1
+        assert not asked.wait(5 * fp.WATCH_INTERVAL_S), "nothing to drain: no early drain"
+        with ring.open("r+b") as f:
+            os.pwrite(f.fileno(), (64 // fp.WATCH_FILL).to_bytes(8, "little"), head)  # exactly a quarter
+            assert not asked.wait(3 * fp.WATCH_INTERVAL_S), "a quarter full is not past it"
+            os.pwrite(f.fileno(), (64 // fp.WATCH_FILL + 1).to_bytes(8, "little"), head)
+            assert asked.wait(2.0)
+            asked.clear()
+            # no records behind that head (a hostile header): no second request until a drain
+            assert not asked.wait(3 * fp.WATCH_INTERVAL_S)
+            src.sample(0)
+            assert asked.wait(2.0), "still past a quarter after the drain: asked again"
+            os.pwrite(f.fileno(), (0).to_bytes(8, "little"), head)
+        src.sample(0)
+        asked.clear()
+        assert src.early_drains()["directory"] == 0
+        (tmp_path / "unrelated").write_bytes(b"")
+        assert asked.wait(2.0), "a new file in the directory asks for a drain"
+        assert src.early_drains() == {"ring_full": 2, "directory": 1}
+        assert not errors, errors
+    finally:
+        src.stop()
+    assert src.summary()["early_drains"] == {"ring_full": 2, "directory": 1}
+
+
+def test_without_an_early_wake_python_drains_at_5_hz(built: dict[str, Path], tmp_path: Path) -> None:
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    src.start(make_ctx(lambda: frozenset(), ("collectives",), config=FASTPATH, job_id="99"))
+    try:
+        assert src.interval_s == fp.PYTHON_DRAIN_INTERVAL_S
+        assert "cannot be asked" in src.summary()["drain"]
+    finally:
+        src.stop()
 
 
 def test_layout_matches_bpf_struct(built: dict[str, Path]) -> None:

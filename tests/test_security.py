@@ -34,12 +34,20 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
-from harness import REPO, GatedProcess, bpf_skip_reason, collect, make_ctx, mpi_skip_reason, python
+from harness import (
+    REPO,
+    GatedProcess,
+    bpf_skip_reason,
+    collect,
+    make_ctx,
+    mpi_skip_reason,
+    python,
+    ring_bytes,
+)
 
 from gpuprof.collector import config as config_mod
 from gpuprof.collector import schema
@@ -99,15 +107,6 @@ def as_user(user: pwd.struct_passwd, fn: Any, *args: Any) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, f"{fn.__name__} as {user.pw_name} failed"
-
-
-def ring_bytes(pid: int, node: str = "node1", capacity: int = 64) -> bytes:
-    """A valid, empty ring of the current layout whose header names pid."""
-    lay = fp.layout()
-    hdr = np.zeros(1, dtype=fp._dtype(lay["header"], 0, lay["header_size"]))
-    hdr["magic"], hdr["version"], hdr["record_size"] = lay["magic"], lay["version"], lay["record_size"]
-    hdr["capacity"], hdr["pid"], hdr["header_size"], hdr["node"] = capacity, pid, lay["header_size"], node.encode()
-    return hdr.tobytes() + b"\0" * (capacity * lay["record_size"])
 
 
 def source_over(ring_dir: Path, pids: set[int], job: str = "99", uid: int | None = 0,

@@ -32,6 +32,10 @@ HOST_PROC_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("pid", "<i4"), ("threads", "<u
                                 ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
                                 ("read_bytes", "<u8"), ("write_bytes", "<u8")])
 HOST_PROC_STALE, HOST_PROC_GONE = 1, 2  # hosttick.c's per-process flags
+# struct gp_ringwatch_ring of ringwatch.c: one ring the fast path's watch looks at
+RINGWATCH_DTYPE = np.dtype([("fd", "<i4"), ("pad", "<u4"), ("threshold", "<u8")])
+# ringwatch.c's and mapwatch.c's wake(): called on the ticker's thread (ctypes takes the GIL for it)
+WAKE_FN = ctypes.CFUNCTYPE(None)
 # nvmltick.c's rows: /gpu/samples values in schema column order, GPM, events, failed calls
 NVML_COLS, NVML_GPM_COLS, NVML_FIELDS = 14, 4, 6
 NVML_SAMPLE_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("pad", "<i4"), ("v", "<f8", (NVML_COLS,))])
@@ -108,6 +112,24 @@ def sampler() -> ctypes.CDLL:
     for name in ("gp_nvml_abandon", "gp_nvml_free"):
         getattr(lib, name).argtypes = [vp]
         getattr(lib, name).restype = None
+    lib.gp_ringwatch_new.argtypes = [ctypes.c_int, WAKE_FN]
+    lib.gp_ringwatch_new.restype = vp
+    lib.gp_ringwatch_set.argtypes = [vp, vp, ctypes.c_int, ctypes.c_int]
+    lib.gp_ringwatch_set.restype = ctypes.c_int
+    lib.gp_ringwatch_counts.argtypes = [vp, vp]
+    lib.gp_ringwatch_counts.restype = None
+    lib.gp_ringwatch_free.argtypes = [vp]
+    lib.gp_ringwatch_free.restype = None
+    lib.gp_mapwatch_new.argtypes = [ctypes.c_int, ctypes.c_int, WAKE_FN]
+    lib.gp_mapwatch_new.restype = vp
+    for name in ("gp_mapwatch_ack", "gp_mapwatch_free"):
+        getattr(lib, name).argtypes = [vp]
+        getattr(lib, name).restype = None
+    lib.gp_mapwatch_wakes.argtypes = [vp]
+    lib.gp_mapwatch_wakes.restype = u64
+    lib.gp_stacks_take.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, vp, ctypes.c_long, vp, ctypes.c_long,
+                                   vp, ctypes.c_long, vp, vp]
+    lib.gp_stacks_take.restype = ctypes.c_long
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_records_to_rows.restype = ctypes.c_long
@@ -121,6 +143,16 @@ def check_ring_layout(lib: ctypes.CDLL, record_size: int, row_dtype: np.dtype) -
     if (rec.value, row.value) != (record_size, row_dtype.itemsize):
         raise NativeUnavailable(f"{LIBRARY}: ring record/row sizes {rec.value}/{row.value} differ from "
                                 f"{record_size}/{row_dtype.itemsize}: rebuild it")
+
+
+def check_ringwatch_layout(lib: ctypes.CDLL, head_offset: int, tail_offset: int) -> None:
+    """ringwatch.c was built from the ring header this Python reads (else NativeUnavailable)."""
+    got = [ctypes.c_int(), ctypes.c_int(), ctypes.c_int()]
+    lib.gp_ringwatch_layout(*(ctypes.byref(x) for x in got))
+    want = [RINGWATCH_DTYPE.itemsize, head_offset, tail_offset]
+    if [x.value for x in got] != want:
+        raise NativeUnavailable(f"{LIBRARY}: ring watch layout {[x.value for x in got]} differs from {want}: "
+                                "rebuild it")
 
 
 class Ticker:

@@ -41,6 +41,11 @@ class SourceContext:
     extra: dict[str, Any] = field(default_factory=dict)
     # The job owner's uid (--uid), None when not known (a process tree observed by hand).
     uid: int | None = None
+    # Ask for this source's next sample now instead of at its next tick (the daemon ends the wait
+    # of the source's thread; callable from any thread, a native one included). None when the
+    # caller samples by hand (tests): a source that needs early samples then samples at its
+    # fastest rate instead, and says so.
+    request_sample: Callable[[], None] | None = None
 
 
 Batch = tuple[Table, np.ndarray]

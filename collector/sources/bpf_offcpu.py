@@ -17,7 +17,14 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import BpfHub, read_ring_drops
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from gpuprof.collector.sources.bpf_stacks import StackIds, WindowedCounts, acquire_hub, own_stack, stack_store
+from gpuprof.collector.sources.bpf_stacks import (
+    StackIds,
+    WindowedCounts,
+    acquire_hub,
+    lookup_all,
+    own_stack,
+    stack_store,
+)
 from gpuprof.collector.symbolize import StackStore
 
 
@@ -65,17 +72,25 @@ class BpfOffcpuSource(Source):
         b = self.hub.bpf
         self.counts = WindowedCounts(b, b"gp_off_counts", b"gp_off_gen", b"gp_off_stacks")
         self.starts = b[b"gp_off_start"]
+        # the switch-out state of sleeping threads, read in one batch at each drain (BCC's items()
+        # is two ctypes calls per entry); buffers sized for the whole map, touched as far as used
+        from bcc.libbcc import lib  # the BCC that compiled the object is importable
+
+        self._bcc = lib
+        self._start_keys = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Key))
+        self._start_leaves = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Leaf))
         self.window_t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
     def _drain(self, now_ns: int, final: bool) -> list[Batch]:
         assert self.hub is not None and self.store is not None
-        pids = set(self.ctx.pids())
-        self.hub.set_pids(pids)
+        job = set(self.ctx.pids())
+        self.hub.set_pids(job)
         self.store.new_drain()
-        self.store.watch(pids)
+        self.store.watch(job)
         # a sleeping thread's switch-out stacks are still needed when it wakes: not freed
-        pending = list(self.starts.items())
-        keep = {s for _, v in pending for s in (v.user_stack, v.kernel_stack)}
+        _, sleeping = lookup_all(self._bcc, self.starts.map_fd, self._start_keys, self._start_leaves)
+        keep = set(sleeping["user_stack"].tolist()) | set(sleeping["kernel_stack"].tolist())
+        pending: list[Any] = []
         t0, self.window_t0 = self.window_t0, now_ns
         keys, values, frames = self.counts.drain(keep)
         if final:
@@ -86,7 +101,7 @@ class BpfOffcpuSource(Source):
         n_done = len(keys)
         rows = schema.OFFCPU_INTERVALS.empty(n_done + (len(pending) if final else 0))
         pids = keys["pid"].tolist()
-        self.store.watch({p for p in pids if p})
+        self.store.watch({p for p in pids if p} - job)  # the job's were watched above: those forked since
         ids = StackIds(self.store, frames)
         users = np.empty(n_done, np.uint32)
         kernels = np.empty(n_done, np.uint32)

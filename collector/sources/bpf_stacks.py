@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuprof.collector import schema
+from gpuprof.collector import native, schema
 from gpuprof.collector.bpf_support import (
     BpfHub,
     defines_for_all,
@@ -82,8 +82,10 @@ class WindowedCounts:
     again under the same id.
 
     The map is read with one BPF_MAP_LOOKUP_BATCH into numpy buffers kept across drains and the
-    finished keys deleted with one BPF_MAP_DELETE_BATCH; each stack is one lookup into a buffer
-    kept too (no ctypes object per entry or per frame).
+    finished keys deleted with one BPF_MAP_DELETE_BATCH; the stacks are read and freed by
+    collector/native/stacktake.c, TAKE_IDS ids a call into buffers kept too (`reader` "native"), or
+    where the library is not built or the map holds build ids, one ctypes lookup and delete per id
+    (`reader` "python (why)"): the same frames either way.
     """
 
     def __init__(self, bpf: Any, counts: bytes, gen: bytes, stacks: bytes) -> None:
@@ -104,30 +106,17 @@ class WindowedCounts:
         self._stack_words = np.frombuffer(self._stack_leaf, np.uint64)[:STACK_MAX_DEPTH]
         self.build_ids = bool(int(getattr(self.stacks, "flags", 0)) & STACK_F_BUILD_ID)
         self.live_keys = self._keys[:0]
+        self._take: Any = None
+        self.reader = _stack_reader(self.build_ids, ctypes.sizeof(self._stack_leaf))
+        if self.reader == "native":
+            self._take = native.sampler().gp_stacks_take
+            self._take_words = np.zeros(TAKE_IDS * STACK_MAX_DEPTH, np.uint64)
+            self._take_offsets = np.zeros(TAKE_IDS + 1, np.int64)
+            self._take_status = np.zeros(TAKE_IDS, np.int32)
 
     def _lookup_all(self) -> tuple[np.ndarray, np.ndarray]:
         """Every entry of the counts map (copies), by BPF_MAP_LOOKUP_BATCH."""
-        lib, fd = self.lib, self.counts.map_fd
-        cap = len(self._keys)
-        kp, vp = self._keys.ctypes.data, self._leaves.ctypes.data
-        ks, vs = self.key_dtype.itemsize, self.leaf_dtype.itemsize
-        in_batch, out_batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
-        total = 0
-        while total < cap:
-            count.value = cap - total
-            res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
-                                       ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
-                                       ctypes.byref(count))
-            err = ctypes.get_errno()
-            total += count.value
-            if res != 0:
-                if err != errno.ENOENT:
-                    raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of a counts map: {os.strerror(err)}")
-                break  # the whole map was read
-            if count.value == 0:
-                break  # no progress (concurrent updates): the rest in the next drain
-            in_batch.value = out_batch.value
-        return self._keys[:total].copy(), self._leaves[:total].copy()
+        return lookup_all(self.lib, self.counts.map_fd, self._keys, self._leaves)
 
     def _delete(self, keys: np.ndarray) -> None:
         keys = np.ascontiguousarray(keys)
@@ -172,6 +161,8 @@ class WindowedCounts:
         if len(done_k):
             self._delete(done_k)
         ids = np.unique(np.concatenate((done_k["user_stack"], done_k["kernel_stack"])))
+        if self._take is not None:
+            return done_k, done_v, self._take_frames(ids[ids >= 0], keep_ids)
         frames: dict[int, tuple[int, ...] | None] = {}
         for sid in ids[ids >= 0].tolist():
             frames[sid] = self.frames(sid)
@@ -179,9 +170,69 @@ class WindowedCounts:
                 self.free(sid)
         return done_k, done_v, frames
 
+    def _take_frames(self, ids: np.ndarray, keep_ids: set[int]) -> dict[int, tuple[int, ...] | None]:
+        """frames() of each id, in order, and free() of those not in keep_ids: in C, TAKE_IDS a call."""
+        ids32 = np.ascontiguousarray(ids, np.int32)
+        keep = np.unique(np.fromiter(keep_ids, np.int64, len(keep_ids))).astype(np.int32)
+        words, offsets, status = self._take_words, self._take_offsets, self._take_status
+        frames: dict[int, tuple[int, ...] | None] = {}
+        pos = 0
+        while pos < len(ids32):
+            got = int(self._take(self.stacks.map_fd, ctypes.sizeof(self._stack_leaf), STACK_MAX_DEPTH,
+                                 ids32[pos:].ctypes.data, min(len(ids32) - pos, len(status)), keep.ctypes.data,
+                                 len(keep), words.ctypes.data, len(words), offsets.ctypes.data, status.ctypes.data))
+            if got <= 0:  # the value size was checked at start (_stack_reader): a broken build
+                raise OSError(-got or errno.EINVAL, f"gp_stacks_take: {os.strerror(-got or errno.EINVAL)}")
+            flat = words[: offsets[got]].tolist()
+            offs = offsets[: got + 1].tolist()
+            for j, (sid, st) in enumerate(zip(ids32[pos: pos + got].tolist(), status[:got].tolist())):
+                frames[sid] = tuple(flat[offs[j]: offs[j + 1]]) if st == 0 else None
+            pos += got
+        return frames
+
+
+def lookup_all(lib: Any, fd: int, keys: np.ndarray, leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every entry of the hash map fd (copies), by BPF_MAP_LOOKUP_BATCH into the buffers keys and
+    leaves (kept by the caller across reads; as many entries as the map holds at most)."""
+    cap = len(keys)
+    kp, vp = keys.ctypes.data, leaves.ctypes.data
+    ks, vs = keys.dtype.itemsize, leaves.dtype.itemsize
+    in_batch, out_batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
+    total = 0
+    while total < cap:
+        count.value = cap - total
+        res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
+                                   ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
+                                   ctypes.byref(count))
+        err = ctypes.get_errno()
+        total += count.value
+        if res != 0:
+            if err != errno.ENOENT:
+                raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
+            break  # the whole map was read
+        if count.value == 0:
+            break  # no progress (concurrent updates): the rest at the next read
+        in_batch.value = out_batch.value
+    return keys[:total].copy(), leaves[:total].copy()
+
 
 STACK_MAX_DEPTH = 127  # BCC's StackTrace.MAX_DEPTH
 STACK_F_BUILD_ID = 1 << 5  # BPF_F_STACK_BUILD_ID
+TAKE_IDS = 512  # stack ids read per native call: its buffers are ~520 KB, kept across drains
+STACK_TAKE_MAX_BYTES = 8192  # stacktake.c's GP_STACK_MAX_WORDS * 8
+
+
+def _stack_reader(build_ids: bool, value_size: int) -> str:
+    """Which reader drains a stack map: "native" (stacktake.c) or "python (why not native)"."""
+    if build_ids:
+        return "python (a build-id stack map: BCC's walk reads it)"
+    if value_size % 8 or not 0 < value_size <= STACK_TAKE_MAX_BYTES:
+        return f"python (a stack value of {value_size} bytes: stacktake.c reads up to {STACK_TAKE_MAX_BYTES})"
+    try:
+        native.sampler()
+    except native.NativeUnavailable as e:
+        return f"python ({e})"
+    return "native"
 
 
 class StackIds:
@@ -411,7 +462,9 @@ class BpfStacksSource(Source):
             return []
         pids = keys["pid"].tolist()
         sampled = set(pids)
-        self.store.watch(sampled)
+        # the tracker's pids were watched above (one readlink each, the drain's largest cost
+        # after the stacks' reads): only those forked since
+        self.store.watch(sampled - tgids)
         if self.python is not None:
             self.python.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
         cfi_ids = keys["cfi_stack"].tolist()

@@ -55,8 +55,22 @@ NVTX_INJECTION64_PATH = env.NVTX_INJECTION64_PATH
 GPUPROF_NVTX = env.GPUPROF_NVTX
 RING_DIR = "/dev/shm"
 # A ring whose writer pid is not (yet) a job process is retried this long before it is refused:
-# the process tracker picks up new processes once a second, the drain runs every 0.2 s.
+# the process tracker picks up new processes once a second, the drain runs every second.
 PID_GRACE_S = 3.0
+# The drain's rate. Python drains every DRAIN_INTERVAL_S while the native watch
+# (collector/native/ringwatch.c) looks at every ring each WATCH_INTERVAL_S and asks for a drain at
+# once when one holds more than capacity / WATCH_FILL records or a file appears in the directory:
+# a Python wake-up costs more than the reads (docs/collector.md, "Cost"). A ring of 65536 records
+# then fills only above (65536 - 16384) / 0.1 s, ~490k calls/s in one process, where the 5 Hz
+# Python drain it replaces filled above ~330k/s. Without the watch (library not built, or a caller
+# that samples by hand), Python drains every PYTHON_DRAIN_INTERVAL_S, as before.
+DRAIN_INTERVAL_S = 1.0
+WATCH_INTERVAL_S = 0.1
+WATCH_FILL = 4
+PYTHON_DRAIN_INTERVAL_S = 0.2
+# Ring watches whose thread did not stop (stuck in a wake-up): they and their callback are kept
+# alive for good, since that thread may still use them.
+_STUCK_WATCHES: list[Any] = []
 
 
 def job_ring_dir(job_id: str, node: str, base: str = RING_DIR) -> Path:
@@ -378,7 +392,7 @@ class FastpathSource(Source):
     tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS, schema.DEVICE_TIMES, schema.NVTX_RANGES,
               schema.NVTX_STRINGS, schema.KERNEL_ACTIVITY, schema.KERNEL_ACTIVITY_NAMES,
               schema.KERNEL_ACTIVITY_LAUNCHES)
-    interval_s = 0.2
+    interval_s = PYTHON_DRAIN_INTERVAL_S  # DRAIN_INTERVAL_S once the native watch runs (start)
 
     def __init__(self, ring_dir: str | None = None) -> None:
         # ring_dir None: the job's directory, /dev/shm/gpuprof-<job>@<node> (tests name their own)
@@ -402,6 +416,15 @@ class FastpathSource(Source):
         self.gpu: GpuRecords | None = None  # made at start (its part size is the build's layout)
         self.env_checked: set[int] = set()
         self.stepped_aside: set[tuple[str, str]] = set()  # (variable, the job's value) reported
+        # the native watch (collector/native/ringwatch.c) and its thread; None: Python drains at 5 Hz
+        self._watch: int | None = None
+        self._watch_lib: Any = None
+        self._watch_ticker: native.Ticker | None = None
+        self._watch_wake: Any = None  # the ctypes callback: kept alive as long as the watch
+        self._watch_rings = np.zeros(0, native.RINGWATCH_DTYPE)
+        self.drain_how = ""
+        self._early_at_stop: dict[str, int] = {}
+        self._watch_failed = False
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -430,7 +453,80 @@ class FastpathSource(Source):
         self.pattern = re.compile(rf"^gpuprof-{job}-(\d+)(?:\.\d)?$")
         self.note_pattern = re.compile(rf"^gpuprof-{job}-(\d+)\.failed$")
         self.registry = CommRegistry(ctx.node)
+        self._start_watch(ctx)  # before the first scan: its view of the directory precedes the listing
         self._scan()
+
+    def _start_watch(self, ctx: SourceContext) -> None:
+        """Drain once a second, early when the native watch asks (DRAIN_INTERVAL_S); where it cannot
+        run, every PYTHON_DRAIN_INTERVAL_S, and drain_how says why."""
+        python = f"python every {PYTHON_DRAIN_INTERVAL_S} s"
+        if ctx.request_sample is None:
+            self.drain_how = f"{python} (the caller cannot be asked for an early drain)"
+            return
+        head = next(f[1] for f in self.lay["header"] if f[0] == "head")
+        tail = next(f[1] for f in self.lay["header"] if f[0] == "tail")
+        try:
+            lib = native.sampler()
+            native.check_ringwatch_layout(lib, head, tail)
+        except native.NativeUnavailable as e:
+            self.drain_how = f"{python} ({e})"
+            return
+        wake = native.WAKE_FN(ctx.request_sample)
+        w = lib.gp_ringwatch_new(-1, wake)
+        if not w:
+            self.drain_how = f"{python} (ring watch: {os.strerror(ctypes.get_errno())})"
+            return
+        try:
+            ticker = native.Ticker(lib, "gp_ringwatch_tick", w, WATCH_INTERVAL_S)
+        except native.NativeUnavailable as e:
+            lib.gp_ringwatch_free(w)
+            self.drain_how = f"{python} ({e})"
+            return
+        self._watch, self._watch_lib, self._watch_ticker, self._watch_wake = w, lib, ticker, wake
+        self.interval_s = DRAIN_INTERVAL_S
+        self.drain_how = (f"native watch every {WATCH_INTERVAL_S} s, python every {DRAIN_INTERVAL_S} s "
+                          f"or when a ring is 1/{WATCH_FILL} full or the directory changed")
+
+    def _watch_set(self, dfd: int | None) -> None:
+        """Hand the rings to watch to the native watch; also tells it a drain is under way (it may
+        ask for the next one). Called before the listing, and again when rings were added."""
+        if self._watch is None:
+            return
+        # Rings are only added while the source runs (closed at stop, after the watch stopped), so
+        # the list changed when its length did.
+        if len(self._watch_rings) != len(self.rings):
+            arr = np.zeros(len(self.rings), native.RINGWATCH_DTYPE)
+            arr["fd"] = [r.fd for r in self.rings.values()]
+            arr["threshold"] = [r.capacity // WATCH_FILL for r in self.rings.values()]
+            rc = self._watch_lib.gp_ringwatch_set(self._watch, arr.ctypes.data, len(arr), -1 if dfd is None else dfd)
+            if rc == 0:
+                self._watch_rings = arr
+            elif not self._watch_failed:  # said once: it is tried again at each drain
+                self._watch_failed = True
+                self.ctx.report_error(self.name, f"ring watch: {os.strerror(-rc)}: rings added since are drained "
+                                      f"every {DRAIN_INTERVAL_S} s only")
+            return
+        self._watch_lib.gp_ringwatch_set(self._watch, self._watch_rings.ctypes.data, len(self._watch_rings),
+                                         -1 if dfd is None else dfd)
+
+    def _stop_watch(self) -> None:
+        if self._watch_ticker is None:
+            return
+        ticker, self._watch_ticker = self._watch_ticker, None
+        if ticker.stop(2.0):
+            self._early_at_stop = self.early_drains()  # for fastpath_json, written after stop
+            self._watch_lib.gp_ringwatch_free(self._watch)
+        else:
+            _STUCK_WATCHES.append((ticker, self._watch, self._watch_wake))
+        self._watch = None
+
+    def early_drains(self) -> dict[str, int]:
+        """Drains the native watch asked for before their tick: a ring filled, a file appeared."""
+        if self._watch is None:
+            return self._early_at_stop
+        counts = (ctypes.c_uint64 * 2)()
+        self._watch_lib.gp_ringwatch_counts(self._watch, counts)
+        return {"ring_full": int(counts[0]), "directory": int(counts[1])}
 
     # --- which rings are read ---------------------------------------------------------------------
     def _open_dir(self) -> int | None:
@@ -517,6 +613,7 @@ class FastpathSource(Source):
             if pid not in self.env_checked:
                 self._check_job_env(pid)
         dfd = self._open_dir()
+        self._watch_set(dfd)  # before the listing: a file added after it asks for one more drain
         if dfd is None:
             return
         try:
@@ -575,6 +672,8 @@ class FastpathSource(Source):
             ring.keep_raw = self.keep_raw
             self.rings[name] = ring
             self._ring_count += 1
+        if len(self._watch_rings) != len(self.rings):
+            self._watch_set(dfd)
 
     def summary(self) -> dict[str, Any]:
         """What `status` and the file attribute fastpath_json say about the rings."""
@@ -591,6 +690,8 @@ class FastpathSource(Source):
             "create_failed": len(self.failed),
             "refused_detail": [f"{n}: {w}" for n, w in list(self.refused.items())[:MAX_DETAIL]],
             "create_failed_detail": [f"{n}: {w}" for n, w in list(self.failed.items())[:MAX_DETAIL]],
+            "drain": self.drain_how,
+            "early_drains": self.early_drains(),
         }
 
     def _rows(self, now_ns: int, final: bool) -> list[Batch]:
@@ -690,6 +791,7 @@ class FastpathSource(Source):
     def stop(self) -> None:
         """Close and remove the job's rings (their processes are done when the collector stops);
         the directory itself, with any refused file in it, is the epilog's to remove."""
+        self._stop_watch()  # first: its thread reads the rings' descriptors closed below
         self.dropped_total = self.drops()
         for ring, _ in self.pending.values():
             ring.close()

@@ -25,6 +25,19 @@ PROGS = REPO / "tests" / "progs"
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 
 
+def ring_bytes(pid: int, node: str = "node1", capacity: int = 64) -> bytes:
+    """A valid, empty fast-path ring of the current layout whose header names pid."""
+    import numpy as np
+
+    from gpuprof.collector.sources import fastpath as fp
+
+    lay = fp.layout()
+    hdr = np.zeros(1, dtype=fp._dtype(lay["header"], 0, lay["header_size"]))
+    hdr["magic"], hdr["version"], hdr["record_size"] = lay["magic"], lay["version"], lay["record_size"]
+    hdr["capacity"], hdr["pid"], hdr["header_size"], hdr["node"] = capacity, pid, lay["header_size"], node.encode()
+    return hdr.tobytes() + b"\0" * (capacity * lay["record_size"])
+
+
 def bpf_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "BPF tests need root"
