@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 import h5py
 import numpy as np
@@ -657,10 +657,6 @@ def prepare_comm(g: h5py.Group, straggler_nodes: list[str], epoch: int) -> CommP
                     [[k, t] for k, t in zip(pick.tolist(), _rl(first_e[pick], 8))])
 
 
-# a page's communicator sections by group name, or a function that gets them (PayloadBuilder)
-PreparedComms: TypeAlias = dict[str, CommPrep] | Callable[[], dict[str, CommPrep]]
-
-
 def prepare_comms(collectives_file: Path, report: dict[str, Any], epoch: int) -> dict[str, CommPrep]:
     """CommPrep of the communicators the page of a job with this report draws, from a file whose
     /collectives is the job file's (the merge's own part, before it is copied in): for
@@ -782,12 +778,10 @@ class PayloadBuilder:
     `passes`: where the per-node passes run (this process when None)."""
 
     def __init__(self, f: h5py.File, report: dict[str, Any], passes: NodePasses | None = None,
-                 job: JobNodes | None = None, comms: PreparedComms | None = None):
+                 job: JobNodes | None = None, comms: dict[str, CommPrep] | None = None):
         self.f = f
         self.report = report
-        # the communicators' CommPrep by group name, computed elsewhere: got when the page needs them
-        # (the merge's rank 1 computes them while rank 0 runs the passes over the nodes)
-        self._prepared = comms
+        self.prepared = comms or {}  # the communicators' CommPrep by group name, computed before
         self.job = job if job is not None else JobNodes(f)
         self.passes = passes if passes is not None else SerialPasses(self.job)
         self.nodes = self.job.nodes
@@ -850,11 +844,9 @@ class PayloadBuilder:
         if n_all > MAX_COMMS:
             self.summarized.append(f"communicators: the {MAX_COMMS} with the most waiting of {n_all} are drawn")
         by_id = {c["comm_id"]: c for c in self.report.get("communicators", [])}
-        got = self._prepared() if callable(self._prepared) else self._prepared
-        prepared = got or {}
         out = []
         for g in groups:
-            prep = prepared.get(g.name.rpartition("/")[2])
+            prep = self.prepared.get(g.name.rpartition("/")[2])
             if prep is None or prep.epoch != self.epoch or prep.straggler_nodes != self.straggler_nodes:
                 prep = prepare_comm(g, self.straggler_nodes, self.epoch)
             out.append(self.comm(g, by_id.get(prep.cid, {}), prep))
@@ -1147,12 +1139,11 @@ def html_path_of(job_file: Path) -> Path:
 
 
 def render_html_file(job_file: str | Path, pool: Pool | None = None, context: PageContext | None = None,
-                     comms: PreparedComms | None = None) -> str:
+                     comms: dict[str, CommPrep] | None = None) -> str:
     """The page of a job file. For the merge, on rank 0: `pool`, its ranks, to deal the passes over
     the nodes over them (a common.RankPool whose context on this rank is `context`, a PageContext of
-    the same file); `comms`, the communicators' sections computed elsewhere (prepare_comms), or a
-    function that gets them, called once the passes over the nodes are done. The same page as
-    without them."""
+    the same file); `comms`, the communicators' sections computed before (prepare_comms). The same
+    page as without them."""
     with open_job_file(Path(job_file)) as f:
         report = json.loads(f["analysis"].attrs["report_json"])
         job = JobNodes(f)

@@ -27,12 +27,8 @@
      stragglers and the reports on rank 0. Rank 0 then adds /collectives, /clock, /analysis and the
      root attributes to the job file, renames it into place, then writes the reports the same way.
      The HTML page is drawn from the finished job file; with other ranks its two passes over the
-     node groups are dealt over all ranks (html_report.PoolPasses; the same page). With other
-     ranks, rank 1 computes the page's communicator sections (html_report.prepare_comms, the page's
-     largest reads, from rank 0's part of /collectives, which the job file gets as it is) from the
-     report rank 0 sends it, while rank 0 renders the text and JSON reports, finishes the job file
-     and runs the page's passes over the nodes: rank 0 alone would do them one after the other while
-     every other rank waits for the page.
+     node groups are dealt over all ranks (html_report.PoolPasses; the same page), and its
+     communicator sections are computed while rank 0 waits for the writer (html_report.prepare_comms).
 
 Rank 0's memory therefore holds the per-node summaries (bounded per node), per-instance vectors,
 per-rank sums and one block of the tables (or its window of results): not the calls, not the
@@ -47,7 +43,6 @@ With GPUPROF_MERGE_TIMING=1 every rank prints its seconds per step to stderr (St
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import re
@@ -83,7 +78,7 @@ from gpuprof.mpi_merge.common import (
     SerialSpread,
     open_scratch_for_reads,
 )
-from gpuprof.mpi_merge.html_report import CommPrep, PageContext, prepare_comms, render_html_file
+from gpuprof.mpi_merge.html_report import PageContext, prepare_comms, render_html_file
 from gpuprof.mpi_merge.jobfile import (
     COMM_MATRICES,
     CollectivesWriter,
@@ -102,8 +97,6 @@ EXIT_COMPLETE = 0
 EXIT_ERROR = 2
 EXIT_PARTIAL = 3
 TAG_COUNT, TAG_SUMMARY, TAG_LAYOUT, TAG_ALIGNED, TAG_NODES = 11, 12, 13, 15, 16
-# rank 0's report to rank 1 (report, epoch), and rank 1's sections of the page back
-TAG_REPORT, TAG_PAGE_COMMS = 17, 18
 # the steps whose progress is counted in instances (pass 1 and pass 2 over the job-wide tables)
 SCAN_STEP = "scan: completeness, mismatches, clock input"
 WAITS_STEP = "aligned times, wait states"
@@ -555,7 +548,6 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         copies.finish(wait_aligned)  # what the writer had no wait for
         steps.mark("copies_left")
 
-    collectives_part = parts_dir / "collectives.h5"  # rank 0's; rank 1 reads it for the page
     if rank != 0:
         # 5. the other ranks: the items of rank 0's analysis (blocks of pass 2, the sweep's ranges, the
         #    straggler scores' windows) until rank 0 closes the pool
@@ -564,19 +556,10 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         if rank == writer:
             finish_copies()
             c.send(True, dest=0, tag=TAG_NODES)
-        sections_sent = None
-        if rank == 1:
-            # the page's communicator sections, sent while rank 0 finishes the job file and then
-            # runs the passes over the nodes (taken when its page needs them)
-            report, epoch_rt = c.recv(source=0, tag=TAG_REPORT)
-            sections_sent = c.isend(prepare_comms(collectives_part, report, epoch_rt), dest=0, tag=TAG_PAGE_COMMS)
-            steps.mark("page_comms")
         # then the page's passes over the nodes of the finished job file, until rank 0 has drawn it
         page = PageContext(output_paths(Path(plan["stem"]))["h5"])
         RankPool(c, page).serve()
         page.close()
-        if sections_sent is not None:
-            sections_sent.wait()
         steps.mark("page_items")
         steps.report()
         return None
@@ -586,6 +569,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     # 5. rank 0: wait states into its part of /collectives, the rest of the analysis, the reports
     assert job is not None
     job.set_clock(clock)
+    collectives_part = parts_dir / "collectives.h5"
     n_instances = sum(cc.n_seq for cc in tables.comms)
     done = [0]
 
@@ -610,13 +594,14 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     progress("wait states, stragglers", n_instances, n_instances,
              f"instances analysed in {len(job.store.comms)} communicator(s)", force=True)
     nccl = _nccl_log(files, analysis)
-    # the report is final: with other ranks, rank 1 computes the page's communicator sections from it
-    # while this rank renders the reports and finishes the job file
-    report_sent: Any = None
-    if size > 1:
-        report_sent = c.isend((analysis.report, analysis.epoch_rt), dest=1, tag=TAG_REPORT)
     texts = render_reports(analysis)
     steps.mark("render")
+    # the page's communicator sections (its largest reads) from rank 0's part of /collectives, the
+    # tables the job file gets, while the writer still copies the node tables (the report is final)
+    comm_sections = None
+    if size > 1:
+        comm_sections = prepare_comms(collectives_part, analysis.report, analysis.epoch_rt)
+        steps.mark("page_comms")
     if writer != 0:
         c.recv(source=writer, tag=TAG_NODES)
     steps.mark("wait_writer")
@@ -628,17 +613,10 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     # the page is drawn from the job file, the same code as `gpuprof report --html`; with other ranks
     # its passes over the nodes (their tables: most of the page at 1024 nodes) are dealt over them
     if size > 1:
-        report_sent.wait()
-
-        @functools.cache
-        def comm_sections() -> dict[str, CommPrep]:
-            return c.recv(source=1, tag=TAG_PAGE_COMMS)  # type: ignore[no-any-return]
-
         page = PageContext(outs["h5"])
         page_pool = RankPool(c, page)
         texts["html"] = render_html_file(outs["h5"], page_pool, page, comm_sections)
         page_pool.close()
-        comm_sections()  # taken even if the page drew no communicator: rank 1's send completes
         steps.deal("page", page_pool.stats)
     else:
         texts["html"] = render_html_file(outs["h5"])
