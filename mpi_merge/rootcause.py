@@ -30,9 +30,10 @@ spans of about common.BLOCK_CELLS / 4 cells (its temporaries hold RING entries p
 aligned times through AlignedRows (a few rows of each communicator per span), keeps per process its
 last RING collectives (a few numbers each, with running sums in whole ns, exact, so the spans'
 cuts change nothing), and produces per-instance vectors only. Each communicator's exit baselines are
-read once, from a sample. The time order is cut into one range per merge rank (sweep_cuts, equal
-cells), each swept on its own rank (a common.Task through a common.Pool) from a ring warmed up on
-the instances just before it (_warm_start: back until every process has its last RING instances;
+read once, from a sample. The time order is cut into ranges (sweep_cuts: SWEEP_RANGES_PER_RANK per
+merge rank, shrinking from the first to the last so that the ranges dealt last are short), each
+swept on a rank (a common.Task through a common.Pool) from a ring warmed up on the instances just
+before it (_warm_start: back until every process has its last RING instances;
 a few rows of each communicator where every process is in a communicator used all along). The
 running sums then start from another origin, but only their differences on one process are used,
 and they are exact: each range gives bit for bit what one sweep from the start gives, so rank 0
@@ -434,15 +435,22 @@ def _sweep_range(sw: _Sweep, times: Sequence[AlignedRows], g0: int, g1: int) -> 
 
 
 SWEEP_RANGES_PER_RANK = 8  # ranges of the sweep per merge rank (each starts from a warmed ring)
+# the last range is this share of the first: ranges are dealt on demand in order, so the ones dealt
+# last set how long the other ranks wait for the rank that took the last one (equal ranges left
+# about half a range's time, ~0.5 s at 256 x 4 on 2 ranks, idle on the other rank)
+SWEEP_LAST_RANGE_SHARE = 0.125
 
 
 def sweep_cuts(comms: Sequence[CommSummary], gcomm: np.ndarray, parts: int) -> np.ndarray:
-    """[parts + 1] boundaries of `parts` ranges of the global time order with about as many cells
-    (instances x ranks) each: the items of the sweep (which cuts changes no number)."""
+    """[parts + 1] boundaries of `parts` ranges of the global time order, their cells (instances x
+    ranks) shrinking geometrically from the first to the last (SWEEP_LAST_RANGE_SHARE): the items of
+    the sweep (which cuts changes no number)."""
     sizes = np.array([c.size for c in comms], np.int64)[gcomm] if len(gcomm) else np.zeros(0, np.int64)
     cum = np.cumsum(sizes)
     total = int(cum[-1]) if len(cum) else 0
-    inner = np.searchsorted(cum, total * np.arange(1, parts) / parts, side="left")
+    weights = SWEEP_LAST_RANGE_SHARE ** (np.arange(parts) / max(1, parts - 1))
+    shares = np.cumsum(weights)[:-1] / weights.sum()
+    inner = np.searchsorted(cum, total * shares, side="left")
     return np.unique(np.concatenate([[0], inner, [len(gcomm)]])).astype(np.int64)
 
 

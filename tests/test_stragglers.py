@@ -240,6 +240,20 @@ def test_ranges_dealt_over_ranks_do_not_change_the_result() -> None:
                 assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), (size, fl.name)
 
 
+def test_sweep_ranges_shrink_so_the_last_ones_dealt_are_short() -> None:
+    """The ranges are dealt in order on demand: the last ones set how long the other ranks wait for
+    the rank that took the last one, so they are the shortest (cells shrink from the first range)."""
+    sim = simjob.simulate(_propagation_job({3: 1.3}))
+    gcomm = rc._instance_order(sim.comms)[0]
+    cuts = rc.sweep_cuts(sim.comms, gcomm, 16)
+    sizes = np.array([c.size for c in sim.comms])[gcomm]
+    cells = np.array([sizes[a:b].sum() for a, b in zip(cuts[:-1], cuts[1:])])
+    assert len(cells) == 16 and cells.sum() == sizes.sum()
+    assert np.all(np.diff(cells) <= max(sizes)), cells  # shrinking, to one instance's cells
+    assert cells[-1] < cells[0] / 4, cells
+    assert rc.sweep_cuts(sim.comms, gcomm, 1).tolist() == [0, len(gcomm)]
+
+
 def test_scores_are_in_the_unit_interval_or_none() -> None:
     job = simjob.balanced_job(8)
     job.slow = {2: 1.3}
