@@ -5,12 +5,14 @@
  * caller's rbp unchanged or at CFA+M; the return address at CFA-8), written once per build id into
  * gp_cfi_rows (a range [first, first+count) per table, shared by every process mapping the file),
  * and per registered process its executable mappings, sorted by start, into gp_cfi_mappings (a
- * range per process, gp_cfi_procs). At a sample, gp_cfi_walk starts from the user registers (the
- * perf event's when the sample is in user mode, else those saved at the kernel entry), and for up
+ * range per process, gp_cfi_procs). At a sample (bpf/stacks.c), or at a blocked switch-out
+ * (bpf/offcpu.c), the walk starts from the user registers (the perf event's when the sample is in
+ * user mode, else those saved at the kernel entry: gp_cfi_begin_in_kernel), and for up
  * to GP_CFI_MAX_FRAMES frames finds the mapping (binary search), the row (binary search), computes
  * the CFA and reads the return address and the saved rbp with bpf_probe_read_user. Code in a mapping
  * without a table or a pc no FDE covers takes the frame-pointer rule (CFA = rbp+16). The pc list is
- * stored once per distinct content in gp_cfi_stacks (keyed by a 64-bit FNV hash of pid and pcs) and
+ * stored once per distinct content in gp_cfi_stacks (keyed by a 64-bit FNV hash of pid and pcs,
+ * seeded per source: bpf/common.h GP_IDS_*) and
  * its key goes into the sample's count key; 0 (not registered, or the leaf is in no registered
  * mapping) leaves the sample its frame-pointer stack. A caller in no mapping (the frame-pointer
  * guess through code without CFI) is not kept: the stack ends at the last frame found.
@@ -277,21 +279,21 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
     return 0;
 }
 
-/* The walk's state, per CPU, across the tail calls of one sample */
+/* The walk's state, per CPU, across the tail calls of one walk. The CPU sampler's (here) and
+ * off-CPU's (bpf/offcpu.c) are separate arrays, so that neither walk can overwrite the other's. */
 struct gp_cfi_state {
     struct gp_cfi_walk w;
     struct gp_cfi_stack st;
 };
 BPF_PERCPU_ARRAY(gp_cfi_scratch_state, struct gp_cfi_state, 1);
 
-/* Starts a walk when the process has tables: its state (the user registers: the perf event's
- * when the sample is in user mode, else those saved at the kernel entry) in the per-CPU scratch.
- * 0: not registered, or no user registers. */
-static __always_inline int gp_cfi_begin(struct bpf_perf_event_data *ctx, u32 tgid)
+/* The process's registered mappings, or 0: not registered (marked stale while the collector's
+ * unwinder runs, so that it is registered within 0.1 s) or registered without any mapping. */
+static __always_inline struct gp_cfi_proc *gp_cfi_registered(u32 tgid)
 {
     struct gp_cfi_proc *p = gp_cfi_procs.lookup(&tgid);
-    int zero = 0;
     if (!p) {
+        int zero = 0;
         u32 *on = gp_cfi_on.lookup(&zero);
         if (on && *on) {
             u8 one = 1;
@@ -301,36 +303,61 @@ static __always_inline int gp_cfi_begin(struct bpf_perf_event_data *ctx, u32 tgi
     }
     if (p->count == 0)
         return 0;
-    struct gp_cfi_state *s = gp_cfi_scratch_state.lookup(&zero);
-    if (!s)
-        return 0;
-    gp_cfi_count(0);
+    return p;
+}
+
+/* A walk of the process's mappings [pfirst, pfirst+pcount) starting from the user registers
+ * (pc, sp, bp); its id in the id space `ids` (GP_IDS_CPU, GP_IDS_OFFCPU: bpf/common.h). */
+static __always_inline void gp_cfi_init(struct gp_cfi_state *s, u32 pfirst, u32 pcount, u32 tgid, u32 ids,
+                                        u64 pc, u64 sp, u64 bp)
+{
     struct gp_cfi_walk *w = &s->w;
-    if ((ctx->regs.cs & 3) == 3) {
-        w->pc = ctx->regs.ip;
-        w->sp = ctx->regs.sp;
-        w->bp = ctx->regs.bp;
-    } else {
-        /* in the kernel (a system call): the user registers saved at its entry */
-        struct pt_regs *saved = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-        struct pt_regs user;
-        if (!saved || bpf_probe_read_kernel(&user, sizeof(user), saved) != 0 || (user.cs & 3) != 3) {
-            gp_cfi_count(3);
-            return 0;
-        }
-        w->pc = user.ip;
-        w->sp = user.sp;
-        w->bp = user.bp;
-    }
-    w->pfirst = p->first;
-    w->pcount = p->count;
-    w->hash = 0xcbf29ce484222325ULL ^ tgid;
+    w->pc = pc;
+    w->sp = sp;
+    w->bp = bp;
+    w->pfirst = pfirst;
+    w->pcount = pcount;
+    w->hash = gp_ids_hash_start(tgid, ids);
     w->n = 0;
     w->end = GP_CFI_END_TRUNCATED;
     w->fp_frames = 0;
     w->tgid = tgid;
     w->leaf_mapped = 0;
+}
+
+/* gp_cfi_init from the user registers of the current task while it is in the kernel (a system
+ * call, a page fault, or switched out by the scheduler: those saved at its kernel entry).
+ * 0: none (a kernel thread, an io_uring worker: no user-mode registers at the top of its stack). */
+static __always_inline int gp_cfi_begin_in_kernel(struct gp_cfi_state *s, u32 pfirst, u32 pcount, u32 tgid, u32 ids)
+{
+    struct pt_regs *saved = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+    struct pt_regs user;
+    if (!saved || bpf_probe_read_kernel(&user, sizeof(user), saved) != 0 || (user.cs & 3) != 3) {
+        gp_cfi_count(3);
+        return 0;
+    }
+    gp_cfi_init(s, pfirst, pcount, tgid, ids, user.ip, user.sp, user.bp);
     return 1;
+}
+
+/* The CPU sampler's start of a walk when the process has tables: its state (the user registers:
+ * the perf event's when the sample is in user mode, else those saved at the kernel entry) in
+ * gp_cfi_scratch_state. 0: not registered, or no user registers. */
+static __always_inline int gp_cfi_begin(struct bpf_perf_event_data *ctx, u32 tgid)
+{
+    struct gp_cfi_proc *p = gp_cfi_registered(tgid);
+    if (!p)
+        return 0;
+    int zero = 0;
+    struct gp_cfi_state *s = gp_cfi_scratch_state.lookup(&zero);
+    if (!s)
+        return 0;
+    gp_cfi_count(0);
+    if ((ctx->regs.cs & 3) == 3) {
+        gp_cfi_init(s, p->first, p->count, tgid, GP_IDS_CPU, ctx->regs.ip, ctx->regs.sp, ctx->regs.bp);
+        return 1;
+    }
+    return gp_cfi_begin_in_kernel(s, p->first, p->count, tgid, GP_IDS_CPU);
 }
 
 /* Up to GP_CFI_STEPS frames of the walk in progress; 1 when it is over. */

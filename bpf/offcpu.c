@@ -1,13 +1,25 @@
 /* Off-CPU time of the job's threads (mode `stacks`), from the scheduler's tracepoints.
  *
  * At switch-out of a job thread: its time, whether it left blocked (a sleeping state) or runnable
- * (preempted, or yielded), and, when blocked, its user and kernel stacks, in gp_off_start[tid]. At wakeup: the time it became
- * runnable. At switch-in: blocked = wakeup - switch-out, runnable = switch-in - wakeup (or
+ * (preempted, or yielded), and, when blocked, its stacks, in gp_off_start[tid]. At wakeup: the time
+ * it became runnable. At switch-in: blocked = wakeup - switch-out, runnable = switch-in - wakeup (or
  * switch-in - switch-out when it was preempted), added to gp_off_counts under (window, pid, tid,
  * stacks) and drained by collector/sources/bpf_offcpu.py every sources.offcpu.flush_interval_s.
  * An episode is counted in the window in which the thread runs again.
+ *
+ * The stacks of a blocked switch-out are those of a CPU sample (bpf/stacks.c): the kernel stack;
+ * the Python stack of a registered Python process (bpf/pyframes.h); the user stack walked by the
+ * CFI tables (bpf/cfiunwind.h, with GP_WITH_CFI) from the user registers saved at the thread's
+ * kernel entry (it is in the kernel: the tracepoint runs in its context), continued by tail calls
+ * of gp_off_cfi_cont, which has its own program array and per-CPU state; else (no tables
+ * registered for the process, or the leaf in no registered mapping) the kernel's frame-pointer
+ * walk. The CFI and Python ids are in the off-CPU id space (GP_IDS_OFFCPU, bpf/common.h).
  */
 #include "gpuprof_events.h"
+#include "pyframes.h"
+#ifdef GP_WITH_CFI
+#include "cfiunwind.h"
+#endif
 
 #ifndef GP_OFF_STACK_ENTRIES
 #define GP_OFF_STACK_ENTRIES 4096
@@ -24,14 +36,29 @@ struct gp_off_start {
     u64 t_out;
     u64 t_wake; /* 0: not woken yet */
     u32 pid;
+    s32 user_stack;   /* in gp_off_stacks (-EFAULT: none, or the CFI stack replaces it) */
+    s32 kernel_stack; /* in gp_off_stacks */
+    u32 blocked;
+    u64 py_stack;  /* in gp_py_stacks (0: none) */
+    u64 cfi_stack; /* in gp_cfi_stacks (0: none) */
+};
+
+/* struct gp_stack_key (cpu always 0), then the Python stack and the CFI stack, as the CPU
+ * sampler's struct gp_cpu_key: WindowedCounts and the user-stack decoding read both alike */
+struct gp_off_key {
+    u32 gen;
+    u32 pid;
+    u32 tid;
+    u32 cpu;
     s32 user_stack;
     s32 kernel_stack;
-    u32 blocked;
+    u64 py_stack;
+    u64 cfi_stack;
 };
 
 BPF_STACK_TRACE(gp_off_stacks, GP_OFF_STACK_ENTRIES);
 BPF_HASH(gp_off_start, u32, struct gp_off_start, 65536);
-BPF_HASH(gp_off_counts, struct gp_stack_key, struct gp_off_value, GP_OFF_COUNT_ENTRIES);
+BPF_HASH(gp_off_counts, struct gp_off_key, struct gp_off_value, GP_OFF_COUNT_ENTRIES);
 BPF_ARRAY(gp_off_gen, u32, 1);
 BPF_PERCPU_ARRAY(gp_off_drops, u64, 2); /* [0] counts map full, [1] start map full */
 
@@ -42,12 +69,14 @@ static __always_inline void gp_off_account(u32 tid, u64 now)
         return;
     int zero = 0;
     u32 *gen = gp_off_gen.lookup(&zero);
-    struct gp_stack_key key = {};
+    struct gp_off_key key = {};
     key.gen = gen ? *gen : 0;
     key.pid = s->pid;
     key.tid = tid;
     key.user_stack = s->user_stack;
     key.kernel_stack = s->kernel_stack;
+    key.py_stack = s->py_stack;
+    key.cfi_stack = s->cfi_stack;
     u64 blocked = 0, runnable = 0;
     if (s->blocked) {
         u64 woke = s->t_wake ? s->t_wake : now; /* wakeup not seen: all of it blocked */
@@ -70,44 +99,117 @@ static __always_inline void gp_off_account(u32 tid, u64 now)
     __sync_fetch_and_add(&v->count, 1);
 }
 
+static __always_inline void gp_off_save(u32 tid, struct gp_off_start *s)
+{
+    if (gp_off_start.update(&tid, s) != 0) {
+        int one = 1;
+        u64 *d = gp_off_drops.lookup(&one);
+        if (d)
+            (*d)++;
+    }
+}
+
+#ifdef GP_WITH_CFI
+/* The switch-out whose CFI walk is in progress, per CPU (gp_off_cfi_cont finishes it) */
+struct gp_off_pending {
+    u32 tid;
+    u32 pad;
+    struct gp_off_start s;
+};
+BPF_PERCPU_ARRAY(gp_off_cfi_pending, struct gp_off_pending, 1);
+/* The walk's own state: not the CPU sampler's gp_cfi_scratch_state */
+BPF_PERCPU_ARRAY(gp_off_cfi_state, struct gp_cfi_state, 1);
+/* [0]: gp_off_cfi_cont, loaded by the off-CPU source when the CFI unwinder runs */
+BPF_PROG_ARRAY(gp_off_cfi_progs, 1);
+
+/* Starts the CFI walk of a blocked switch-out when the process has tables, and goes on in
+ * gp_off_cfi_cont, which stores the switch-out: does not return then. Returns when the process
+ * has no tables, no user registers, or the continuation is not loaded: the caller takes the
+ * frame-pointer stack. */
+static __always_inline void gp_off_cfi_walk(void *ctx, u32 tgid, u32 tid, struct gp_off_start *s)
+{
+    struct gp_cfi_proc *p = gp_cfi_registered(tgid);
+    if (!p)
+        return;
+    int zero = 0;
+    struct gp_cfi_state *st = gp_off_cfi_state.lookup(&zero);
+    struct gp_off_pending *pending = gp_off_cfi_pending.lookup(&zero);
+    if (!st || !pending)
+        return;
+    gp_cfi_count(0);
+    if (!gp_cfi_begin_in_kernel(st, p->first, p->count, tgid, GP_IDS_OFFCPU))
+        return;
+    pending->tid = tid;
+    __builtin_memcpy(&pending->s, s, sizeof(*s));
+    gp_off_cfi_progs.call(ctx, 0); /* does not return when gp_off_cfi_cont is loaded */
+}
+#endif
+
 TRACEPOINT_PROBE(sched, sched_switch)
 {
     u64 now = bpf_ktime_get_ns();
+    /* the thread coming in first: the switch-out below may end in a tail call. Only job threads
+     * have a start entry: other threads cost one failed lookup */
+    u32 next = args->next_pid;
+    if (next != 0)
+        gp_off_account(next, now);
     /* runs in prev's context: the current task is the one leaving the CPU */
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     u32 prev = args->prev_pid;
-    if (tgid != 0 && prev == (u32)id && (args->prev_state & GP_TASK_EXITING)) {
+    if (tgid == 0 || prev != (u32)id)
+        return 0;
+    if (args->prev_state & GP_TASK_EXITING) {
         gp_off_start.delete(&prev); /* its last switch: nothing will switch it in again */
-    } else if (tgid != 0 && prev == (u32)id && gp_in_job(tgid)) {
-        struct gp_off_start s = {};
-        s.t_out = now;
-        s.pid = tgid;
-        s.blocked = (args->prev_state & GP_TASK_STATE_MASK) != 0;
-        if (s.blocked) {
-            s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
-            s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
-        } else {
-            /* Runnable (preempted, or it yielded): its time is counted, without stacks. MPI
-             * libraries poll with sched_yield on a node with more ranks than cores, 250,000
-             * switches a second here under hpcc, and two stack walks at each made the job 40 %
-             * slower (docs/collector.md, job_slowdown); where it runs is in the CPU samples. */
-            s.user_stack = -EFAULT; /* read as "no stack of that kind", not as a stack lost */
-            s.kernel_stack = -EFAULT;
-        }
-        if (gp_off_start.update(&prev, &s) != 0) {
-            int one = 1;
-            u64 *d = gp_off_drops.lookup(&one);
-            if (d)
-                (*d)++;
-        }
+        return 0;
     }
-    /* only job threads have a start entry: other threads cost one failed lookup */
-    u32 next = args->next_pid;
-    if (next != 0)
-        gp_off_account(next, now);
+    if (!gp_in_job(tgid))
+        return 0;
+    struct gp_off_start s = {};
+    s.t_out = now;
+    s.pid = tgid;
+    s.blocked = (args->prev_state & GP_TASK_STATE_MASK) != 0;
+    /* Runnable (preempted, or it yielded): its time is counted, without stacks. MPI libraries poll
+     * with sched_yield on a node with more ranks than cores, 250,000 switches a second here under
+     * hpcc, and two stack walks at each made the job 40 % slower (docs/collector.md,
+     * job_slowdown); where it runs is in the CPU samples. -EFAULT: read as "no stack of that
+     * kind", not as a stack lost. */
+    s.user_stack = -EFAULT;
+    s.kernel_stack = -EFAULT;
+    if (s.blocked) {
+        s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
+        s.py_stack = gp_py_walk(tgid, prev, GP_IDS_OFFCPU);
+#ifdef GP_WITH_CFI
+        gp_off_cfi_walk(args, tgid, prev, &s);
+#endif
+        s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
+    }
+    gp_off_save(prev, &s);
     return 0;
 }
+
+#ifdef GP_WITH_CFI
+/* GP_CFI_STEPS frames of a switch-out's CFI walk; again by a tail call of itself until the walk
+ * is over (at most 16 programs, under the kernel's 33), then the switch-out is stored with its CFI
+ * stack (or its frame-pointer stack when its leaf is in no registered mapping). */
+int gp_off_cfi_cont(void *ctx)
+{
+    int zero = 0;
+    struct gp_cfi_state *st = gp_off_cfi_state.lookup(&zero);
+    struct gp_off_pending *pending = gp_off_cfi_pending.lookup(&zero);
+    if (!st || !pending)
+        return 0;
+    if (!gp_cfi_steps(st))
+        gp_off_cfi_progs.call(ctx, 0); /* a tail call fails past the kernel's limit: the walk is cut */
+    struct gp_off_start s;
+    __builtin_memcpy(&s, &pending->s, sizeof(s));
+    u32 tid = pending->tid;
+    s.cfi_stack = gp_cfi_store(st);
+    s.user_stack = s.cfi_stack ? -EFAULT : gp_off_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    gp_off_save(tid, &s);
+    return 0;
+}
+#endif
 
 static __always_inline void gp_off_woken(u32 tid)
 {

@@ -76,7 +76,9 @@ BPF_TABLE("lru_hash", u32, u64, gp_py_tstates, 65536); /* tid -> its PyThreadSta
 BPF_TABLE("lru_hash", u32, u64, gp_py_misses, 65536);
 #define GP_PY_MISS_RETRY_NS 500000000ULL
 BPF_HASH(gp_py_stacks, u64, struct gp_py_stack, GP_PY_STACK_ENTRIES);
-BPF_PERCPU_ARRAY(gp_py_scratch, struct gp_py_stack, 1);
+/* [ids]: one record being built per id space (GP_IDS_CPU, GP_IDS_OFFCPU), so that the sampler's
+ * walk and the scheduler tracepoint's never build theirs in the same buffer */
+BPF_PERCPU_ARRAY(gp_py_scratch, struct gp_py_stack, 2);
 /* [0] records walked, [1] thread state not found, [2] record not stored (map full), [3] truncated */
 BPF_PERCPU_ARRAY(gp_py_counters, u64, 4);
 
@@ -157,8 +159,9 @@ static __always_inline u64 gp_py_field(const u8 *buf, u32 off, int size)
     return v;
 }
 
-/* The id of the thread's Python stack in gp_py_stacks (0: not a Python thread, or no frame). */
-static __always_inline u64 gp_py_walk(u32 tgid, u32 tid)
+/* The id of the thread's Python stack in gp_py_stacks (0: not a Python thread, or no frame); ids:
+ * GP_IDS_CPU or GP_IDS_OFFCPU (bpf/common.h), the id space of the source that walks. */
+static __always_inline u64 gp_py_walk(u32 tgid, u32 tid, u32 ids)
 {
     struct gp_py_proc *p = gp_py_procs.lookup(&tgid);
     if (!p)
@@ -173,8 +176,8 @@ static __always_inline u64 gp_py_walk(u32 tgid, u32 tid)
         frame = gp_py_read_u64(frame + p->cframe_frame);
     if (!frame)
         return 0;
-    int zero = 0;
-    struct gp_py_stack *st = gp_py_scratch.lookup(&zero);
+    int slot = ids & 1;
+    struct gp_py_stack *st = gp_py_scratch.lookup(&slot);
     if (!st)
         return 0;
     u8 buf[128];
@@ -182,7 +185,7 @@ static __always_inline u64 gp_py_walk(u32 tgid, u32 tid)
     if (p->frame_read_len > GP_PY_FRAME_READ || from > 4096)
         return 0; /* a layout whose fields do not fit one read */
     u32 n = 0;
-    u64 hash = 0xcbf29ce484222325ULL ^ tgid;
+    u64 hash = gp_ids_hash_start(tgid, ids);
     /* One entry per frame, so that every path through an iteration leaves n = i + 1: the verifier
      * then sees one state per iteration, not one per combination of branches taken before. */
     for (int i = 0; i < GP_PY_MAX_FRAMES; i++) {

@@ -85,7 +85,7 @@ int gp_cpu_sample(struct bpf_perf_event_data *ctx)
     key.tid = (u32)id;
     key.cpu = bpf_get_smp_processor_id();
     key.kernel_stack = gp_cpu_stacks.get_stackid(ctx, 0);
-    key.py_stack = gp_py_walk(tgid, key.tid);
+    key.py_stack = gp_py_walk(tgid, key.tid, GP_IDS_CPU);
 #ifdef GP_WITH_CFI
     if (gp_cfi_begin(ctx, tgid)) {
         struct gp_cpu_key *pending = gp_cpu_pending.lookup(&zero);

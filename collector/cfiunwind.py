@@ -27,7 +27,7 @@ import itertools
 import os
 import queue
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,9 +230,6 @@ class CfiUnwinder:
         compiler.on_done = self._wake.set
         self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
         self.poller.start()
-        self.stack_key = ctypes.c_uint64()
-        self.stack_leaf = self.stacks_map.Leaf()
-        self.stack_words = np.frombuffer(self.stack_leaf, np.uint64)
 
     # --- registration ----------------------------------------------------------------------------
     def register(self, pids: Iterable[int]) -> None:
@@ -452,29 +449,25 @@ class CfiUnwinder:
     # --- stacks ----------------------------------------------------------------------------------
     def take(self, ids: set[int], keep: set[int]) -> dict[int, tuple[int, ...] | None]:
         """The pcs of each CFI stack id, innermost first (None: not in the map any more); freed in
-        the kernel map unless the new window uses it."""
+        the kernel map unless in keep (ids a new window or a sleeping thread still uses). The ids
+        are 64-bit hashes, never below 2^13 but with a chance of 2^-51: they go into the same
+        frames dict as the kernel stack map's ids. The CPU sampler's and off-CPU's drains call this
+        from their own threads: the buffers are this call's."""
         out: dict[int, tuple[int, ...] | None] = {}
         fd = self.stacks_map.map_fd
+        key = ctypes.c_uint64()
+        leaf = self.stacks_map.Leaf()
+        words = np.frombuffer(leaf, np.uint64)
         for sid in ids:
-            self.stack_key.value = sid
-            if self.lib.bpf_lookup_elem(fd, ctypes.byref(self.stack_key), ctypes.byref(self.stack_leaf)) < 0:
+            key.value = sid
+            if self.lib.bpf_lookup_elem(fd, ctypes.byref(key), ctypes.byref(leaf)) < 0:
                 out[sid] = None
                 continue
-            depth = min(int(self.stack_leaf.depth), len(self.stack_leaf.pc))
+            depth = min(int(leaf.depth), len(leaf.pc))
             # words: [depth | end], then the pcs
-            out[sid] = tuple(self.stack_words[1:1 + depth].tolist())
+            out[sid] = tuple(words[1:1 + depth].tolist())
             if sid not in keep:
-                self.lib.bpf_delete_elem(fd, ctypes.byref(self.stack_key))
-        return out
-
-    def with_stacks(self, frames: Mapping[int, tuple[int, ...] | None], ids: set[int],
-                    live: np.ndarray) -> dict[int, tuple[int, ...] | None]:
-        """frames (kernel stack map ids -> pcs) with the pcs of the CFI stack ids added (their ids
-        are 64-bit hashes, never below 2^13 but with a chance of 2^-51); live: the new window's
-        CFI ids (kept in the kernel map)."""
-        out: dict[int, tuple[int, ...] | None] = dict(frames)
-        if ids:
-            out.update(self.take(ids, set(live[live != 0].tolist())))
+                self.lib.bpf_delete_elem(fd, ctypes.byref(key))
         return out
 
     def counts(self) -> dict[str, int]:

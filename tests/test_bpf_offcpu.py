@@ -1,10 +1,14 @@
 """Mode `stacks`, off-CPU half, for real: blocked time attributed to the call a thread sleeps in,
-run-queue time of two threads sharing one CPU, and nothing of a process outside the job."""
+run-queue time of two threads sharing one CPU, and nothing of a process outside the job; the
+stacks of blocked time walked by CFI tables (C without frame pointers) and with Python frames, and
+runnable episodes without a stack."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
-from harness import bpf_skip_reason, make_ctx
+from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python, run_source_over
 
 from gpuprof.collector import bpf_support, schema
 from gpuprof.collector.sources.base import SourceUnavailable
@@ -91,3 +95,189 @@ def test_runnable_time_of_threads_sharing_a_cpu(tmp_path: Path) -> None:
     # their waits and their CPU time add up to the two lifetimes
     lives = 2 * SECONDS * 1e9
     assert abs(total + info["cpu_s"] * 1e9 - lives) <= 0.15 * lives, (total, info["cpu_s"])
+
+
+# --- the stacks of blocked time: CFI-walked native stacks and Python frames, as the CPU samples' -------
+# (bpf/offcpu.c walks the user registers saved at the kernel entry with bpf/cfiunwind.h, and the
+# Python frames with bpf/pyframes.h; collector/sources/bpf_stacks.py UserStacks decodes both)
+
+NOFP_CHAIN = ("block_c", "block_b", "block_a", "main")
+PY_OFFCPU = str(Path(__file__).resolve().parent / "progs" / "py_offcpu_tree.py")
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A collector state directory whose disk cache holds the tables of the C library, the loader,
+    libm and the test's Python interpreter, so that the programs are walked by CFI from their first
+    drain (a cold compile of libc takes 0.6 s of CPU, python3.11 about 2 s)."""
+    import glob
+
+    from gpuprof.collector import cfitables as ct
+
+    d = tmp_path_factory.mktemp("state")
+    cache = ct.TableCache(1 << 20, str(d / "cfi-tables"), 64 << 20)
+    paths = [p for pat in ("libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2")
+             for p in glob.glob(f"/lib/x86_64-linux-gnu/{pat}")]
+    for path in [*paths, os.path.realpath(python())]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            cache.get(fd, os.fstat(fd))
+        except ct.NoTable:
+            pass
+        finally:
+            os.close(fd)
+    return d
+
+
+def run_blocked(tmp_path: Path, state: Path, cmd: list[str], unwinder: str = "cfi"
+                ) -> tuple[Any, dict[str, Any], dict[int, list[str]], list[str], BpfOffcpuSource]:
+    """cmd as the job under the off-CPU source alone (windows of 0.5 s): its rows, its JSON line,
+    the stack names of the sealed file, the errors reported, the source."""
+    src = BpfOffcpuSource(flush_interval_s=0.5)
+    gated = GatedProcess(cmd)
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors,
+                   config={"paths": {"state_dir": str(state)}, "sources.stacks": {"unwinder": unwinder}})
+    batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
+    assert rc == 0, err
+    path = tmp_path / "node.h5"
+    native_progs.sealed_file(path, [src], batches, ("stacks",))
+    with h5py.File(path) as f:
+        names = stack_names(f)
+    return collect(batches, schema.OFFCPU_INTERVALS), json.loads(out.strip().splitlines()[-1]), names, errors, src
+
+
+def blocked_share(rows: Any, names: dict[int, list[str]], ok: Any) -> tuple[float, int, Counter[str]]:
+    """(share of the blocked time whose user stack is ok, that blocked time in ns, the blocked time
+    by stack), counted from the first window with an ok stack on: the windows before it are the
+    program's start, before the collector registered its process (the first drain after its exec)."""
+    stacks = [tuple(names.get(int(r["user_stack"]), [])) for r in rows]
+    t0 = min((int(r["t_ns"]) for r, s in zip(rows, stacks) if ok(s)), default=None)
+    by: Counter[str] = Counter()
+    good = total = 0
+    for r, s in zip(rows, stacks):
+        if t0 is None or int(r["t_ns"]) < t0:
+            continue
+        total += int(r["blocked_ns"])
+        good += int(r["blocked_ns"]) if ok(s) else 0
+        by[";".join(s)] += int(r["blocked_ns"])
+    return good / max(1, total), total, by
+
+
+def _whole_native_chain(s: tuple[str, ...]) -> bool:
+    """block_c -> block_b -> block_a -> main, below at least one frame of the blocking call (libc),
+    and on to __libc_start_main or _start."""
+    if "block_c" not in s:
+        return False
+    at = s.index("block_c")
+    return (at >= 1 and s[at:at + len(NOFP_CHAIN)] == NOFP_CHAIN
+            and (s[-1] == "_start" or "__libc_start_main" in s[at:]))
+
+
+def _skip_cc() -> None:
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("how", ["sleep", "pipe"])
+@pytest.mark.parametrize("build", ["cfi", "frame_pointers"])
+def test_blocked_native_stack_is_the_whole_chain(tmp_path: Path, state_dir: Path, build: str, how: str) -> None:
+    """nofp_block, built -O2 -fomit-frame-pointer ([cfi]: only the CFI walk can unwind it) or with
+    frame pointers ([frame_pointers]), blocks in libc's nanosleep or in a read of a pipe under
+    block_c -> block_b -> block_a -> main: >= 0.95 of its blocked time has that whole chain, on to
+    the C library's start, in the off-CPU stack; the kernel stack says what it waits in."""
+    _skip_cc()
+    prog = native_progs.nofp_block(frame_pointers=build == "frame_pointers")
+    rows, info, names, errors, src = run_blocked(tmp_path, state_dir, [str(prog), how, "2"])
+    assert not errors, errors
+    assert src.cfi_walk
+    mine = rows[rows["tid"] == info["tids"][0]]
+    share, blocked, by = blocked_share(mine, names, _whole_native_chain)
+    assert blocked >= 0.5 * 2e9, (blocked, by.most_common(4))
+    assert share >= 0.95, (share, by.most_common(4))
+    kernel = {n for r in mine for n in names.get(int(r["kernel_stack"]), [])}
+    assert any(("nanosleep" if how == "sleep" else "pipe_read") in n for n in kernel), kernel
+
+
+@pytest.mark.bpf
+def test_frame_pointer_walk_alone_cannot_unwind_the_blocked_chain(tmp_path: Path, state_dir: Path) -> None:
+    """The same program without frame pointers under sources.stacks.unwinder = "frame_pointers": the
+    kernel's walk from libc's nanosleep does not reach main through the tree (what the CFI walk
+    adds); its blocked time is all there all the same."""
+    _skip_cc()
+    rows, info, names, errors, src = run_blocked(tmp_path, state_dir, [str(native_progs.nofp_block()), "sleep", "2"],
+                                                 unwinder="frame_pointers")
+    assert not errors, errors
+    assert not src.cfi_walk and src.users is not None and src.users.cfi is None
+    mine = rows[rows["tid"] == info["tids"][0]]
+    blocked = int(mine["blocked_ns"].sum())
+    assert blocked >= 0.5 * 2e9
+    whole = sum(int(r["blocked_ns"]) for r in mine if _whole_native_chain(tuple(names.get(int(r["user_stack"]), []))))
+    assert whole <= 0.05 * blocked, whole / blocked
+
+
+def _skip_py() -> None:
+    from gpuprof.collector.pyframes import LAYOUTS
+
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    here = (sys.version_info.major, sys.version_info.minor)
+    if here not in LAYOUTS or not LAYOUTS[here].tested:
+        pytest.skip(f"no tested layout for Python {here}")
+
+
+def _py(names: tuple[str, ...]) -> list[str]:
+    """The Python frames of a stack, root first, as py::function."""
+    return [n.split(" (")[0] for n in reversed(names) if n.startswith("py::")]
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("how,leaf,waits_in", [("sleep", "py::leaf_sleep", "nanosleep"),
+                                               ("pipe", "py::leaf_read", "pipe_read")])
+def test_blocked_python_stack_shows_the_python_calls(tmp_path: Path, state_dir: Path, how: str, leaf: str,
+                                                     waits_in: str) -> None:
+    """A Python program blocked in time.sleep or in os.read of a pipe under main -> outer -> middle
+    -> leaf: >= 0.9 of the main thread's blocked time has that Python chain (its innermost Python
+    frames, under <module>) in its off-CPU user stack, with native frames beside them."""
+    _skip_py()
+    rows, info, names, errors, src = run_blocked(tmp_path, state_dir, [python(), PY_OFFCPU, how, "2.5"])
+    assert not errors, errors
+    want = ["py::<module>", "py::main", "py::outer", "py::middle", leaf]
+
+    def ok(s: tuple[str, ...]) -> bool:
+        return _py(s) == want
+
+    mine = rows[rows["tid"] == info["tids"][0]]
+    share, blocked, by = blocked_share(mine, names, ok)
+    assert blocked >= 0.5 * 2.5e9, (blocked, by.most_common(4))
+    assert share >= 0.9, (share, by.most_common(4))
+    # the native frames are kept: the Python run sits among the interpreter's own frames
+    assert all(any(not n.startswith("py::") for n in names.get(int(r["user_stack"]), []))
+               for r in mine if ok(tuple(names.get(int(r["user_stack"]), []))))
+    kernel = {n for r in mine for n in names.get(int(r["kernel_stack"]), [])}
+    assert any(waits_in in n for n in kernel), kernel
+    assert src.users is not None and src.users.python is not None
+    walked, _missing, not_stored, _truncated = src.users.python.last_counts
+    assert walked > 0 and not_stored == 0
+
+
+@pytest.mark.bpf
+def test_runnable_episodes_of_a_python_process_take_no_stack(tmp_path: Path, state_dir: Path) -> None:
+    """Two Python processes spinning on CPU 0 (registered for Python frames and CFI tables): their
+    preempted episodes are counted with no stack at all (no Python, CFI or frame-pointer walk at a
+    runnable switch-out), while they wait for the CPU about half of the time."""
+    _skip_py()
+    seconds = 2.0
+    rows, info, _names, errors, src = run_blocked(tmp_path, state_dir, [python(), PY_OFFCPU, "spin", str(seconds)])
+    assert not errors, errors
+    assert src.cfi_walk
+    for tid in info["tids"]:
+        mine = rows[rows["tid"] == tid]
+        assert int(mine["runnable_ns"].sum()) >= 0.25 * seconds * 1e9, (tid, mine)
+        preempted = mine[(mine["blocked_ns"] == 0) & (mine["runnable_ns"] > 0)]
+        assert len(preempted) > 0, mine
+        assert np.all(preempted["user_stack"] == STACK_NONE), preempted
+        assert np.all(preempted["kernel_stack"] == STACK_NONE), preempted

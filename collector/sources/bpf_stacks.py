@@ -25,6 +25,7 @@ import ctypes
 import errno
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -382,6 +383,146 @@ class PythonStacks:
         return self.last_counts
 
 
+class UserStacks:
+    """The user stacks of the job's threads as both sources of mode `stacks` record them, the CPU
+    sampler (bpf/stacks.c) and off-CPU (bpf/offcpu.c): one per BPF object (hub.shared, taken with
+    shared_user_stacks), so that a process is registered once for both (Python layouts in
+    gp_py_procs, CFI tables in gp_cfi_procs) and a drain's keys decode the same way in both: the
+    CFI walk's pc list in place of the frame-pointer stack, the Python frames merged into it.
+
+    Each source's ids are its own (GP_IDS_CPU, GP_IDS_OFFCPU in bpf/common.h: the kernel maps of
+    the CFI and Python records are shared, their ids are not), so each drain frees only what its
+    source's keys used. A process is forgotten when no source's last drain saw it. Drains of the
+    two sources run in their own threads: what they change here is under one lock."""
+
+    def __init__(self, hub: BpfHub, ctx: SourceContext, unwinder: str | None, compiler: Any) -> None:
+        self.hub = hub
+        self.lock = threading.RLock()
+        self.python: PythonStacks | None = None
+        self.cfi: CfiUnwinder | None = start_unwinder(hub, ctx, unwinder, compiler)  # None: frame pointers only
+        self.live: dict[str, frozenset[int]] = {}  # source -> the processes its last drain saw
+        self.users: set[str] = set()
+
+    def acquire(self, source: str, python_frames: bool, pids: Iterable[int]) -> None:
+        """A source starts using the user stacks (python_frames: it asks for Python frames; the
+        first one that does registers Python processes for both)."""
+        with self.lock:
+            self.users.add(source)
+            if python_frames and self.python is None:
+                self.python = PythonStacks(self.hub.bpf)
+            pids = set(pids)
+            if self.python is not None:
+                self.python.register(pids)
+            if self.cfi is not None:
+                self.cfi.register(pids)
+
+    def register(self, pids: Iterable[int]) -> None:
+        """Python processes among pids not registered yet (CFI registrations run in the unwinder's
+        thread, on what the BPF programs mark)."""
+        if self.python is not None:
+            with self.lock:
+                self.python.register(pids)
+
+    def take(self, cfi_ids: set[int], py_ids: set[int], keep_cfi: set[int], keep_py: set[int],
+             frames: Mapping[int, Sequence[int] | None]
+             ) -> tuple[dict[int, Sequence[int] | None], dict[int, list[tuple[int, int]] | None]]:
+        """(frames with the pc lists of the CFI ids added, the Python entries of the Python ids),
+        both read from the kernel maps and freed there unless kept (ids a new window or a sleeping
+        thread still uses)."""
+        out: dict[int, Sequence[int] | None] = dict(frames)
+        py_entries: dict[int, list[tuple[int, int]] | None] = {}
+        with self.lock:
+            if self.cfi is not None and cfi_ids:
+                out.update(self.cfi.take(cfi_ids, keep_cfi))
+            if self.python is not None and py_ids:
+                py_entries = self.python.take(py_ids, keep_py)
+        return out, py_entries
+
+    def decoder(self, store: StackStore, frames: Mapping[int, Sequence[int] | None],
+                py_entries: dict[int, list[tuple[int, int]] | None], python_frames: bool = True) -> UserStackDecoder:
+        return UserStackDecoder(self, store, frames, py_entries if python_frames else {})
+
+    def after_drain(self, source: str, live: set[int]) -> None:
+        """A source's drain saw these processes: what no source saw is forgotten (Python processes
+        at once, CFI registrations by the unwinder's thread)."""
+        with self.lock:
+            self.live[source] = frozenset(live)
+            seen: set[int] = set()
+            for pids in self.live.values():
+                seen |= pids
+            if self.python is not None:
+                self.python.forget(seen)
+                self.python.counts()
+            if self.cfi is not None:
+                self.cfi.after_drain(seen)
+
+    def release(self, source: str) -> None:
+        """The source stops using the user stacks; the last one closes the CFI unwinder."""
+        with self.lock:
+            self.users.discard(source)
+            self.live.pop(source, None)
+            if self.users:
+                return
+            if self.cfi is not None:
+                self.cfi.close()  # its threads; its processes unregistered
+            with self.hub.attach_lock:
+                if self.hub.shared.get("user_stacks") is self:
+                    del self.hub.shared["user_stacks"]
+
+
+class UserStackDecoder:
+    """The store's user stack ids of one drain's keys (stack id of the kernel's stack map, Python
+    stack id, CFI stack id), a merged stack interned once per (pid, native stack, Python stack)."""
+
+    def __init__(self, users: UserStacks, store: StackStore, frames: Mapping[int, Sequence[int] | None],
+                 py_entries: dict[int, list[tuple[int, int]] | None]) -> None:
+        self.users = users
+        self.store = store
+        self.frames = frames
+        self.ids = StackIds(store, frames)
+        self.py_entries = py_entries
+        self.merged: dict[tuple[int, int, int], int] = {}
+
+    def user(self, pid: int, us: int, py: int, cf: int) -> int:
+        if cf:
+            us = cf  # the user stack walked by CFI tables (bpf/cfiunwind.h) instead of frame pointers
+        user = self.ids.user(us, pid)  # also where Python frames replace it (the native stack is kept)
+        entries = self.py_entries.get(py) if py else None
+        python = self.users.python
+        if entries and python is not None:
+            namer = python.namers.get(pid)
+            if namer is not None:
+                mkey = (pid, us, py)
+                merged_id = self.merged.get(mkey)
+                if merged_id is None:
+                    addrs = (self.frames.get(us) or []) if us >= 0 else []
+                    with self.users.lock:  # the namer's caches, shared by both sources' drains
+                        chunks = namer.chunks(entries)
+                    merged_id = self.merged[mkey] = self.store.intern_python(
+                        pid, addrs, chunks, (namer.proc.path, namer.proc.eval_ranges))
+                user = merged_id
+        return user
+
+    def kernel(self, sid: int) -> int:
+        return self.ids.kernel(sid)
+
+
+def shared_user_stacks(hub: BpfHub, ctx: SourceContext, source: str, python_frames: bool = True,
+                       unwinder: str | None = None, compiler: Any = None) -> UserStacks:
+    """The object's UserStacks, created by the first source of mode `stacks` that starts (with the
+    CFI unwinder when the object was compiled with it; compiler: start_compiler's, closed here when
+    another source created the unwinder already)."""
+    with hub.attach_lock:
+        users = hub.shared.get("user_stacks")
+        created = users is None
+        if users is None:
+            users = hub.shared["user_stacks"] = UserStacks(hub, ctx, unwinder, compiler)
+    if not created and compiler is not None:
+        compiler.close()
+    users.acquire(source, python_frames, ctx.pids())
+    return users
+
+
 class BpfStacksSource(Source):
     """99 Hz (configurable) CPU stack sampling of the job's threads."""
 
@@ -397,8 +538,7 @@ class BpfStacksSource(Source):
         self.rate_hz = rate_hz
         self.python_frames = python_frames
         self.unwinder = unwinder
-        self.cfi: CfiUnwinder | None = None
-        self.python: PythonStacks | None = None
+        self.users: UserStacks | None = None  # shared with the off-CPU source (kept after stop: status)
         self.hub: BpfHub | None = None
         self.store: StackStore | None = None
         self._attached = False
@@ -428,12 +568,7 @@ class BpfStacksSource(Source):
         self.hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
         self.counts = WindowedCounts(self.hub.bpf, b"gp_cpu_counts", b"gp_cpu_gen", b"gp_cpu_stacks")
-        self.python = PythonStacks(self.hub.bpf) if self.python_frames else None
-        if self.python is not None:
-            self.python.register(ctx.pids())
-        self.cfi = start_unwinder(self.hub, ctx, self.unwinder, compiler)  # None: frame pointers only
-        if self.cfi is not None:
-            self.cfi.register(ctx.pids())
+        self.users = shared_user_stacks(self.hub, ctx, self.name, self.python_frames, self.unwinder, compiler)
         try:
             self.hub.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
                                            fn_name=b"gp_cpu_sample", sample_freq=round(rate))
@@ -449,13 +584,23 @@ class BpfStacksSource(Source):
         self.hub.set_pids(pids)
         return pids
 
+    @property
+    def python(self) -> PythonStacks | None:
+        """The Python side of the user stacks (None: python_frames off)."""
+        return self.users.python if self.users is not None and self.python_frames else None
+
+    @property
+    def cfi(self) -> CfiUnwinder | None:
+        """The CFI unwinder of the user stacks (None: frame pointers only)."""
+        return self.users.cfi if self.users is not None else None
+
     def _drain(self, now_ns: int) -> list[Batch]:
-        assert self.hub is not None and self.store is not None
+        assert self.hub is not None and self.store is not None and self.users is not None
         self.store.new_drain()
         tgids = self._job_tgids()
         self.store.watch(tgids)
-        if self.python is not None:
-            self.python.register(tgids)
+        if self.python_frames:
+            self.users.register(tgids)
         t0, self.window_t0 = self.window_t0, now_ns
         keys, values, frames = self.counts.drain()
         if not len(keys):
@@ -465,54 +610,31 @@ class BpfStacksSource(Source):
         # the tracker's pids were watched above (one readlink each, the drain's largest cost
         # after the stacks' reads): only those forked since
         self.store.watch(sampled - tgids)
-        if self.python is not None:
-            self.python.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
+        if self.python_frames:
+            self.users.register(sampled - tgids)  # forked since the tracker's last scan (mpirun's ranks)
         cfi_ids = keys["cfi_stack"].tolist()
-        if self.cfi is not None:  # the CFI walk's pc lists, by their ids (u64 hashes, past the kernel map's ids)
-            frames = self.cfi.with_stacks(frames, {c for c in cfi_ids if c}, self.counts.live_keys["cfi_stack"])
+        # Python ids are read and freed even without python_frames: the off-CPU source may have
+        # registered the process for its own walks (they are then not merged here)
         py_ids = keys["py_stack"].tolist()
-        py_entries: dict[int, list[tuple[int, int]] | None] = {}
-        if self.python is not None:
-            live_py = self.counts.live_keys["py_stack"]
-            py_entries = self.python.take({p for p in py_ids if p}, set(live_py[live_py != 0].tolist()))
-        ids = StackIds(self.store, frames)
-        merged: dict[tuple[int, int, int], int] = {}
+        live = self.counts.live_keys  # the new window's CFI and Python ids stay in the kernel maps
+        all_frames, py_entries = self.users.take({c for c in cfi_ids if c}, {p for p in py_ids if p},
+                                                 _nonzero(live["cfi_stack"]), _nonzero(live["py_stack"]), frames)
+        dec = self.users.decoder(self.store, all_frames, py_entries, self.python_frames)
         users = np.empty(len(keys), np.uint32)
         kernels = np.empty(len(keys), np.uint32)
         for i, (pid, us, ks, py, cf) in enumerate(zip(pids, keys["user_stack"].tolist(), keys["kernel_stack"].tolist(),
                                                       py_ids, cfi_ids)):
-            if cf:
-                us = cf  # the user stack walked by CFI tables (bpf/cfiunwind.h) instead of frame pointers
-            user = ids.user(us, pid)  # also where Python frames replace it (the native stack is kept)
-            entries = py_entries.get(py) if py else None
-            if entries and self.python is not None and pid in self.python.namers:
-                mkey = (pid, us, py)
-                merged_id = merged.get(mkey)
-                if merged_id is None:
-                    merged_id = merged[mkey] = self._merged_stack(pid, us, frames, entries)
-                user = merged_id
-            users[i] = user
-            kernels[i] = ids.kernel(ks)
+            users[i] = dec.user(pid, us, py, cf)
+            kernels[i] = dec.kernel(ks)
         rows = schema.STACK_SAMPLES.empty(len(keys))
         rows["t_ns"], rows["pid"], rows["tid"], rows["cpu"] = t0, keys["pid"], keys["tid"], keys["cpu"]
         rows["user_stack"], rows["kernel_stack"] = users, kernels
         rows["count"] = values if values.dtype.names is None else values[values.dtype.names[0]]
-        if self.python is not None:
-            self.python.forget(tgids | sampled)
-            self.python.counts()
-        if self.cfi is not None:  # its registrations run in its own thread, on what the BPF program marks
-            self.cfi.after_drain(tgids | sampled)
+        # what no source sees any more is forgotten; CFI registrations run in the unwinder's own
+        # thread, on what the BPF programs mark
+        self.users.after_drain(self.name, tgids | sampled)
         self.samples_total += int(rows["count"].sum())
         return [(schema.STACK_SAMPLES, np.sort(rows, order=("pid", "tid", "cpu")))]
-
-    def _merged_stack(self, pid: int, sid: int, frames: Mapping[int, Sequence[int] | None],
-                      entries: list[tuple[int, int]]) -> int:
-        """The store's id of a native user stack with the thread's Python frames merged in."""
-        assert self.python is not None and self.store is not None
-        namer = self.python.namers[pid]
-        addrs = (frames.get(sid) or []) if sid >= 0 else []
-        return self.store.intern_python(pid, addrs, namer.chunks(entries),
-                                        (namer.proc.path, namer.proc.eval_ranges))
 
     def sample(self, now_ns: int) -> list[Batch]:
         return self._drain(now_ns)
@@ -535,9 +657,10 @@ class BpfStacksSource(Source):
                 except Exception:  # noqa: BLE001, S110 - BCC raises bare Exception; detach is best effort
                     pass
                 self._attached = False
-            if self.cfi is not None:
-                self.unwind_status = self.cfi.status()  # while registered and the maps exist (at_seal comes after)
-                self.cfi.close()  # its compile thread
+            if self.users is not None:
+                if self.users.cfi is not None:  # while registered and the maps exist (at_seal comes after)
+                    self.unwind_status = self.users.cfi.status()
+                self.users.release(self.name)  # the last of the two sources closes the unwinder
             self.hub.release()
             self.hub = None
 
@@ -547,6 +670,10 @@ class BpfStacksSource(Source):
             # the unwinder that ran (frame_pointers also where cfi was asked for and did not start)
             f.attrs["unwind_json"] = json.dumps({"unwinder": "cfi" if self.unwind_status is not None
                                                  else "frame_pointers", "cfi": self.unwind_status}, sort_keys=True)
+
+
+def _nonzero(ids: np.ndarray) -> set[int]:
+    return set(ids[ids != 0].tolist())
 
 
 def _now_ns() -> int:

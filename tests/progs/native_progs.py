@@ -144,3 +144,11 @@ def no_cfi_tree(frame_pointers: bool, debug_frame: bool = False) -> Path:
     name = f"no_cfi_tree_{'fp' if frame_pointers else 'nofp'}{'_debug_frame' if debug_frame else ''}"
     return _build("gcc", BUILD / name, ["-O2", *(["-g"] if debug_frame else []), *fp, *NO_CFI_FLAGS],
                   [PROGS / "nofp_tree.c"])
+
+
+def nofp_block(frame_pointers: bool = False) -> Path:
+    """tests/progs/nofp_block.c (main -> block_a -> block_b -> block_c -> a blocking call),
+    -O2 -fomit-frame-pointer, or -O2 with frame pointers (leaves included)."""
+    fp = ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"] if frame_pointers else ["-fomit-frame-pointer"]
+    return _build("gcc", BUILD / f"nofp_block_{'fp' if frame_pointers else 'nofp'}", ["-O2", "-g", *fp],
+                  [PROGS / "nofp_block.c"], ("-pthread",))
