@@ -92,8 +92,7 @@ int main(int argc, char **argv)
     }
     sink = acc;
     if (use_pipe) {
-        stop_flag = 1;
-        close(fds[0]);
+        stop_flag = 1; /* the writer's last bytes stay in the pipe (closing its end first: SIGPIPE) */
         pthread_join(w, NULL);
     }
     struct timespec cpu;
