@@ -281,3 +281,76 @@ def test_runnable_episodes_of_a_python_process_take_no_stack(tmp_path: Path, sta
         assert len(preempted) > 0, mine
         assert np.all(preempted["user_stack"] == STACK_NONE), preempted
         assert np.all(preempted["kernel_stack"] == STACK_NONE), preempted
+
+
+@pytest.mark.bpf
+def test_cpu_samples_and_offcpu_share_the_user_stacks(tmp_path: Path, state_dir: Path) -> None:
+    """The collector's configuration: the stacks source and the off-CPU source on one BPF object,
+    draining in their own threads. They share one UserStacks (one registration, one unwinder); the
+    program's CPU samples (its spin at start) and its blocked time (time.sleep) both carry their
+    Python frames and CFI-walked native frames, neither source's drain freeing the other's records
+    (their ids are seeded apart: a freed record would be a lost stack)."""
+    import threading
+    import time
+
+    from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
+    from gpuprof.collector.symbolize import STACK_LOST
+
+    _skip_py()
+    stacks, offcpu = BpfStacksSource(99), BpfOffcpuSource(flush_interval_s=0.3)
+    gated = GatedProcess([python(), PY_OFFCPU, "sleep", "2"])
+    errors: list[str] = []
+    ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors,
+                   config={"paths": {"state_dir": str(state_dir)}})
+    batches: dict[str, list[Any]] = {"stacks": [], "offcpu": []}
+    stacks.start(ctx)
+    try:
+        offcpu.start(ctx)
+        try:
+            assert stacks.users is offcpu.users and stacks.cfi is not None and offcpu.cfi_walk
+            done = threading.Event()
+
+            def drain(src: Any, every: float) -> None:
+                while not done.is_set():
+                    batches[src.name].extend(src.sample(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+                    time.sleep(every)
+
+            threads = [threading.Thread(target=drain, args=(stacks, 0.2)),
+                       threading.Thread(target=drain, args=(offcpu, 0.3))]
+            for t in threads:
+                t.start()
+            gated.go()
+            rc, out, err = gated.wait(timeout=60)
+            done.set()
+            for t in threads:
+                t.join()
+            now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            batches["stacks"].extend(stacks.final(now))
+            batches["offcpu"].extend(offcpu.final(now))
+        finally:
+            offcpu.stop()
+        assert stacks.cfi is not None and stacks.cfi.poller.is_alive(), "closed while the stacks source runs"
+    finally:
+        stacks.stop()
+    assert stacks.cfi is not None and not stacks.cfi.poller.is_alive()  # the last source closed it
+    assert rc == 0, err
+    assert not errors, errors
+    path = tmp_path / "node.h5"
+    native_progs.sealed_file(path, [stacks, offcpu], batches["stacks"] + batches["offcpu"], ("stacks",))
+    with h5py.File(path) as f:
+        names = stack_names(f)
+    info = json.loads(out.strip().splitlines()[-1])
+    tid = info["tids"][0]
+    samples = collect(batches["stacks"], schema.STACK_SAMPLES)
+    samples = samples[samples["tid"] == tid]
+    spin = [tuple(names.get(int(r["user_stack"]), [])) for r in samples]
+    in_spin = sum(int(r["count"]) for r, s in zip(samples, spin)
+                  if _py(s)[-3:] == ["py::<module>", "py::main", "py::spin_leaf"] and not s[0].startswith("py::"))
+    assert in_spin >= 30, Counter(";".join(s) for s in spin).most_common(3)
+    rows = collect(batches["offcpu"], schema.OFFCPU_INTERVALS)
+    mine = rows[rows["tid"] == tid]
+    share, blocked, by = blocked_share(mine, names, lambda s: _py(s) == ["py::<module>", "py::main", "py::outer",
+                                                                          "py::middle", "py::leaf_sleep"])
+    assert blocked >= 0.5 * 2e9 and share >= 0.9, (share, by.most_common(3))
+    assert not np.any(mine["user_stack"] == STACK_LOST), by.most_common(3)
+    assert not np.any(samples["user_stack"] == STACK_LOST)
