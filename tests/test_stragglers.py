@@ -3,6 +3,7 @@ causes with their cost and the lateness they propagated; the exact test and the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -247,7 +248,7 @@ def test_sweep_ranges_shrink_so_the_last_ones_dealt_are_short() -> None:
     gcomm = rc._instance_order(sim.comms)[0]
     cuts = rc.sweep_cuts(sim.comms, gcomm, 16)
     sizes = np.array([c.size for c in sim.comms])[gcomm]
-    cells = np.array([sizes[a:b].sum() for a, b in zip(cuts[:-1], cuts[1:])])
+    cells = np.array([sizes[a:b].sum() for a, b in itertools.pairwise(cuts)])
     assert len(cells) == 16 and cells.sum() == sizes.sum()
     assert np.all(np.diff(cells) <= max(sizes)), cells  # shrinking, to one instance's cells
     assert cells[-1] < cells[0] / 4, cells
