@@ -18,9 +18,11 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import h5py
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
@@ -254,3 +256,63 @@ def test_call_tree_threads(version: str, tmp_path: Path) -> None:
     assert run_frames and all(f"({_threading_py(version)}:" in n for n in run_frames), run_frames
     for r in rows[rows["tid"] == info["pid"]]:
         assert "py::run_for" not in py_frames(names.get(int(r["user_stack"]), [])), "a worker's frames on main"
+
+
+# --- the same under Slurm, as the job's user ------------------------------------------------------------
+USER_VISIBLE = Path("/var/lib/gpuprof-test/pyenv")  # pyenv's builds, bound here read-only for the job's user
+
+
+@pytest.fixture(scope="module")
+def pyenv_for_users() -> Any:
+    """pyenv's builds where an unprivileged job can run them: /root is 0700, so its versions
+    directory is bound read-only at USER_VISIBLE (no copy of 1.8 GB) for this module's tests and
+    unbound after. Their RUNPATH names /root, so the job sets LD_LIBRARY_PATH to the bound lib/."""
+    if os.geteuid() != 0 or not PYENV.is_dir():
+        pytest.skip(f"binding {PYENV} for the job's user needs root and {PYENV}")
+    USER_VISIBLE.mkdir(parents=True, exist_ok=True)
+    os.chmod(USER_VISIBLE.parent, 0o755)
+    mounted = subprocess.run(["mountpoint", "-q", str(USER_VISIBLE)], check=False).returncode == 0
+    if not mounted:
+        subprocess.run(["mount", "--bind", str(PYENV), str(USER_VISIBLE)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(USER_VISIBLE)], check=True)
+    yield USER_VISIBLE
+    if not mounted:
+        subprocess.run(["umount", str(USER_VISIBLE)], check=False)
+
+
+@pytest.mark.slurm
+@pytest.mark.bpf
+@pytest.mark.parametrize("version", ("3.10.13", "3.12.1", "3.13.0"))  # 3.11: Debian's, tests/test_python_stacks.py
+def test_call_tree_under_sbatch(version: str, pyenv_for_users: Path, cluster: Any, test_user: str,
+                                user_tmpdir: Path) -> None:
+    """`sbatch --profile-gpu=stacks` of the call-tree program under pyenv's interpreter, run by the
+    job's (unprivileged) user: the node file's stacks read as the program's Python code, with zlib's
+    C code above `layer`, as with Debian's python3.11."""
+    _python(version)  # skips, naming the path, when this build is missing
+    major, minor = _minor(version)
+    home = pyenv_for_users / version
+    exe = home / "bin" / f"python{major}.{minor}"
+    wrap = (f"env LD_LIBRARY_PATH={home / 'lib'} PY_CALLTREE_LEAF=zlib PYTHONDONTWRITEBYTECODE=1 "
+            f"{exe} {CALLTREE} 3")
+    job = cluster.sbatch(["-N1", "--profile-gpu=stacks", "--wrap", wrap], user=test_user, cwd=user_tmpdir)
+    state = cluster.wait_job(job)["JobState"]
+    out = user_tmpdir / f"slurm-{job}.out"
+    assert state == "COMPLETED", (state, out.read_text() if out.exists() else "no output")
+    node = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    deadline = time.monotonic() + 30
+    while not node.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = json.loads(out.read_text().strip().splitlines()[-1])
+    with h5py.File(node, "r") as f:
+        attach = json.loads(f.attrs["attach_json"])
+        if attach.get("stacks", {}).get("state") != "attached":
+            pytest.skip(f"BPF unavailable on the nodes: {attach.get('stacks')}")
+        rows = f["stacks/samples"][()]
+        names = stack_names(f)
+        folded = folded_stacks(f)
+    got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
+                           t_work_ns=info["t_work_ns"])
+    print(f"python {version} under sbatch:", _summary(got))
+    assert got["with_py"] >= 0.95 * got["total"], got
+    assert got["leaves"]["py::layer"] > 0 and got["leaves"]["py::activation"] > 0, got
+    assert any(";py::layer (" in k and k.rsplit(";", 1)[-1].startswith("crc32") for k in folded), sorted(folded)[:5]
