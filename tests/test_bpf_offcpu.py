@@ -110,23 +110,9 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A collector state directory whose disk cache holds the tables of the C library, the loader,
     libm and the test's Python interpreter, so that the programs are walked by CFI from their first
     drain (a cold compile of libc takes 0.6 s of CPU, python3.11 about 2 s)."""
-    import glob
-
-    from gpuprof.collector import cfitables as ct
-
-    d = tmp_path_factory.mktemp("state")
-    cache = ct.TableCache(1 << 20, str(d / "cfi-tables"), 64 << 20)
-    paths = [p for pat in ("libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2")
-             for p in glob.glob(f"/lib/x86_64-linux-gnu/{pat}")]
-    for path in [*paths, os.path.realpath(python())]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            cache.get(fd, os.fstat(fd))
-        except ct.NoTable:
-            pass
-        finally:
-            os.close(fd)
-    return d
+    return native_progs.warm_cfi_tables(tmp_path_factory.mktemp("state"),
+                                        ("libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2"),
+                                        (os.path.realpath(python()),))
 
 
 def run_blocked(tmp_path: Path, state: Path, cmd: list[str], unwinder: str = "cfi"

@@ -339,22 +339,10 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A collector state directory whose disk cache already holds the system libraries' tables, so
     that each program is registered within its first 0.3 s (a cold compile of libc takes about
     0.6 s of CPU, spread over drains: until then samples keep their frame-pointer stacks)."""
-    import glob
-    import os
-
-    d = tmp_path_factory.mktemp("state")
-    cache = ct.TableCache(1 << 20, str(d / "cfi-tables"), 64 << 20)
-    for pattern in ("libc.so.6", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libgfortran.so.5*",
-                    "libquadmath.so.0*", "ld-linux-x86-64.so.2"):
-        for path in glob.glob(f"/lib/x86_64-linux-gnu/{pattern}"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                cache.get(fd, os.fstat(fd))
-            except ct.NoTable:
-                pass
-            finally:
-                os.close(fd)
-    return d
+    return native_progs.warm_cfi_tables(
+        tmp_path_factory.mktemp("state"),
+        ("libc.so.6", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libgfortran.so.5*", "libquadmath.so.0*",
+         "ld-linux-x86-64.so.2"))
 
 
 def sampled(state: Path, cmd: list[str], unwinder: str = "cfi") -> dict[str, Any]:

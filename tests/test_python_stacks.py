@@ -13,7 +13,6 @@ import subprocess
 import sys
 import sysconfig
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python, run_source_over
-from py_calltree_check import check_known_tree
+from py_calltree_check import check_known_tree, sbatch_job_stacks
 from py_calltree_check import py_frames as _py
 
 from gpuprof.collector import pyframes, schema
@@ -328,17 +327,7 @@ def test_python_stacks_under_sbatch(cluster: Any, test_user: str, user_tmpdir: P
     job = cluster.sbatch(["-N1", "--profile-gpu=stacks", "--wrap", f"{python()} {CALLTREE} 3"], user=test_user,
                          cwd=user_tmpdir)
     assert cluster.wait_job(job)["JobState"] == "COMPLETED"
-    node = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
-    deadline = time.monotonic() + 30
-    while not node.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    info = json.loads((user_tmpdir / f"slurm-{job}.out").read_text().strip().splitlines()[-1])
-    with h5py.File(node, "r") as f:
-        attach = json.loads(f.attrs["attach_json"])
-        if attach.get("stacks", {}).get("state") != "attached":
-            pytest.skip(f"BPF unavailable on the nodes: {attach.get('stacks')}")
-        rows = f["stacks/samples"][()]
-        names = stack_names(f)
+    info, rows, names, _ = sbatch_job_stacks(user_tmpdir, job)
     got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
                            t_work_ns=info["t_work_ns"])
     assert got["with_py"] >= 0.95 * got["total"], got

@@ -18,17 +18,15 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import h5py
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from harness import PROGS
-from py_calltree_check import check_known_tree, py_frames
+from py_calltree_check import check_known_tree, py_frames, sbatch_job_stacks
 from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree, sample_with_bpf
 
 from gpuprof.collector import pyframes
@@ -298,18 +296,7 @@ def test_call_tree_under_sbatch(version: str, pyenv_for_users: Path, cluster: An
     state = cluster.wait_job(job)["JobState"]
     out = user_tmpdir / f"slurm-{job}.out"
     assert state == "COMPLETED", (state, out.read_text() if out.exists() else "no output")
-    node = user_tmpdir / f"slurm-{job}.gpuprof.d" / "node1.h5"
-    deadline = time.monotonic() + 30
-    while not node.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    info = json.loads(out.read_text().strip().splitlines()[-1])
-    with h5py.File(node, "r") as f:
-        attach = json.loads(f.attrs["attach_json"])
-        if attach.get("stacks", {}).get("state") != "attached":
-            pytest.skip(f"BPF unavailable on the nodes: {attach.get('stacks')}")
-        rows = f["stacks/samples"][()]
-        names = stack_names(f)
-        folded = folded_stacks(f)
+    info, rows, names, folded = sbatch_job_stacks(user_tmpdir, job)
     got = check_known_tree(rows, names, info["tids"], ("py::<module>", "py::main"), outermost=True,
                            t_work_ns=info["t_work_ns"])
     print(f"python {version} under sbatch:", _summary(got))

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "progs"))
 
+import native_progs
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python
 
 from gpuprof.collector import schema
@@ -46,21 +47,8 @@ PY_CHAIN = ["py::<module>", "py::main", "py::outer", "py::middle", "py::leaf_sle
 def warm_tables(state: Path) -> None:
     """The CFI tables of libc, the loader and the Python interpreter into the state dir's disk cache
     (a node's prewarm does this at the collector's start): the runs measure the walk, not a compile."""
-    import glob
-
-    from gpuprof.collector import cfitables as ct
-
-    cache = ct.TableCache(1 << 20, str(state / "cfi-tables"), 64 << 20)
-    paths = [p for pat in ("libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2")
-             for p in glob.glob(f"/lib/x86_64-linux-gnu/{pat}")]
-    for path in [*paths, os.path.realpath(python())]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            cache.get(fd, os.fstat(fd))
-        except ct.NoTable:
-            pass
-        finally:
-            os.close(fd)
+    native_progs.warm_cfi_tables(state, ("libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2"),
+                                 (os.path.realpath(python()),))
 
 
 def _prog_stats(src: Any, name: bytes) -> tuple[int, int] | None:
@@ -84,7 +72,6 @@ def _whole(names: list[str], python_prog: bool) -> bool:
 def one_run(cmd: list[str], state: Path, unwinder: str | None, python_prog: bool) -> dict[str, Any]:
     """cmd plain (unwinder None) or under the off-CPU source with that unwinder."""
     import h5py
-    import native_progs
 
     from gpuprof.collector.sources.bpf_offcpu import BpfOffcpuSource
     from gpuprof.collector.symbolize import stack_names

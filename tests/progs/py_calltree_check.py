@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
+import pytest
+
+from gpuprof.collector.symbolize import folded_stacks, stack_names
 
 KNOWN_CHAIN = ("py::run_for", "py::train_step", "py::forward")
 
@@ -45,3 +52,20 @@ def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], ro
             layer_with_native += n  # numpy's C code above the Python frame that called it
     assert total > 0
     return {"total": total, "with_py": with_py, "leaves": leaves, "layer_with_native": layer_with_native}
+
+
+def sbatch_job_stacks(job_dir: Path, job: int | str) -> tuple[dict[str, Any], Any, dict[int, list[str]], Counter[str]]:
+    """Of a finished `sbatch --profile-gpu=stacks` job of py_calltree.py run in job_dir: the program's
+    JSON line, node1's /stacks/samples rows, their stack names and folded stacks. The node file may
+    come a little after the job's end (the epilog seals it): waited for up to 30 s. Skips when the
+    node file says BPF was not attached."""
+    node = job_dir / f"slurm-{job}.gpuprof.d" / "node1.h5"
+    deadline = time.monotonic() + 30
+    while not node.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = json.loads((job_dir / f"slurm-{job}.out").read_text().strip().splitlines()[-1])
+    with h5py.File(node, "r") as f:
+        attach = json.loads(f.attrs["attach_json"])
+        if attach.get("stacks", {}).get("state") != "attached":
+            pytest.skip(f"BPF unavailable on the nodes: {attach.get('stacks')}")
+        return info, f["stacks/samples"][()], stack_names(f), folded_stacks(f)
