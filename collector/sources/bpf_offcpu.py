@@ -27,14 +27,11 @@ from gpuprof.collector.sources.bpf_stacks import (
     WindowedCounts,
     acquire_hub,
     lookup_all,
+    nonzero_ids,
     shared_user_stacks,
     stack_store,
 )
 from gpuprof.collector.symbolize import StackStore
-
-
-def _nonzero(ids: np.ndarray) -> set[int]:
-    return set(ids[ids != 0].tolist())
 
 
 def _tgid_of(tid: int) -> int:
@@ -157,8 +154,8 @@ class BpfOffcpuSource(Source):
         want_cfi = {c for c in cfi_ids if c} | {int(v.cfi_stack) for _, v in pending if v.cfi_stack}
         want_py = {p for p in py_ids if p} | {int(v.py_stack) for _, v in pending if v.py_stack}
         live = self.counts.live_keys
-        keep_cfi = _nonzero(live["cfi_stack"]) | _nonzero(sleeping["cfi_stack"])
-        keep_py = _nonzero(live["py_stack"]) | _nonzero(sleeping["py_stack"])
+        keep_cfi = nonzero_ids(live["cfi_stack"]) | nonzero_ids(sleeping["cfi_stack"])
+        keep_py = nonzero_ids(live["py_stack"]) | nonzero_ids(sleeping["py_stack"])
         if final:
             keep_cfi, keep_py = set(), set()  # nothing is read after the last drain
         all_frames, py_entries = self.users.take(want_cfi, want_py, keep_cfi, keep_py, frames)

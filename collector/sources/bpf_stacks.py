@@ -618,7 +618,7 @@ class BpfStacksSource(Source):
         py_ids = keys["py_stack"].tolist()
         live = self.counts.live_keys  # the new window's CFI and Python ids stay in the kernel maps
         all_frames, py_entries = self.users.take({c for c in cfi_ids if c}, {p for p in py_ids if p},
-                                                 _nonzero(live["cfi_stack"]), _nonzero(live["py_stack"]), frames)
+                                                 nonzero_ids(live["cfi_stack"]), nonzero_ids(live["py_stack"]), frames)
         dec = self.users.decoder(self.store, all_frames, py_entries, self.python_frames)
         users = np.empty(len(keys), np.uint32)
         kernels = np.empty(len(keys), np.uint32)
@@ -672,7 +672,8 @@ class BpfStacksSource(Source):
                                                  else "frame_pointers", "cfi": self.unwind_status}, sort_keys=True)
 
 
-def _nonzero(ids: np.ndarray) -> set[int]:
+def nonzero_ids(ids: np.ndarray) -> set[int]:
+    """The stack ids of a key column that name a record (0: none)."""
     return set(ids[ids != 0].tolist())
 
 
