@@ -833,6 +833,15 @@ class RankClocks:
             self.drift = np.column_stack([m.seg_drift_ppm if h and m is not None else zero
                                           for m, h in zip(models_of_rank, self.has)])
 
+    def offsets_at(self, tq: np.ndarray) -> np.ndarray:
+        """[len(tq), ranks]: each model's offset_ns at the times tq, all columns at once when the
+        models share their segment starts (the same numbers as offset_ns per column)."""
+        if not self.shared:
+            return np.column_stack([m.offset_ns(tq) if m is not None else np.zeros(len(tq)) for m in self.models])
+        s = self.s
+        i = np.clip(np.searchsorted(s, tq, side="right") - 1, 0, len(s) - 1)
+        return self.off[i] + self.drift[i] * 1e-6 * (tq - s[i])[:, None]
+
     def align(self, T: np.ndarray, r0: int = 0) -> np.ndarray:
         """Raw [rows, ranks r0..r0+k] times -> the reference clock."""
         if not self.shared:
@@ -996,7 +1005,7 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         clocks = RankClocks(list(models))  # the round's models, applied to whole blocks
         pieces = _pieces(rows, t, clocks, ref, win, nw, spread)
         tp = np.array([pc.t for pc in pieces])
-        base = np.column_stack([m.offset_ns(tp) for m in models])  # [pieces, n]
+        base = clocks.offsets_at(tp)  # [pieces, n]
         lo = base + np.array([pc.lo for pc in pieces])
         hi = base + np.array([pc.hi for pc in pieces])
         lo, hi = np.where(np.isnan(lo), -np.inf, lo), np.where(np.isnan(hi), np.inf, hi)  # contradicting
@@ -1044,17 +1053,14 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
                 pts[i] = base[i] + (d if d is not None else 0.0)
             pts = spread.share(pts)
         tp_all = np.concatenate([[t[0]], tp, [t[-1]]])
-        new_models = []
-        for a in range(n):
-            pa = np.concatenate([pts[:1, a], pts[:, a], pts[-1:, a]])
-            with np.errstate(invalid="ignore", divide="ignore"):
-                drift = np.append(np.diff(pa) / np.maximum(np.diff(tp_all), 1.0) * 1e6, 0.0)
-            la = np.concatenate([tube_lo[:1, a], tube_lo[:, a], tube_lo[-1:, a]])
-            ha = np.concatenate([tube_hi[:1, a], tube_hi[:, a], tube_hi[-1:, a]])
-            new_models.append(NodeClockModel("", True, "", tp_all, pa, drift, float("nan"), int(npts[a]),
-                                             point_lo=la, point_hi=ha, inconsistent=notes[a],
-                                             max_drift_ppm=p.max_drift_ppm))
-        models = new_models
+        # every node at once, then one row of each [node, knot] table per model
+        pa = _node_rows(np.concatenate([pts[:1], pts, pts[-1:]]))
+        drift = _node_rows(_knot_drifts(tp_all, pa.T))
+        la = _node_rows(np.concatenate([tube_lo[:1], tube_lo, tube_lo[-1:]]))
+        ha = _node_rows(np.concatenate([tube_hi[:1], tube_hi, tube_hi[-1:]]))
+        models = [NodeClockModel("", True, "", tp_all, pa[a], drift[a], float("nan"), int(npts[a]),
+                                 point_lo=la[a], point_hi=ha[a], inconsistent=notes[a], max_drift_ppm=p.max_drift_ppm)
+                  for a in range(n)]
     models, unrepaired = _repair_exact(rows, t, models, ref, p, spread)
     for a, m in enumerate(models):
         # what the data say, from the final model: a node whose rows are all in order on a clock within
@@ -1279,7 +1285,7 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
         long_ = marked[T[marked + 1] - T[marked] > REPAIR_MIN_GAP_NS * REPAIR_SUBKNOTS]
         frac = np.arange(1, REPAIR_SUBKNOTS) / REPAIR_SUBKNOTS
         T_new = np.union1d(T, (T[long_][:, None] + (T[long_ + 1] - T[long_])[:, None] * frac[None, :]).ravel())
-        P = np.column_stack([m.offset_ns(T_new) for m in models])
+        P = RankClocks(list(models)).offsets_at(T_new)
         P[:, ref] = 0.0
         # runs of marked intervals, as knot ranges of T_new
         runs: list[tuple[int, int]] = []
@@ -1315,7 +1321,7 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
                 if a == 0 and b == last:
                     unrepaired[[c for c in movable[i] if c != ref]] = True
                     break
-        models = [_with_knots(m, T_new, P[:, j], p.max_drift_ppm) for j, m in enumerate(models)]
+        models = _on_knots(models, T_new, P, p.max_drift_ppm)
     return models, unrepaired
 
 
@@ -1337,13 +1343,46 @@ def _culprits(rows: InstanceRows, bad: np.ndarray, models: list[NodeClockModel])
     return np.concatenate(out) if out else np.zeros((0, 2), np.int64)
 
 
-def _with_knots(m: NodeClockModel, T: np.ndarray, P: np.ndarray, max_drift_ppm: float) -> NodeClockModel:
-    """m on knots T with values P (its intervals interpolated at the new knots)."""
+def _node_rows(a: np.ndarray) -> np.ndarray:
+    """[knots, nodes] -> [nodes, knots], C-contiguous: each node's row is a contiguous view."""
+    return np.ascontiguousarray(a.T)
+
+
+def _knot_drifts(T: np.ndarray, P: np.ndarray) -> np.ndarray:
+    """[knots, nodes] drift (ppm) from each knot to the next, 0 after the last: per column exactly
+    np.append(np.diff(P[:, a]) / np.maximum(np.diff(T), 1.0) * 1e6, 0.0)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        drift = np.append(np.diff(P) / np.maximum(np.diff(T), 1.0) * 1e6, 0.0)
-    lo, hi = m.interval_ns(T) if not m.is_reference else (np.zeros(len(T)), np.zeros(len(T)))
-    return replace(m, seg_start=T, seg_offset=P, seg_drift_ppm=drift, point_lo=lo, point_hi=hi,
-                   max_drift_ppm=max_drift_ppm)
+        d = np.diff(P, axis=0) / np.maximum(np.diff(T), 1.0)[:, None] * 1e6
+    return np.concatenate([d, np.zeros((1, P.shape[1]))])
+
+
+def _on_knots(models: list[NodeClockModel], T: np.ndarray, P: np.ndarray, max_drift_ppm: float,
+              ) -> list[NodeClockModel]:
+    """Each model on knots T with values P[:, node], its intervals interpolated at the new knots
+    (NodeClockModel.interval_ns; 0 for the reference): all nodes at once where they share their
+    knots and bound, as the minimal fit's models do; the same numbers as one node at a time."""
+    n = len(models)
+    lo, hi = np.zeros((len(T), n)), np.zeros((len(T), n))
+    S = models[0].seg_start
+    s = models[0].max_drift_ppm * 1e-6
+    alike = [a for a, m in enumerate(models) if not m.is_reference and len(m.point_lo) and len(S)
+             and (m.seg_start is S or np.array_equal(m.seg_start, S)) and m.max_drift_ppm * 1e-6 == s]
+    if alike:
+        i = np.clip(np.searchsorted(S, T, side="right") - 1, 0, len(S) - 1)
+        j = np.minimum(i + 1, len(S) - 1)
+        PL = np.column_stack([models[a].point_lo for a in alike])
+        PH = np.column_stack([models[a].point_hi for a in alike])
+        with np.errstate(invalid="ignore"):
+            di, dj = (np.abs(T - S[i]) * s)[:, None], (np.abs(S[j] - T) * s)[:, None]
+            lo[:, alike] = np.fmax(PL[i] - di, PL[j] - dj)
+            hi[:, alike] = np.fmin(PH[i] + di, PH[j] + dj)
+    done = set(alike)
+    for a, m in enumerate(models):
+        if a not in done and not m.is_reference:
+            lo[:, a], hi[:, a] = m.interval_ns(T)
+    drift, Pn, lo, hi = _node_rows(_knot_drifts(T, P)), _node_rows(P), _node_rows(lo), _node_rows(hi)
+    return [replace(m, seg_start=T, seg_offset=Pn[a], seg_drift_ppm=drift[a], point_lo=lo[a], point_hi=hi[a],
+                    max_drift_ppm=max_drift_ppm) for a, m in enumerate(models)]
 
 
 def _knot_intervals(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel], ref: int, p: ClockParams,
@@ -1370,14 +1409,12 @@ def _knot_intervals(rows: InstanceRows, t: np.ndarray, models: list[NodeClockMod
         widen = s * np.abs(t[r0:r1] - T[k])
         return _interval(E, X + widen[:, None], *_ref_box(rows.n_cols, ref))
 
-    got = spread.map(one, len(T))
+    n = len(models)
+    lo, hi = np.full((len(T), n), -np.inf), np.full((len(T), n), np.inf)  # no instance near a point: unbounded
+    for k, iv in enumerate(spread.map(one, len(T))):
+        if iv is not None:
+            lo[k], hi[k] = iv
+    lo, hi = _node_rows(lo), _node_rows(hi)
     for a, m in enumerate(models):
-        if a == ref:
-            continue
-        lo, hi = m.point_lo.copy(), m.point_hi.copy()
-        for k, iv in enumerate(got):
-            if iv is None:
-                lo[k], hi[k] = -np.inf, np.inf  # no instance near this point: nothing bounds it here
-            else:
-                lo[k], hi[k] = iv[0][a], iv[1][a]
-        m.point_lo, m.point_hi = lo, hi
+        if a != ref:
+            m.point_lo, m.point_hi = lo[a], hi[a]
