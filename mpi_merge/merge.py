@@ -556,9 +556,16 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
         if rank == writer:
             finish_copies()
             c.send(True, dest=0, tag=TAG_NODES)
+            if isinstance(c, ChoresComm):
+                # every node's parts are read by now (its calls loaded and aligned, its aligned times
+                # copied in): the writer removes them in its waits for the page's items, so that rank
+                # 0's removal of the parts directory at the end finds only its own few files
+                c.chores = FileRemoval(node_parts(parts_dir, files)).step
         # then the page's passes over the nodes of the finished job file, until rank 0 has drawn it
         page = PageContext(output_paths(Path(plan["stem"]))["h5"])
         RankPool(c, page).serve()
+        if isinstance(c, ChoresComm):
+            c.chores = None
         page.close()
         steps.mark("page_items")
         steps.report()
@@ -649,6 +656,31 @@ def _nccl_log(files: list[str], analysis: JobAnalysis) -> nccl_log.NcclLog | Non
     log, entry = found
     analysis.report["nccl_log"] = entry
     return log
+
+
+def node_parts(parts_dir: Path, files: list[str]) -> list[Path]:
+    """The files the merge leaves per node file in the parts directory: its claim, its read marker,
+    its calls and its aligned times (the names step 1 gives them)."""
+    return [parts_dir / f"{i:06d}.{kind}" for i in range(len(files)) for kind in ("claim", "read", "calls.npy",
+                                                                                  "aligned.h5")]
+
+
+class FileRemoval:
+    """Files removed a few at a time (a chore: each step takes milliseconds); a file that is not
+    there (never written, or removed already) is skipped."""
+
+    STEP_FILES = 16
+
+    def __init__(self, paths: list[Path]):
+        self.left = paths
+
+    def step(self) -> bool:
+        """Remove the next few; False when none is left."""
+        now, self.left = self.left[:self.STEP_FILES], self.left[self.STEP_FILES:]
+        for path in now:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return bool(self.left)
 
 
 def _files_read(parts_dir: Path) -> int:

@@ -107,6 +107,38 @@ def test_the_writers_copies_in_its_waits_give_the_single_ranks_file(patch: str, 
         assert all("calls_aligned" in f[f"nodes/{n}/collectives"] for n in f["nodes"])
 
 
+def test_the_writer_removes_the_node_parts_in_its_waits(job: Path, tmp_path: Path) -> None:
+    """With other ranks, the writer removes each node's parts (claim, read marker, calls, aligned
+    times) while it waits for the page's items, so rank 0's removal of the parts directory at the end
+    finds none of them; the outputs are the single rank's, and no parts directory is left."""
+    one = mpirun(1, "-m", "gpuprof.slurm_hooks.cli", "merge", str(job), "--output-stem", str(tmp_path / "k1"),
+                 "--quiet")
+    assert one.returncode == 0, one.stderr[-3000:]
+    # rank 0 says what is left when it removes the directory; its job file waits 0.5 s, so the
+    # writer is in its waits before the page's passes begin
+    lines = ("from gpuprof.mpi_merge import merge as m\n"
+             "real_rmtree, real_finish = m.shutil.rmtree, m.finish_job_file\n"
+             "def rmtree(d, **kw):\n"
+             "    print('LEFT', sorted(p.name for p in m.Path(d).iterdir()), file=sys.stderr, flush=True)\n"
+             "    real_rmtree(d, **kw)\n"
+             "def finish(*a, **kw):\n"
+             "    time.sleep(0.5)\n"
+             "    return real_finish(*a, **kw)\n"
+             "m.shutil.rmtree, m.finish_job_file = rmtree, finish\n")
+    script = _merge_script(tmp_path, "w", job, lines)
+    p = mpirun(2, str(script))
+    assert p.returncode == 0, p.stderr[-3000:]
+    left = re.search(r"LEFT (\[.*\])", p.stderr)
+    assert left, p.stderr[-2000:]
+    names = eval(left.group(1))  # a list of file names, printed by the patch above
+    assert names, "rank 0's own files (the scratch tables) are still there"
+    assert not [n for n in names if n.endswith((".claim", ".read", ".calls.npy", ".aligned.h5"))], names
+    assert not list(tmp_path.glob(".*.gpuprof.parts-*"))
+    assert compare_job_files(tmp_path / "k1.gpuprof.h5", tmp_path / "w.gpuprof.h5") == []
+    for ext in ("txt", "json", "html"):
+        assert (tmp_path / f"k1.gpuprof.{ext}").read_bytes() == (tmp_path / f"w.gpuprof.{ext}").read_bytes()
+
+
 def test_broadcast_of_a_rank_with_chores(tmp_path: Path) -> None:
     """ChoresComm's broadcast (in two parts, so a waiting rank works) gives what mpi4py's bcast gives,
     on 3 ranks and from every root, for small and large objects; the rank with chores runs them
