@@ -859,9 +859,11 @@ class RankClocks:
 
 
 def _pieces(rows: InstanceRows, t: np.ndarray, clocks: RankClocks, ref: int, win: np.ndarray,
-            nw: int, spread: Spread) -> list[_Piece]:
+            nw: int, spread: Spread, violation_tol_ns: float | None = None) -> tuple[list[_Piece], int | None]:
     """Each window's interval; a window whose constraints no constant satisfies (drift inside it) is
-    split in halves until each half is satisfiable, or a single contradicting instance is left."""
+    split in halves until each half is satisfiable, or a single contradicting instance is left.
+    With violation_tol_ns, also the instances out of order on the current models (_violations), in
+    the same map (one round of items over the ranks instead of two); else None."""
     n = rows.n_cols
     out: list[_Piece] = []
     bounds = np.searchsorted(win, np.arange(nw + 1))
@@ -890,10 +892,21 @@ def _pieces(rows: InstanceRows, t: np.ndarray, clocks: RankClocks, ref: int, win
                 got_pieces.append(_Piece(a, b, tm, nan, nan.copy(), consistent=False))
         return got_pieces
 
-    for part in spread.map(solve, len(spans)):
-        out.extend(part)
+    checks = row_blocks(rows.n_rows, n) if violation_tol_ns is not None else []
+
+    def item(i: int) -> list[_Piece] | int:
+        if i < len(checks):
+            return len(_block_violations(rows, clocks, checks, violation_tol_ns or 0.0, i))
+        return solve(i - len(checks))
+
+    bad = 0
+    for part in spread.map(item, len(checks) + len(spans)):
+        if isinstance(part, int):
+            bad += part
+        else:
+            out.extend(part)
     out.sort(key=lambda pc: pc.r0)
-    return out
+    return out, (bad if violation_tol_ns is not None else None)
 
 
 def _py_max(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -1000,10 +1013,12 @@ def _fit_minimal(rows: InstanceRows, t: np.ndarray, npts: np.ndarray, ref: int, 
         notes = [""] * n
         # each round fits constants against the last round's model; joined linearly they can leave a
         # few instances out of order between two points: go on until none is (or the data say why)
-        if it >= p.iterations and _violations(rows, models, p.violation_tol_ns, spread) == 0:
-            break
         clocks = RankClocks(list(models))  # the round's models, applied to whole blocks
-        pieces = _pieces(rows, t, clocks, ref, win, nw, spread)
+        # the pieces and, from the repair rounds on, the instances still out of order: one map
+        pieces, bad = _pieces(rows, t, clocks, ref, win, nw, spread,
+                              p.violation_tol_ns if it >= p.iterations else None)
+        if bad == 0:
+            break
         tp = np.array([pc.t for pc in pieces])
         base = clocks.offsets_at(tp)  # [pieces, n]
         lo = base + np.array([pc.lo for pc in pieces])
@@ -1116,16 +1131,18 @@ REPAIR_PAD_NS = 50e6  # rows this close to a region are in its program too (thei
 def _violation_rows(rows: InstanceRows, models: list[NodeClockModel], tol_ns: float, spread: Spread) -> np.ndarray:
     """Rows (time order) where, after alignment, some node left before the last node entered (beyond tol)."""
     blocks = row_blocks(rows.n_rows, rows.n_cols)
-    clocks = RankClocks(list(models))
-
-    def find(b: int) -> np.ndarray:
-        E, Xmin, _ = rows.take(_all(*blocks[b]))
-        with quiet_nan():
-            bad = np.nanmin(clocks.align(Xmin), axis=1) < np.nanmax(clocks.align(E), axis=1) - tol_ns
-        return np.flatnonzero(bad) + blocks[b][0]
-
+    find = functools.partial(_block_violations, rows, RankClocks(list(models)), blocks, tol_ns)
     found = list((spread or SerialSpread()).map(find, len(blocks)))
     return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
+def _block_violations(rows: InstanceRows, clocks: RankClocks, blocks: list[tuple[int, int]], tol_ns: float,
+                      b: int) -> np.ndarray:
+    """The rows of block b out of order on the clocks (_violation_rows)."""
+    E, Xmin, _ = rows.take(_all(*blocks[b]))
+    with quiet_nan():
+        bad = np.nanmin(clocks.align(Xmin), axis=1) < np.nanmax(clocks.align(E), axis=1) - tol_ns
+    return np.flatnonzero(bad) + blocks[b][0]
 
 
 def _knot_weights(T: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
