@@ -11,6 +11,7 @@
  * marks where one C-level call of the evaluation loop (_PyEval_EvalFrameDefault) ends, so user
  * space can put each run of Python frames in place of its native evaluation frame. Names
  * (function, file, line) are read by the collector from the process's memory, once per code object.
+ * The record also says whether the thread held the GIL at the sample (gp_py_gil).
  * Every read is bpf_probe_read_user: a wrong offset or a freed frame gives a short or empty record,
  * never a fault.
  */
@@ -53,6 +54,16 @@ struct gp_py_proc {
     u32 task_fsbase;       /* 3.10: offsetof(struct task_struct, thread.fsbase) in the running
                             * kernel, from its BTF (the headers BCC compiles with may be another
                             * build's); 0 otherwise */
+    /* The GIL (struct _gil_runtime_state) the sampled thread runs under: at gil_addr (3.10/3.11:
+     * &_PyRuntime.ceval.gil, one per process), or, where gil_addr is 0 (3.12+: one per
+     * interpreter), through the thread's own interpreter: tstate->interp->ceval.gil. The thread
+     * holds it when it is locked and its last holder is the thread's state. gil_holder ==
+     * GP_PY_NONE: no GIL is read (GP_PY_GIL_UNKNOWN). */
+    u64 gil_addr;
+    u16 tstate_interp;
+    u16 interp_ceval_gil;
+    u16 gil_holder;        /* offsetof(struct _gil_runtime_state, last_holder) */
+    u16 gil_locked;        /* offsetof(struct _gil_runtime_state, locked): an int */
 };
 
 #define GP_PY_LAST_OF_CALL (1ULL << 63) /* in instr: the last frame of its C-level call */
@@ -63,9 +74,15 @@ struct gp_py_entry {
                 * GP_PY_LAST_OF_CALL */
 };
 
+#define GP_PY_GIL_UNKNOWN 0 /* the layout reads no GIL, or its reads failed */
+#define GP_PY_GIL_HELD 1
+#define GP_PY_GIL_NOT_HELD 2
+
 struct gp_py_stack {
     u32 depth;     /* entries used (one per frame) */
-    u32 truncated; /* 1: the interpreter's stack went on past GP_PY_MAX_FRAMES entries */
+    u16 truncated; /* 1: the interpreter's stack went on past GP_PY_MAX_FRAMES entries */
+    u16 gil;       /* GP_PY_GIL_*: whether the thread held the GIL at the sample (part of the
+                    * record's hash: the same frames with and without the GIL are two records) */
     struct gp_py_entry e[GP_PY_MAX_FRAMES];
 };
 
@@ -144,6 +161,27 @@ static __always_inline u64 gp_py_find_tstate(const struct gp_py_proc *p, u32 tid
     return 0;
 }
 
+/* GP_PY_GIL_*: whether the thread whose state is ts holds the GIL it runs under (two or four
+ * reads; a failed read says unknown, never held). */
+static __always_inline u16 gp_py_gil(const struct gp_py_proc *p, u64 ts)
+{
+    if (p->gil_holder == GP_PY_NONE || p->gil_locked == GP_PY_NONE)
+        return GP_PY_GIL_UNKNOWN;
+    u64 gil = p->gil_addr;
+    if (!gil && p->tstate_interp != GP_PY_NONE && p->interp_ceval_gil != GP_PY_NONE) {
+        u64 interp = gp_py_read_u64(ts + p->tstate_interp);
+        gil = interp ? gp_py_read_u64(interp + p->interp_ceval_gil) : 0;
+    }
+    if (!gil)
+        return GP_PY_GIL_UNKNOWN;
+    u64 holder = 0;
+    int locked = 0;
+    if (bpf_probe_read_user(&holder, sizeof(holder), (void *)(gil + p->gil_holder)) != 0
+        || bpf_probe_read_user(&locked, sizeof(locked), (void *)(gil + p->gil_locked)) != 0)
+        return GP_PY_GIL_UNKNOWN;
+    return locked && holder == ts ? GP_PY_GIL_HELD : GP_PY_GIL_NOT_HELD;
+}
+
 /* A field at off in the span read (an offset the version lacks, GP_PY_NONE - from, reads 0) */
 static __always_inline u64 gp_py_field(const u8 *buf, u32 off, int size)
 {
@@ -209,6 +247,8 @@ static __always_inline u64 gp_py_walk(u32 tgid, u32 tid, u32 ids)
         return 0;
     st->depth = n;
     st->truncated = frame != 0;
+    st->gil = gp_py_gil(p, ts);
+    hash = (hash ^ st->gil) * 0x100000001b3ULL;
     if (st->truncated)
         gp_py_count(3);
     gp_py_count(0);

@@ -76,7 +76,13 @@ class PyLayout:
     unicode_ascii_size: int  # sizeof(PyASCIIObject)
     unicode_compact_size: int  # sizeof(PyCompactUnicodeObject)
     linetable: str  # "3.10": (bytecode delta, line delta) pairs; "3.11": the location table
-    runtime_gil_holder: int = NONE  # _PyRuntime offset of the GIL holder (3.11: gilstate.tstate_current)
+    # the GIL the thread runs under (bpf/pyframes.h gp_py_gil): 3.10/3.11 one per process, at this
+    # offset of _PyRuntime (ceval.gil); 3.12+ one per interpreter, through tstate->interp->ceval.gil
+    gil_runtime: int = NONE
+    tstate_interp: int = NONE
+    interp_ceval_gil: int = NONE
+    gil_holder: int = NONE  # offsetof(struct _gil_runtime_state, last_holder)
+    gil_locked: int = NONE  # offsetof(struct _gil_runtime_state, locked)
 
 
 LAYOUTS: dict[tuple[int, int], PyLayout] = {
@@ -85,20 +91,22 @@ LAYOUTS: dict[tuple[int, int], PyLayout] = {
         tstate_thread_id=176, tstate_frame=24, cframe_frame=NONE, frame_code=32, frame_previous=24,
         frame_instr=96, frame_owner=NONE, frame_is_entry=NONE, thread_id_is_pthread=True, instr_is_index=True,
         boundary_each_frame=True, code_filename=104, code_name=112, code_linetable=120, code_firstlineno=40,
-        code_adaptive=0, unicode_ascii_size=48, unicode_compact_size=72, linetable="3.10"),
+        code_adaptive=0, unicode_ascii_size=48, unicode_compact_size=72, linetable="3.10",
+        gil_runtime=352, gil_holder=8, gil_locked=16),
     (3, 11): PyLayout(
         (3, 11), True, runtime_interp_head=40, interp_next=0, interp_threads_head=16, tstate_next=8,
         tstate_thread_id=160, tstate_frame=56, cframe_frame=8, frame_code=32, frame_previous=48,
         frame_instr=56, frame_owner=NONE, frame_is_entry=68, thread_id_is_pthread=False, instr_is_index=False,
         boundary_each_frame=False, code_filename=112, code_name=128, code_linetable=136, code_firstlineno=72,
         code_adaptive=184, unicode_ascii_size=48, unicode_compact_size=72, linetable="3.11",
-        runtime_gil_holder=576),
+        gil_runtime=360, gil_holder=8, gil_locked=16),
     (3, 12): PyLayout(
         (3, 12), True, runtime_interp_head=40, interp_next=0, interp_threads_head=72, tstate_next=8,
         tstate_thread_id=144, tstate_frame=56, cframe_frame=0, frame_code=0, frame_previous=8,
         frame_instr=56, frame_owner=70, frame_is_entry=NONE, thread_id_is_pthread=False, instr_is_index=False,
         boundary_each_frame=False, code_filename=112, code_name=128, code_linetable=136, code_firstlineno=68,
-        code_adaptive=192, unicode_ascii_size=40, unicode_compact_size=56, linetable="3.11"),
+        code_adaptive=192, unicode_ascii_size=40, unicode_compact_size=56, linetable="3.11",
+        tstate_interp=16, interp_ceval_gil=384, gil_holder=8, gil_locked=16),
 }
 
 # _Py_DebugOffsets of 3.13 (Include/internal/pycore_runtime.h): u64 fields, in this order, after
@@ -168,7 +176,16 @@ def layout_from_debug_offsets(raw: bytes) -> PyLayout:
         code_linetable=vals["code_object.linetable"], code_firstlineno=vals["code_object.firstlineno"],
         code_adaptive=vals["code_object.co_code_adaptive"], unicode_ascii_size=ascii_size,
         unicode_compact_size=ascii_size + 16,  # PyCompactUnicodeObject: + utf8_length, utf8
-        linetable="3.11")
+        linetable="3.11", tstate_interp=vals["thread_state.interp"],
+        interp_ceval_gil=vals["interpreter_state.ceval_gil"],
+        gil_holder=_gil_field(vals, "holder"), gil_locked=_gil_field(vals, "locked"))
+
+
+def _gil_field(vals: dict[str, int], field: str) -> int:
+    """A field's offset in struct _gil_runtime_state, from where 3.13's debug offsets put it in the
+    interpreter's own GIL (_gil); NONE (no GIL read) when that is not inside the struct."""
+    off = vals[f"interpreter_state.gil_runtime_state_{field}"] - vals["interpreter_state.gil_runtime_state"]
+    return off if 0 <= off < 256 else NONE
 
 
 # --- reading another process's memory --------------------------------------------------------------

@@ -122,14 +122,25 @@ def open_node_trace(path: str | os.PathLike[str], *, tables: tuple[str, ...] | N
                 continue
             ds = f[tpath]
             spec = schema.TABLES_BY_PATH.get(tpath)
+            added: list[schema.Column] = []
             if spec is not None:
-                missing = [c.name for c in spec.columns if c.name not in (ds.dtype.names or ())]
+                absent = [c for c in spec.columns if c.name not in (ds.dtype.names or ())]
+                missing = [c.name for c in absent if c.absent_reads_as is None]
                 if missing:
                     raise TraceFormatError(f"{p}: table {tpath} lacks column(s) {', '.join(missing)}")
+                added = absent  # columns newer than the file: read as what their doc says
             try:
                 out[tpath] = ds[()]
             except OSError as e:
                 raise TraceFormatError(f"{p}: table {tpath} cannot be read: {e}") from None
+            if added and spec is not None:
+                full = spec.empty(len(out[tpath]))
+                for name in full.dtype.names or ():
+                    if name in (ds.dtype.names or ()):
+                        full[name] = out[tpath][name]
+                for c in added:
+                    full[c.name] = c.absent_reads_as
+                out[tpath] = full
             enums[tpath] = {
                 k[: -len("_names")]: tuple(_decode(x) for x in ds.attrs[k])
                 for k in ds.attrs

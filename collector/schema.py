@@ -17,6 +17,9 @@ import numpy as np
 SCHEMA_NAME = "slurm-gpuprof.node"
 SCHEMA_VERSION = 1
 
+# /stacks/samples' gil column (bpf/pyframes.h GP_PY_GIL_*)
+GIL_UNKNOWN, GIL_HELD, GIL_NOT_HELD = 0, 1, 2
+
 # Root attributes every node file carries (name -> meaning). Those marked at seal are absent from a
 # file whose collector died; the reader reports such a file as partial.
 ROOT_ATTRS: dict[str, str] = {
@@ -56,6 +59,9 @@ class Column:
     dtype: str  # numpy dtype string
     unit: str  # '' for identifiers and enums
     doc: str
+    # a column added after files without it were written: such a file's table reads it as this
+    # value, whose meaning its doc gives ("not known"); None: every file has the column
+    absent_reads_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,8 @@ class Table:
         return np.zeros(n, dtype=self.dtype)
 
 
-def C(name: str, dtype: str, unit: str, doc: str) -> Column:
-    return Column(name, dtype, unit, doc)
+def C(name: str, dtype: str, unit: str, doc: str, absent_reads_as: int | None = None) -> Column:
+    return Column(name, dtype, unit, doc, absent_reads_as)
 
 
 T_NS = C("t_ns", "<u8", "ns", "CLOCK_MONOTONIC time of the sample")
@@ -404,6 +410,9 @@ STACK_SAMPLES = Table(
         C("tid", "<u4", "", "thread id"),
         C("cpu", "<u2", "", "CPU the samples were taken on"),
         *_STACK_COLS,
+        C("gil", "u1", "", "Python threads: 1 = the sampled thread held the GIL, 2 = it did not (it waited for it, "
+          "or ran native code that released it); 0 = not known (no Python frames, a layout without the GIL, or a "
+          "file written before the column was added: read as 0)", absent_reads_as=GIL_UNKNOWN),
         C("count", "<u4", "samples", "samples in the window"),
     ),
 )

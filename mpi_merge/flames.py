@@ -60,7 +60,8 @@ def _aligned(t_ns: np.ndarray, cm: ClockMap, model: NodeClockModel | None, epoch
 
 def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> dict[str, dict[int, Counter[str]]]:
     """table name -> pid -> folded stacks (root first; user frames, then kernel frames) weighted as
-    the table says, of the rows of `item.pids` whose window overlaps one of `item.spans`."""
+    the table says, of the rows of `item.pids` whose window overlaps one of `item.spans`; and "gil"
+    -> pid -> its Python threads' CPU samples by GIL state (_gil_counts), where the file records it."""
     out: dict[str, dict[int, Counter[str]]] = {name: {} for name, _, _ in TABLES}
     with h5py.File(item.path, "r") as f:
         names = stack_names(f)
@@ -74,6 +75,8 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
             if not len(rows):
                 continue
             inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), WINDOW_NS)
+            if name == "cpu" and "gil" in (rows.dtype.names or ()):
+                out["gil"] = _gil_counts(rows[inside])
             per = out[name]
             for r in rows[inside]:
                 user = names.get(int(r["user_stack"]), [])
@@ -83,6 +86,37 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
         if item.kernel:
             out["kernel_launch"] = _launch_stacks(f, item, names, cm, model, epoch_rt)
     return out
+
+
+GIL_STATES = {schema.GIL_HELD: "held", schema.GIL_NOT_HELD: "not_held"}
+
+
+def _gil_counts(rows: np.ndarray) -> dict[int, Counter[str]]:
+    """pid -> CPU samples of its Python threads by GIL state ("held", "not_held"; unknown left out)."""
+    out: dict[int, Counter[str]] = {}
+    for state, key in GIL_STATES.items():
+        sel = rows[rows["gil"] == state]
+        for pid in np.unique(sel["pid"]).tolist():
+            out.setdefault(int(pid), Counter())[key] += int(sel["count"][sel["pid"] == pid].sum())
+    return out
+
+
+def gil_summary(late: Counter[str], peers: Counter[str]) -> dict[str, Any] | None:
+    """The share of the Python samples taken with the GIL held, late processes against peers (None
+    when the late processes have no Python sample with a known GIL state)."""
+    n_late, n_peers = late["held"] + late["not_held"], peers["held"] + peers["not_held"]
+    if n_late <= 0:
+        return None
+    return {"late_held_share": round(late["held"] / n_late, 4),
+            "peers_held_share": round(peers["held"] / n_peers, 4) if n_peers > 0 else None,
+            "late_python_samples_per_process": round(n_late, 3), "peers_python_samples_per_process": round(n_peers, 3)}
+
+
+def gil_line(g: dict[str, Any]) -> str:
+    peers = (f", their peers in {g['peers_held_share']:.0%}" if g["peers_held_share"] is not None
+             else ", no Python sample of their peers")
+    return (f"the late processes' Python threads held the GIL in {g['late_held_share']:.0%} of their CPU samples"
+            f"{peers} (the rest: waiting for it, or native code that released it)")
 
 
 LAUNCH_MATCH_NS = 1_000_000  # a launch call (CUPTI) and the uprobe's launch row at most this far apart
@@ -265,6 +299,11 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
             f.stacks[name] = s
             f.evidence.append(evidence_line(name, s))
             out[fi][name] = top_stacks(late, peers)
+        gil = [p.get("gil", {}) for p in parts]
+        g = gil_summary(*(mean_per_process(gil, pids, reads)[0] for reads in (late_reads, peer_reads)))
+        if g is not None:
+            f.stacks["gil"] = g
+            f.evidence.append(gil_line(g))
         launch: Counter[str] = Counter()
         for ri in late_reads:
             for c in parts[ri].get("kernel_launch", {}).values():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from gpuprof.collector import schema
+from gpuprof.mpi_merge import flames
 from gpuprof.mpi_merge.flames import excess_path, peer_nodes, summarize
 
 
@@ -35,3 +37,20 @@ def test_peer_nodes_are_spread_and_exclude_the_late_ones() -> None:
     assert peer_nodes([0, 1, 2], {1}) == [0, 2]
     chosen = peer_nodes(list(range(100)), {5})
     assert len(chosen) == 8 and 5 not in chosen and chosen[0] == 0 and chosen[-1] == 99
+
+
+def test_gil_shares_of_late_processes_against_peers() -> None:
+    """Per process the Python samples by GIL state (unknown left out), then the late processes'
+    share held against their peers', said in the evidence."""
+    rows = schema.STACK_SAMPLES.empty(5)
+    rows["pid"] = [10, 10, 10, 20, 20]
+    rows["gil"] = [schema.GIL_HELD, schema.GIL_NOT_HELD, schema.GIL_UNKNOWN, schema.GIL_HELD, schema.GIL_NOT_HELD]
+    rows["count"] = [3, 7, 50, 9, 1]
+    got = flames._gil_counts(rows)
+    assert got == {10: Counter(held=3, not_held=7), 20: Counter(held=9, not_held=1)}
+    g = flames.gil_summary(got[10], got[20])
+    assert g is not None
+    assert (g["late_held_share"], g["peers_held_share"]) == (0.3, 0.9)
+    assert "held the GIL in 30% of their CPU samples, their peers in 90%" in flames.gil_line(g)
+    # no Python sample of the late processes: nothing to say
+    assert flames.gil_summary(Counter(), got[20]) is None

@@ -41,6 +41,7 @@ from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 from gpuprof.collector.symbolize import folded_stacks, merge_python_frames, stack_names
 
 CALLTREE = str(Path(__file__).resolve().parent / "progs" / "py_calltree.py")
+GIL_PROG = str(Path(__file__).resolve().parent / "progs" / "py_gil.py")
 HERE = (sys.version_info.major, sys.version_info.minor)
 
 
@@ -71,7 +72,9 @@ int main(void) {
     P("code_linetable", PyCodeObject, co_linetable);
     P("code_firstlineno", PyCodeObject, co_firstlineno);
     P("code_adaptive", PyCodeObject, co_code_adaptive);
-    P("runtime_gil_holder", _PyRuntimeState, gilstate.tstate_current);
+    P("gil_runtime", _PyRuntimeState, ceval.gil);
+    P("gil_holder", struct _gil_runtime_state, last_holder);
+    P("gil_locked", struct _gil_runtime_state, locked);
     printf("unicode_ascii_size %zu\nunicode_compact_size %zu\n", sizeof(PyASCIIObject),
            sizeof(PyCompactUnicodeObject));
     return 0;
@@ -248,10 +251,10 @@ def _skip_bpf() -> None:
         pytest.skip(f"no tested layout for Python {HERE}")
 
 
-def run_calltree(tmp_path: Path, args: list[str], python_frames: bool = True) -> tuple[Any, dict[str, Any], Any,
-                                                                                       BpfStacksSource]:
+def run_calltree(tmp_path: Path, args: list[str], python_frames: bool = True, program: str = CALLTREE,
+                 ) -> tuple[Any, dict[str, Any], Any, BpfStacksSource]:
     src = BpfStacksSource(99, python_frames=python_frames)
-    gated = GatedProcess([python(), CALLTREE, *args])
+    gated = GatedProcess([python(), program, *args])
     errors: list[str] = []
     ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",), errors=errors)
     batches, (rc, out, err) = run_source_over(src, ctx, gated, poll_s=0.5)
@@ -305,6 +308,32 @@ def test_python_call_tree_threads(tmp_path: Path) -> None:
     main_rows = rows[rows["tid"] == info["pid"]]
     for r in main_rows:
         assert "py::run_for" not in _py(names.get(int(r["user_stack"]), [])), "a worker's frames on the main thread"
+
+
+@pytest.mark.bpf
+def test_gil_state_of_each_sample(tmp_path: Path) -> None:
+    """A thread in a pure Python loop holds the GIL in its samples; a thread hashing in OpenSSL's
+    code, which released the GIL, does not; samples without Python frames say nothing."""
+    _skip_bpf()
+    rows, info, f, _ = run_calltree(tmp_path, ["4"], program=GIL_PROG)
+    names = stack_names(f)
+    work = rows[rows["t_ns"] >= info["t_work_ns"]]
+
+    def states(fn: str, tid: int) -> dict[int, int]:
+        out = {schema.GIL_UNKNOWN: 0, schema.GIL_HELD: 0, schema.GIL_NOT_HELD: 0}
+        for r in work[work["tid"] == tid]:
+            if any(n.startswith(f"py::{fn} (") for n in names.get(int(r["user_stack"]), [])):
+                out[int(r["gil"])] += int(r["count"])
+        return out
+
+    held = states("holds_gil", info["tids"]["holds_gil"])
+    released = states("releases_gil", info["tids"]["releases_gil"])
+    assert sum(held.values()) >= 50 and sum(released.values()) >= 50, (held, released)
+    assert held[schema.GIL_HELD] >= 0.9 * sum(held.values()), held
+    assert released[schema.GIL_NOT_HELD] >= 0.8 * sum(released.values()), released
+    assert held[schema.GIL_UNKNOWN] == released[schema.GIL_UNKNOWN] == 0
+    no_py = [int(r["gil"]) for r in rows if not _py(names.get(int(r["user_stack"]), []))]
+    assert set(no_py) <= {schema.GIL_UNKNOWN}
 
 
 @pytest.mark.bpf

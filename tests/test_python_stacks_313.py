@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from conftest import unprivileged_user
 from harness import PROGS
-from py_calltree_check import check_known_tree, py_frames
+from py_calltree_check import check_known_tree, gil_states, py_frames
 from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree, sample_with_bpf
 
-from gpuprof.collector import pyframes
+from gpuprof.collector import pyframes, schema
 from gpuprof.collector.bpf_support import attach_path, read_maps
 from gpuprof.collector.pyframes import find_interpreter
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
@@ -164,6 +164,9 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
         sorted(folded_stacks(f))[:5]
     walked, _missing, not_stored, _truncated = src.python.last_counts
     assert walked > 0 and not_stored == 0
+    # the GIL, read through the thread's interpreter at the debug offsets: held in the pure Python loop
+    held = gil_states(rows, names, "py::activation")
+    assert held[schema.GIL_HELD] >= 0.9 * sum(held.values()) > 0, held
 
 
 @pytest.mark.bpf

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
 
 from gpuprof.collector import docgen, schema
@@ -65,3 +67,26 @@ def test_inspect_json_of_sealed_case() -> None:
     assert s["sealed"] and s["schema"] == "slurm-gpuprof.node v1" and s["rates_hz"]["host"] == 10
     assert {"source": "nvml", "device": 1, "metric": "power_w", "reason": "NVML_ERROR_NOT_SUPPORTED"} \
         in s["missing_metrics"]
+
+
+def test_a_column_added_later_reads_as_its_absent_value(tmp_path: Path) -> None:
+    """A file written before /stacks/samples had `gil` (a real recording of the demo) reads it as
+    0, "not known", with every other column as stored; a file that lacks a column every file has
+    is refused, naming the file, the table and the column."""
+    rec = ROOT / "tests" / "recordings" / "demo-4nodes" / "node1.h5"
+    with h5py.File(rec, "r") as f:
+        stored = f[schema.STACK_SAMPLES.path][()]
+    assert "gil" not in (stored.dtype.names or ())
+    rows = open_node_trace(rec, tables=(schema.STACK_SAMPLES.path,)).table(schema.STACK_SAMPLES.path)
+    assert len(rows) == len(stored) > 0
+    assert (rows["gil"] == schema.GIL_UNKNOWN).all()
+    assert (rows["user_stack"] == stored["user_stack"]).all() and (rows["count"] == stored["count"]).all()
+    bad = tmp_path / "node1.h5"
+    shutil.copy(rec, bad)
+    with h5py.File(bad, "r+") as f:
+        old = f[schema.STACK_SAMPLES.path][()]
+        keep = [n for n in old.dtype.names if n != "count"]
+        del f[schema.STACK_SAMPLES.path]
+        f.create_dataset(schema.STACK_SAMPLES.path, data=old[keep].copy())
+    with pytest.raises(TraceFormatError, match=r"node1\.h5: table /stacks/samples lacks column\(s\) count"):
+        open_node_trace(bad, tables=(schema.STACK_SAMPLES.path,))

@@ -343,6 +343,9 @@ class PythonStacks:
             leaf.frame_read_from = min(used)
             leaf.frame_read_len = max(used) + 8 - min(used)  # one read per frame, of the fields used only
             leaf.task_fsbase = task_fsbase
+            leaf.gil_addr = proc.runtime + lay.gil_runtime if lay.gil_runtime != NONE else 0
+            for field in ("tstate_interp", "interp_ceval_gil", "gil_holder", "gil_locked"):
+                setattr(leaf, field, getattr(lay, field))
             self.procs_map[key] = leaf
             self.namers[pid] = PyFrameNamer(proc)
 
@@ -358,10 +361,12 @@ class PythonStacks:
             except KeyError:
                 pass
 
-    def take(self, ids: set[int], keep: set[int]) -> dict[int, list[tuple[int, int]] | None]:
-        """The entries (code, instr) of each Python stack id, innermost first; freed in the kernel
-        map unless the new window uses it."""
+    def take(self, ids: set[int], keep: set[int]) -> tuple[dict[int, list[tuple[int, int]] | None], dict[int, int]]:
+        """(the entries (code, instr) of each Python stack id, innermost first; the GIL state of
+        each id read, GIL_* of schema.STACK_SAMPLES' gil column); freed in the kernel map unless the
+        new window uses it."""
         out: dict[int, list[tuple[int, int]] | None] = {}
+        gil: dict[int, int] = {}
         for sid in ids:
             key = self.stacks_map.Key(sid)
             try:
@@ -370,12 +375,13 @@ class PythonStacks:
                 out[sid] = None
                 continue
             out[sid] = [(int(rec.e[i].code), int(rec.e[i].instr)) for i in range(min(int(rec.depth), len(rec.e)))]
+            gil[sid] = int(rec.gil)
             if sid not in keep:
                 try:
                     del self.stacks_map[key]
                 except KeyError:
                     pass
-        return out
+        return out, gil
 
     def counts(self) -> list[int]:
         """[records walked, thread state not found, record not stored, truncated], all CPUs."""
@@ -425,18 +431,19 @@ class UserStacks:
 
     def take(self, cfi_ids: set[int], py_ids: set[int], keep_cfi: set[int], keep_py: set[int],
              frames: Mapping[int, Sequence[int] | None]
-             ) -> tuple[dict[int, Sequence[int] | None], dict[int, list[tuple[int, int]] | None]]:
-        """(frames with the pc lists of the CFI ids added, the Python entries of the Python ids),
-        both read from the kernel maps and freed there unless kept (ids a new window or a sleeping
-        thread still uses)."""
+             ) -> tuple[dict[int, Sequence[int] | None], dict[int, list[tuple[int, int]] | None], dict[int, int]]:
+        """(frames with the pc lists of the CFI ids added, the Python entries of the Python ids,
+        the GIL state of the Python ids), read from the kernel maps and freed there unless kept
+        (ids a new window or a sleeping thread still uses)."""
         out: dict[int, Sequence[int] | None] = dict(frames)
         py_entries: dict[int, list[tuple[int, int]] | None] = {}
+        py_gil: dict[int, int] = {}
         with self.lock:
             if self.cfi is not None and cfi_ids:
                 out.update(self.cfi.take(cfi_ids, keep_cfi))
             if self.python is not None and py_ids:
-                py_entries = self.python.take(py_ids, keep_py)
-        return out, py_entries
+                py_entries, py_gil = self.python.take(py_ids, keep_py)
+        return out, py_entries, py_gil
 
     def decoder(self, store: StackStore, frames: Mapping[int, Sequence[int] | None],
                 py_entries: dict[int, list[tuple[int, int]] | None], python_frames: bool = True) -> UserStackDecoder:
@@ -617,7 +624,7 @@ class BpfStacksSource(Source):
         # registered the process for its own walks (they are then not merged here)
         py_ids = keys["py_stack"].tolist()
         live = self.counts.live_keys  # the new window's CFI and Python ids stay in the kernel maps
-        all_frames, py_entries = self.users.take({c for c in cfi_ids if c}, {p for p in py_ids if p},
+        all_frames, py_entries, py_gil = self.users.take({c for c in cfi_ids if c}, {p for p in py_ids if p},
                                                  nonzero_ids(live["cfi_stack"]), nonzero_ids(live["py_stack"]), frames)
         dec = self.users.decoder(self.store, all_frames, py_entries, self.python_frames)
         users = np.empty(len(keys), np.uint32)
@@ -629,6 +636,7 @@ class BpfStacksSource(Source):
         rows = schema.STACK_SAMPLES.empty(len(keys))
         rows["t_ns"], rows["pid"], rows["tid"], rows["cpu"] = t0, keys["pid"], keys["tid"], keys["cpu"]
         rows["user_stack"], rows["kernel_stack"] = users, kernels
+        rows["gil"] = [py_gil.get(py, schema.GIL_UNKNOWN) for py in py_ids]
         rows["count"] = values if values.dtype.names is None else values[values.dtype.names[0]]
         # what no source sees any more is forgotten; CFI registrations run in the unwinder's own
         # thread, on what the BPF programs mark

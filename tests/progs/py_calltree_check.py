@@ -23,6 +23,18 @@ def py_frames(names: list[str]) -> list[str]:
     return [n.split(" (")[0] for n in reversed(names) if n.startswith("py::")]
 
 
+def gil_states(rows: Any, names: dict[int, list[str]], innermost_py: str, native_leaf: str = "") -> Counter[int]:
+    """Samples per GIL state (schema.GIL_*) of the stacks whose innermost Python frame is
+    `innermost_py` (`py::function`) and, with native_leaf, whose innermost frame starts with it."""
+    out: Counter[int] = Counter()
+    for r in rows:
+        st = names.get(int(r["user_stack"]), [])
+        py = [n.split(" (")[0] for n in st if n.startswith("py::")]
+        if py and py[0] == innermost_py and (not native_leaf or (st and st[0].startswith(native_leaf))):
+            out[int(r["gil"])] += int(r["count"])
+    return out
+
+
 def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], root: tuple[str, ...],
                      outermost: bool = False, t_work_ns: int = 0) -> dict[str, Any]:
     """The samples of the worker threads against the program's call tree: every Python stack of the
