@@ -133,32 +133,13 @@ static __always_inline u64 gp_py_thread_key(const struct gp_py_proc *p, u32 tid)
 #endif
 }
 
-static __always_inline u64 gp_py_find_tstate(const struct gp_py_proc *p, u32 tid)
+/* The innermost frame of a thread state (0: it runs no Python code now) */
+static __always_inline u64 gp_py_frame_of(const struct gp_py_proc *p, u64 ts)
 {
-    u64 want = gp_py_thread_key(p, tid);
-    if (want == 0)
-        return 0;
-    u64 *cached = gp_py_tstates.lookup(&tid);
-    if (cached && *cached && gp_py_read_u64(*cached + p->tstate_thread_id) == want)
-        return *cached;
-    u64 now = bpf_ktime_get_ns();
-    u64 *missed = gp_py_misses.lookup(&tid);
-    if (missed && now - *missed < GP_PY_MISS_RETRY_NS)
-        return 0;
-    u64 interp = gp_py_read_u64(p->interp_head_addr);
-    for (int i = 0; i < GP_PY_MAX_INTERPS && interp; i++) {
-        u64 ts = gp_py_read_u64(interp + p->interp_threads_head);
-        for (int j = 0; j < GP_PY_MAX_THREADS && ts; j++) {
-            if (gp_py_read_u64(ts + p->tstate_thread_id) == want) {
-                gp_py_tstates.update(&tid, &ts);
-                return ts;
-            }
-            ts = gp_py_read_u64(ts + p->tstate_next);
-        }
-        interp = gp_py_read_u64(interp + p->interp_next);
-    }
-    gp_py_misses.update(&tid, &now);
-    return 0;
+    u64 frame = gp_py_read_u64(ts + p->tstate_frame);
+    if (frame && p->cframe_frame != GP_PY_NONE)
+        frame = gp_py_read_u64(frame + p->cframe_frame);
+    return frame;
 }
 
 /* GP_PY_GIL_*: whether the thread whose state is ts holds the GIL it runs under (two or four
@@ -180,6 +161,56 @@ static __always_inline u16 gp_py_gil(const struct gp_py_proc *p, u64 ts)
         || bpf_probe_read_user(&locked, sizeof(locked), (void *)(gil + p->gil_locked)) != 0)
         return GP_PY_GIL_UNKNOWN;
     return locked && holder == ts ? GP_PY_GIL_HELD : GP_PY_GIL_NOT_HELD;
+}
+
+/* The thread's PyThreadState, and in *frame its innermost frame. A thread that ran in several
+ * interpreters (a subinterpreter's run_string) has a state in each, all with its thread id; so in
+ * a process with more than one interpreter the states are searched at each sample, and the one
+ * that holds its interpreter's GIL is taken, else one with a frame, else the first found. With
+ * one interpreter the state is cached per thread (checked against the thread id it holds), and a
+ * thread with none is searched again at most every GP_PY_MISS_RETRY_NS. */
+static __always_inline u64 gp_py_find_tstate(const struct gp_py_proc *p, u32 tid, u64 *frame)
+{
+    *frame = 0;
+    u64 want = gp_py_thread_key(p, tid);
+    if (want == 0)
+        return 0;
+    u64 interp = gp_py_read_u64(p->interp_head_addr);
+    int several = interp && gp_py_read_u64(interp + p->interp_next) != 0;
+    u64 *cached = gp_py_tstates.lookup(&tid);
+    if (!several && cached && *cached && gp_py_read_u64(*cached + p->tstate_thread_id) == want) {
+        *frame = gp_py_frame_of(p, *cached);
+        return *cached;
+    }
+    u64 now = bpf_ktime_get_ns();
+    u64 *missed = gp_py_misses.lookup(&tid);
+    if (!several && missed && now - *missed < GP_PY_MISS_RETRY_NS)
+        return 0;
+    u64 best = 0, best_frame = 0;
+    int best_rank = 0;
+    for (int i = 0; i < GP_PY_MAX_INTERPS && interp && best_rank < 3; i++) {
+        u64 ts = gp_py_read_u64(interp + p->interp_threads_head);
+        for (int j = 0; j < GP_PY_MAX_THREADS && ts; j++) {
+            if (gp_py_read_u64(ts + p->tstate_thread_id) == want) {
+                u64 f = gp_py_frame_of(p, ts);
+                int rank = !f ? 1 : (several && gp_py_gil(p, ts) == GP_PY_GIL_HELD) ? 3 : 2;
+                if (rank > best_rank) {
+                    best = ts;
+                    best_frame = f;
+                    best_rank = rank;
+                }
+                break; /* one state per thread in an interpreter */
+            }
+            ts = gp_py_read_u64(ts + p->tstate_next);
+        }
+        interp = gp_py_read_u64(interp + p->interp_next);
+    }
+    if (best)
+        gp_py_tstates.update(&tid, &best);
+    else
+        gp_py_misses.update(&tid, &now);
+    *frame = best_frame;
+    return best;
 }
 
 /* A field at off in the span read (an offset the version lacks, GP_PY_NONE - from, reads 0) */
@@ -204,14 +235,12 @@ static __always_inline u64 gp_py_walk(u32 tgid, u32 tid, u32 ids)
     struct gp_py_proc *p = gp_py_procs.lookup(&tgid);
     if (!p)
         return 0;
-    u64 ts = gp_py_find_tstate(p, tid);
+    u64 frame = 0;
+    u64 ts = gp_py_find_tstate(p, tid, &frame);
     if (!ts) {
         gp_py_count(1);
         return 0;
     }
-    u64 frame = gp_py_read_u64(ts + p->tstate_frame);
-    if (frame && p->cframe_frame != GP_PY_NONE)
-        frame = gp_py_read_u64(frame + p->cframe_frame);
     if (!frame)
         return 0;
     int slot = ids & 1;

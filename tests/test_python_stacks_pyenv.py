@@ -316,3 +316,30 @@ def test_call_tree_under_sbatch(version: str, pyenv_for_users: Path, cluster: An
     assert got["with_py"] >= 0.95 * got["total"], got
     assert got["leaves"]["py::layer"] > 0 and got["leaves"]["py::activation"] > 0, got
     assert any(";py::layer (" in k and k.rsplit(";", 1)[-1].startswith("crc32") for k in folded), sorted(folded)[:5]
+
+
+SUBINTERP = str(Path(__file__).resolve().parent / "progs" / "py_subinterp.py")
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("version", [v for v in VERSIONS if _minor(v) >= (3, 13)])
+def test_subinterpreter_frames_and_gil(version: str, tmp_path: Path) -> None:
+    """A loop in a subinterpreter (its own GIL, run by another thread through run_string) beside one
+    in the main interpreter: each thread's samples hold its own interpreter's frames, and each held
+    its own interpreter's GIL (the thread has a state in both interpreters: the walk takes the one
+    holding its GIL). Not 3.12: its _xxsubinterpreters.run_string runs the other thread on the state
+    bound to the thread that created the interpreter, whose thread id is the creator's, so no
+    reader can tell the two threads apart by thread id (docs/probes.md)."""
+    rows, info, f, _ = sample_with_bpf([_python(version), SUBINTERP, "3"], ENV, tmp_path / "node.h5")
+    names = stack_names(f)
+    work = rows[rows["t_ns"] >= info["t_work_ns"]]
+    for fn in ("main_spin", "sub_spin"):
+        mine = work[work["tid"] == info["tids"][fn]]
+        total = int(mine["count"].sum())
+        in_fn = [r for r in mine if any(n.startswith(f"py::{fn} (") for n in names.get(int(r["user_stack"]), []))]
+        n_in = sum(int(r["count"]) for r in in_fn)
+        held = sum(int(r["count"]) for r in in_fn if int(r["gil"]) == schema.GIL_HELD)
+        print(f"python {version} {fn}: {total} samples, {n_in} in it, {held} with the GIL held")
+        assert total >= 50, (fn, total)
+        assert n_in >= 0.9 * total, fn
+        assert held >= 0.9 * n_in, fn
