@@ -383,9 +383,9 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     steps = StepTimes(rank)
     # the rank that assembles the job file from the node files while rank 0 analyzes
     writer = size - 1
-    calls_of = {f: parts_dir / f"{i:06d}.calls.npy" for i, f in enumerate(files)}
+    calls_of = {f: node_part(parts_dir, i, "calls.npy") for i, f in enumerate(files)}
     # aligned call times go to a file of their own per node, written by the node's rank
-    aligned_of = {f: parts_dir / f"{i:06d}.aligned.h5" for i, f in enumerate(files)}
+    aligned_of = {f: node_part(parts_dir, i, "aligned.h5") for i, f in enumerate(files)}
     job_tmp = parts_dir / "job.h5"  # beside the output (same file system), renamed into place at the end
 
     # 1. each rank reads its node files once: the summary, and the node's calls on its realtime clock
@@ -396,7 +396,7 @@ def _merge(c: Comm, plan: dict[str, Any], files: list[str], parts_dir: Path, t_s
     progress: Progress | TerminalProgress = (TerminalProgress if sys.stderr.isatty() else Progress)(
         rank == 0 and show_progress)
     # with progress on, every rank leaves a marker per file it has read, which rank 0 counts
-    read_marker_of = {f: parts_dir / f"{i:06d}.read" for i, f in enumerate(files)}
+    read_marker_of = {f: node_part(parts_dir, i, "read") for i, f in enumerate(files)}
     progress("reading node files", 0, len(files), "files read")
     for f in claim_files(files, rank, size, parts_dir):
         if progress.due():  # the count lists the parts directory: only for a line that is printed
@@ -658,11 +658,17 @@ def _nccl_log(files: list[str], analysis: JobAnalysis) -> nccl_log.NcclLog | Non
     return log
 
 
+NODE_PARTS = ("claim", "read", "calls.npy", "aligned.h5")  # what the merge leaves per node file
+
+
+def node_part(parts_dir: Path, i: int, kind: str) -> Path:
+    """The part `kind` (NODE_PARTS) of node file i in the parts directory."""
+    return parts_dir / f"{i:06d}.{kind}"
+
+
 def node_parts(parts_dir: Path, files: list[str]) -> list[Path]:
-    """The files the merge leaves per node file in the parts directory: its claim, its read marker,
-    its calls and its aligned times (the names step 1 gives them)."""
-    return [parts_dir / f"{i:06d}.{kind}" for i in range(len(files)) for kind in ("claim", "read", "calls.npy",
-                                                                                  "aligned.h5")]
+    """Every node file's parts: its claim, its read marker, its calls and its aligned times."""
+    return [node_part(parts_dir, i, kind) for i in range(len(files)) for kind in NODE_PARTS]
 
 
 class FileRemoval:
@@ -672,15 +678,16 @@ class FileRemoval:
     STEP_FILES = 16
 
     def __init__(self, paths: list[Path]):
-        self.left = paths
+        self.paths = paths
+        self.done = 0
 
     def step(self) -> bool:
         """Remove the next few; False when none is left."""
-        now, self.left = self.left[:self.STEP_FILES], self.left[self.STEP_FILES:]
-        for path in now:
+        for path in self.paths[self.done:self.done + self.STEP_FILES]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        return bool(self.left)
+        self.done += self.STEP_FILES
+        return self.done < len(self.paths)
 
 
 def _files_read(parts_dir: Path) -> int:
@@ -701,7 +708,7 @@ def claim_files(files: list[str], rank: int, size: int, parts_dir: Path) -> Iter
                 yield f
             continue
         try:
-            fd = os.open(parts_dir / f"{i:06d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(node_part(parts_dir, i, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             continue  # another rank reads it
         os.close(fd)
