@@ -3,9 +3,9 @@
  * The collector (collector/pyframes.py) finds _PyRuntime in a job process's executable or libpython,
  * and writes one gp_py_proc per pid: the address of _PyRuntime.interpreters.head and the offsets of
  * the few fields walked here, taken from a table per CPython version (3.13: from the process's own
- * _Py_DebugOffsets). At a sample, gp_py_walk finds the thread's PyThreadState (cached per tid,
- * checked against the thread id it holds; else the interpreters' thread lists are searched, bounded)
- * and copies (code object address, instruction) of its frames, innermost first, into a record
+ * _Py_DebugOffsets). At a sample, gp_py_walk finds the thread's PyThreadState (gp_py_find_tstate:
+ * cached per tid and checked against the thread id it holds in a process of one interpreter; else
+ * the interpreters' thread lists are searched, bounded) and copies (code object address, instruction) of its frames, innermost first, into a record
  * stored once per distinct content (gp_py_stacks, keyed by a 64-bit hash). An entry with code == 0
  * (3.12+: the loop's entry frame) or with GP_PY_LAST_OF_CALL (3.11: is_entry; 3.10: every frame)
  * marks where one C-level call of the evaluation loop (_PyEval_EvalFrameDefault) ends, so user
