@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 import native_progs
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python, run_source_over
-from py_calltree_check import check_known_tree, sbatch_job_stacks
+from py_calltree_check import check_known_tree, check_leaf_shares, sbatch_job_stacks
 from py_calltree_check import py_frames as _py
 
 from gpuprof.collector import pyframes, schema
@@ -274,12 +274,11 @@ def test_python_call_tree_single_thread(tmp_path: Path) -> None:
                            t_work_ns=info["t_work_ns"])
     assert got["with_py"] >= 0.95 * got["total"], got
     assert got["layer_with_native"] >= 0.8 * got["leaves"]["py::layer"], got
-    # both leaves of the tree show, each a real share of the time
-    assert got["leaves"]["py::layer"] >= 0.2 * got["total"], got
-    assert got["leaves"]["py::activation"] >= 0.1 * got["total"], got
+    # both leaves of the tree show, each with the share of the time the program measured of it
+    check_leaf_shares(got, info)
     # forward()'s frame under layer() is at the line of that call: the sampled line, not the def's
     src_lines = Path(CALLTREE).read_text().splitlines()
-    call_line = next(i for i, t in enumerate(src_lines, 1) if "x = layer(x)" in t)
+    call_line = next(i for i, t in enumerate(src_lines, 1) if "y = layer(x)" in t)
     callers = {st[i + 1] for st in names.values() for i, n in enumerate(st[:-1])
                if n.startswith("py::layer (") and st[i + 1].startswith("py::forward (")}
     assert callers == {f"py::forward ({CALLTREE}:{call_line})"}, callers

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from conftest import unprivileged_user
 from harness import PROGS
-from py_calltree_check import check_known_tree, gil_states, py_frames
+from py_calltree_check import check_known_tree, check_leaf_shares, gil_states, py_frames
 from py_frames_check import BLOCKED_TREE, blocked_tree, check_blocked_tree, sample_with_bpf
 
 from gpuprof.collector import pyframes, schema
@@ -135,8 +135,7 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
                            t_work_ns=info["t_work_ns"])
     print("python3.13 single thread:", json.dumps({k: dict(v) if k == "leaves" else v for k, v in got.items()}))
     assert got["with_py"] >= 0.9 * got["total"], got
-    assert got["leaves"]["py::layer"] >= 0.2 * got["total"], got
-    assert got["leaves"]["py::activation"] >= 0.1 * got["total"], got
+    check_leaf_shares(got, info)
     assert got["layer_with_native"] >= 0.8 * got["leaves"]["py::layer"], got  # numpy's C code above layer
     script = f"{inside}/py_calltree.py"
     src_lines = (PROGS / "py_calltree.py").read_text().splitlines()
@@ -148,7 +147,7 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
 
     where = _files_and_lines(names, script)
     # the line being run in each caller: its call of the next function down
-    assert where["forward"] >= {(script, line_of("x = layer(x)"))}, where["forward"]
+    assert where["forward"] >= {(script, line_of("y = layer(x)"))}, where["forward"]
     # or at its `def` line: a frame sampled at its first instruction (RESUME is on the def line)
     for func, line, def_line in (
             ("train_step", line_of("return forward(x)"), line_of("def train_step(")),
@@ -158,7 +157,7 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
             (func, where[func], line, def_line)
     callers = {st[i + 1] for st in names.values() for i, n in enumerate(st[:-1])
                if n.startswith("py::layer (") and st[i + 1].startswith("py::forward (")}
-    assert callers == {f"py::forward ({script}:{line_of('x = layer(x)')})"}, callers
+    assert callers == {f"py::forward ({script}:{line_of('y = layer(x)')})"}, callers
     # numpy's C code above layer, named through the root: the reference BLAS's dgemm_ innermost
     assert any(";py::layer (" in k and k.endswith(";cblas_dgemm;dgemm_") for k in folded_stacks(f)), \
         sorted(folded_stacks(f))[:5]

@@ -13,8 +13,10 @@ product, C code under the same Python frame; anything else is refused.
 It sleeps 1 s first: the collector looks for an interpreter in a new pid (or one that exec'd) at
 its next drain, so samples of the first moments of a process have no Python frames.
 Prints one JSON line at the end: pid, native thread ids of the workers, CPU seconds, train steps
-done (all threads), and when the
-work started (CLOCK_MONOTONIC ns: samples of windows starting later are all of the work).
+done (all threads), when the work started (CLOCK_MONOTONIC ns: samples of windows starting later
+are all of the work), and each leaf's share of the work's CPU time (the threads' own clocks, read
+around each call): the "about half" above depends on the machine's BLAS and CPU, so the tests
+compare the samples with these, not with a fixed share.
 """
 
 from __future__ import annotations
@@ -64,10 +66,25 @@ def activation(n: int) -> int:
     return total
 
 
+class LeafTimes(threading.local):
+    """This thread's CPU time in each leaf of the tree (ns): what the samples' shares should match."""
+
+    layer_ns = 0
+    activation_ns = 0
+
+
+LEAF_TIMES = LeafTimes()
+
+
 def forward(x: Any) -> Any:
     for _ in range(40):
-        x = layer(x) / float(N)
+        t0 = time.thread_time_ns()
+        y = layer(x)
+        LEAF_TIMES.layer_ns += time.thread_time_ns() - t0
+        x = y / float(N)
+    t0 = time.thread_time_ns()
     activation(6000)
+    LEAF_TIMES.activation_ns += time.thread_time_ns() - t0
     return x
 
 
@@ -76,16 +93,19 @@ def train_step(x: Any) -> Any:
 
 
 STEPS: list[int] = []  # train steps done, one entry per thread (the bench's measure of speed)
+CPU_NS: list[tuple[int, int, int]] = []  # per thread: CPU ns in run_for, in layer, in activation
 
 
 def run_for(seconds: float) -> None:
     x = start()
+    t0 = time.thread_time_ns()
     end = time.monotonic() + seconds
     steps = 0
     while time.monotonic() < end:
         x = train_step(x)
         steps += 1
     STEPS.append(steps)
+    CPU_NS.append((time.thread_time_ns() - t0, LEAF_TIMES.layer_ns, LEAF_TIMES.activation_ns))
 
 
 def spawn_workers(n: int, seconds: float, tids: list[int]) -> list[threading.Thread]:
@@ -116,8 +136,11 @@ def main() -> None:
         tids.append(threading.get_native_id())
         run_for(seconds)
     t = os.times()
+    work_ns = sum(c[0] for c in CPU_NS)
     print(json.dumps({"pid": os.getpid(), "tids": tids, "cpu_s": t.user + t.system, "t_work_ns": t_work_ns,
-                      "steps": sum(STEPS)}),
+                      "steps": sum(STEPS),
+                      "leaf_shares": {"py::layer": sum(c[1] for c in CPU_NS) / work_ns,
+                                      "py::activation": sum(c[2] for c in CPU_NS) / work_ns}}),
           flush=True)
 
 

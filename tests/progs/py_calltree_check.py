@@ -66,6 +66,21 @@ def check_known_tree(rows: Any, names: dict[int, list[str]], tids: list[int], ro
     return {"total": total, "with_py": with_py, "leaves": leaves, "layer_with_native": layer_with_native}
 
 
+def check_leaf_shares(got: dict[str, Any], info: dict[str, Any]) -> None:
+    """Each leaf of the tree (layer, activation) holds the share of the samples that the program
+    measured of its CPU time (info["leaf_shares"], the threads' clocks around each call): within
+    four binomial standard deviations of the sample count, plus 3 % of the samples for the
+    windows' edges (start-up and the end are in the total, not in the leaves); and each leaf is
+    seen at all (at least a quarter of its measured share)."""
+    total = got["total"]
+    for leaf, share in info["leaf_shares"].items():
+        seen = got["leaves"][leaf]
+        expected = share * total
+        slack = 4 * (total * share * (1 - share)) ** 0.5 + 0.03 * total
+        assert abs(seen - expected) <= slack, (leaf, seen, expected, slack, got)
+        assert seen >= 0.25 * expected, (leaf, seen, expected, got)
+
+
 def sbatch_job_stacks(job_dir: Path, job: int | str) -> tuple[dict[str, Any], Any, dict[int, list[str]], Counter[str]]:
     """Of a finished `sbatch --profile-gpu=stacks` job of py_calltree.py run in job_dir: the program's
     JSON line, node1's /stacks/samples rows, their stack names and folded stacks. The node file may
