@@ -168,13 +168,17 @@ HOST_PROCS = Table(
     (
         T_NS,
         C("pid", "<u4", "", "process id"),
-        C("cpu_time_ns", "<u8", "ns", "user + system CPU time"),
-        C("rss_bytes", "<u8", "bytes", "resident set size"),
-        C("num_threads", "<u4", "", "threads"),
-        C("voluntary_ctxsw", "<u8", "", "voluntary context switches, all threads"),
-        C("involuntary_ctxsw", "<u8", "", "involuntary context switches, all threads"),
-        C("read_bytes", "<u8", "bytes", "/proc/PID/io read_bytes (NaN-free: 0 only if the kernel says 0)"),
-        C("write_bytes", "<u8", "bytes", "/proc/PID/io write_bytes"),
+        C("cpu_time_ns", "<u8", "ns", "user + system CPU time (the native reader: the threads' run times at every "
+          "tick, brought up to /proc/PID/stat's at each full read)"),
+        C("rss_bytes", "<u8", "bytes", "resident set size (the native reader: at its full reads, once a second)"),
+        C("num_threads", "<u4", "", "threads (the native reader: at its full reads)"),
+        C("voluntary_ctxsw", "<u8", "", "voluntary context switches, all threads (the native reader: at its full "
+          "reads)"),
+        C("involuntary_ctxsw", "<u8", "", "involuntary context switches, all threads (the native reader: at its full "
+          "reads)"),
+        C("read_bytes", "<u8", "bytes", "/proc/PID/io read_bytes (NaN-free: 0 only if the kernel says 0; the "
+          "native reader: at its full reads)"),
+        C("write_bytes", "<u8", "bytes", "/proc/PID/io write_bytes (the native reader: at its full reads)"),
     ),
 )
 

@@ -138,10 +138,12 @@ def test_readers_agree_on_a_threaded_process(monkeypatch: pytest.MonkeyPatch) ->
     assert int(a["read_bytes"]) == int(b["read_bytes"]) and int(a["write_bytes"]) == int(b["write_bytes"])
 
 
-def test_native_reader_sees_new_switches_of_a_single_threaded_process(reader: str) -> None:
-    """The C reader reuses the last switch counts only while the task has not run (schedstat run
-    time unchanged): a process that wakes every 10 ms must show its new switches at every tick,
-    and one that sleeps throughout keeps the same counts."""
+def test_switch_counts_move_once_a_second_in_c_and_at_every_tick_in_python(reader: str) -> None:
+    """Context switches come from each thread's status, the dearest read: the C reader reads them
+    once a second (FULL_READ_INTERVAL_S; a thread whose run time has not moved since keeps its
+    counts), repeating them in the ticks between; the Python reader at every tick. A process
+    that wakes every 10 ms shows its new switches at each such read, and one that sleeps
+    throughout keeps the same counts."""
     waker = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)\n"])
     idle = subprocess.Popen(["sleep", "60"])
     try:
@@ -149,18 +151,25 @@ def test_native_reader_sees_new_switches_of_a_single_threaded_process(reader: st
         src = HostSource()
         src.start(ctx_for(frozenset({waker.pid, idle.pid})))
         ticks = []
-        for _ in range(4):
+        for _ in range(13):
             rows = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)
-            ticks.append({int(r["pid"]): int(r["voluntary_ctxsw"]) for r in rows})
+            ticks.append((time.monotonic(), {int(r["pid"]): int(r["voluntary_ctxsw"]) for r in rows}))
             time.sleep(0.2)
         src.stop()
     finally:
         for p in (waker, idle):
             p.kill()
             p.wait()
-    for a, b in itertools.pairwise(ticks):
-        assert b[waker.pid] - a[waker.pid] >= 5, ticks  # ~20 sleeps in 0.2 s
-        assert b[idle.pid] == a[idle.pid] >= 1, ticks
+    moved = [i for i in range(1, len(ticks)) if ticks[i][1][waker.pid] != ticks[i - 1][1][waker.pid]]
+    assert all(b[idle.pid] == a[idle.pid] >= 1 for (_, a), (_, b) in itertools.pairwise(ticks)), ticks
+    if reader == "python":
+        assert moved == list(range(1, len(ticks))), ticks
+        return
+    # the C reader: a read at the first tick, then one a second (the ticks are 0.2 s and a bit apart)
+    assert len(moved) >= 2, ticks
+    reads = [0, *moved]
+    assert all(ticks[b][0] - ticks[a][0] >= 0.99 for a, b in itertools.pairwise(reads)), (reads, ticks)
+    assert all(ticks[b][1][waker.pid] - ticks[a][1][waker.pid] >= 25 for a, b in itertools.pairwise(reads)), ticks
 
 
 @contextmanager
@@ -182,8 +191,9 @@ def native_source_on(script: str) -> Iterator[HostSource]:
 
 
 def test_native_reader_follows_threads_that_come_later() -> None:
-    """Threads started after the process was first read are listed at the next tick (the count in
-    /proc/PID/stat differs from the threads listed) and their switches are summed from then on."""
+    """Threads started after the process was first read are listed after the next full read (the
+    count in /proc/PID/stat differs from the threads listed) and their switches are summed from
+    then on."""
     late = ("import threading, time\n"
             "def f():\n    while True: time.sleep(0.005)\n"
             "time.sleep(0.6)\n"
@@ -192,31 +202,63 @@ def test_native_reader_follows_threads_that_come_later() -> None:
     with native_source_on(late) as src:
         first = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
         time.sleep(1.0)
-        src.sample(time.monotonic_ns())  # sees 6 threads, 1 listed: relists
-        time.sleep(0.3)
+        src.sample(time.monotonic_ns())  # a full read: sees 6 threads, 1 listed: relists
+        time.sleep(1.0)  # the next full read (the statuses, once a second) reads the new threads'
         last = table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)[0]
         listed = int(src._fds["n_threads"][0])
     assert int(first["num_threads"]) == 1 and int(last["num_threads"]) == 6 and listed == 6
-    # 5 threads sleeping 5 ms for 0.3 s: far more switches than the sleeping leader alone makes
+    # 5 threads sleeping 5 ms for 1 s: far more switches than the sleeping leader alone makes
     assert int(last["voluntary_ctxsw"]) - int(first["voluntary_ctxsw"]) > 100
 
 
-def test_idle_process_reads_resume_as_soon_as_it_runs() -> None:
-    """The C reader spares the stat and io reads of a process none of whose threads ran since the
-    last tick (its CPU time, threads and I/O cannot have moved): the moment it runs again, every
-    tick sees its CPU time grow, and while it sleeps the values stay those of its last full read."""
+def test_cpu_time_is_the_threads_run_time_at_every_tick() -> None:
+    """The C reader's CPU time is the sum of the threads' run times (schedstat, ns) read at every
+    tick, while stat and io are read once a second: it stays exactly the same while the process
+    sleeps, grows at every tick once it spins, in ns rather than stat's 10 ms clock ticks, and
+    agrees with stat's utime + stime."""
     late = "import time\ntime.sleep(0.6)\nt = time.time()\nwhile time.time() - t < 30: pass\n"
-    cpu, idle = [], []
+    cpu, full = [], []
     with native_source_on(late) as src:
         for _ in range(12):
             cpu.append(int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0]))
-            idle.append(int(src._fds["idle_ticks"][0]))
+            full.append(int(src._fds["last_full_ns"][0]))
             time.sleep(0.1)
-    sleeping = [i for i in range(1, 12) if idle[i] > 1]
-    assert len(sleeping) >= 2, idle  # ticks while it slept took the short path
-    assert all(cpu[i] == cpu[i - 1] for i in sleeping), (cpu, idle)
+        pid = int(src._fds["pid"][0])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        now = int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0])
+    sleeping = [i for i in range(1, 4)]  # the first 0.3 s of its 0.6 s sleep
+    assert all(cpu[i] == cpu[i - 1] for i in sleeping), cpu
     assert cpu[-1] - cpu[-4] >= 50_000_000, cpu  # spinning: up to 0.3 s of CPU in the last 3 ticks
     assert all(b > a for a, b in itertools.pairwise(cpu[-4:])), cpu  # growing at every tick
+    assert any(c % 10_000_000 for c in cpu[-4:]), cpu  # not in 10 ms clock ticks
+    assert abs(now - stat_ns) <= 30_000_000, (now, stat_ns)
+    # the full reads: at the first tick, then one a second, not at every tick
+    assert 2 <= len(set(full)) <= 3, full
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_cpu_time_keeps_what_an_exited_thread_ran(listed: bool) -> None:
+    """A thread spins 0.5 s then exits. Listed (it runs from the process's start, so the first
+    listing has it): its run time stays in the process's CPU time after it is gone and the
+    threads are listed again. Not listed (it starts and ends between two full reads): its time
+    comes in from stat at the next full read. Either way the CPU time never goes back."""
+    wait = "0.0" if listed else "0.3"
+    script = ("import threading, time\n"
+              "def spin():\n    t = time.time()\n    while time.time() - t < 0.5: pass\n"
+              f"time.sleep({wait})\nth = threading.Thread(target=spin)\nth.start()\nth.join()\ntime.sleep(60)\n")
+    cpu, n_listed = [], []
+    with native_source_on(script) as src:
+        for _ in range(25):
+            cpu.append(int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0]))
+            n_listed.append(int(src._fds["n_threads"][0]))
+            time.sleep(0.1)
+    assert all(b >= a for a, b in itertools.pairwise(cpu)), cpu
+    assert n_listed[-1] == 1, n_listed
+    if listed:
+        assert n_listed[0] == 2 and cpu[-1] - cpu[0] >= 250_000_000, (cpu, n_listed)  # its spin after 0.2 s
+    else:
+        assert set(n_listed) == {1} and cpu[-1] - cpu[0] >= 400_000_000, (cpu, n_listed)  # all its 0.5 s
 
 
 def test_threaded_ticks_on_the_grid_and_follows_the_pid_set(family: tuple[subprocess.Popen[bytes], ...]) -> None:

@@ -16,19 +16,26 @@ LIBRARY = Path(__file__).resolve().parent / "build" / "libgpuprof_sampler.so"
 
 # struct gp_proc_fds, gp_thread_fds and gp_proc_row of procsample.c
 PROC_FDS_DTYPE = np.dtype([("pid", "<i4"), ("stat_fd", "<i4"), ("io_fd", "<i4"), ("first_thread", "<i4"),
-                           ("n_threads", "<i4"), ("idle_ticks", "<i4"), ("last_threads", "<u4"), ("pad", "<u4"),
-                           ("last_cpu_ticks", "<u8"), ("last_rss_pages", "<u8"), ("last_read_bytes", "<u8"),
-                           ("last_write_bytes", "<u8")])
+                           ("n_threads", "<i4"), ("last_threads", "<u4"), ("last_full_ns", "<u8"),
+                           ("last_cpu_ns", "<u8"), ("last_rss_pages", "<u8"), ("last_read_bytes", "<u8"),
+                           ("last_write_bytes", "<u8"), ("unlisted_runtime_ns", "<u8"), ("exited_vol", "<u8"),
+                           ("exited_invol", "<u8")])
+# what the reader keeps per process between calls: carried over when the caller relists
+PROC_FDS_KEPT = ("last_threads", "last_full_ns", "last_cpu_ns", "last_rss_pages", "last_read_bytes",
+                 "last_write_bytes", "unlisted_runtime_ns", "exited_vol", "exited_invol")
 THREAD_FDS_DTYPE = np.dtype([("tid", "<i4"), ("status_fd", "<i4"), ("schedstat_fd", "<i4"), ("gone", "<i4"),
-                             ("last_runtime_ns", "<u8"), ("last_vol", "<u8"), ("last_invol", "<u8")])
-PROC_ROW_DTYPE = np.dtype([("cpu_ticks", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
+                             ("last_runtime_ns", "<u8"), ("first_runtime_ns", "<u8"), ("status_runtime_ns", "<u8"),
+                             ("last_vol", "<u8"), ("last_invol", "<u8")])
+THREAD_FDS_KEPT = ("last_runtime_ns", "first_runtime_ns", "status_runtime_ns", "last_vol", "last_invol")
+NO_RUNTIME = np.iinfo(np.uint64).max  # a thread's run time not read yet (procsample.h)
+PROC_ROW_DTYPE = np.dtype([("cpu_ns", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
                            ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("threads_read", "<u4"),
                            ("status", "<i4"), ("pad", "<i4")])
 # struct gp_host_node_row and gp_host_proc_row of hosttick.c: what a tick leaves for the drain
 HOST_NODE_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("cpu_busy", "<f8"), ("cpu_iowait", "<f8"), ("mem_used_kb", "<u8"),
                                 ("mem_total_kb", "<u8"), ("net_rx", "<u8"), ("net_tx", "<u8"), ("load1", "<f8"),
                                 ("status", "<i4"), ("pad", "<i4")])
-HOST_PROC_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("pid", "<i4"), ("threads", "<u4"), ("cpu_ticks", "<u8"),
+HOST_PROC_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("pid", "<i4"), ("threads", "<u4"), ("cpu_ns", "<u8"),
                                 ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
                                 ("read_bytes", "<u8"), ("write_bytes", "<u8")])
 HOST_PROC_STALE, HOST_PROC_GONE = 1, 2  # hosttick.c's per-process flags
@@ -84,7 +91,7 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ticker_stop.restype = ctypes.c_int
     lib.gp_ticker_reap.argtypes = [vp]
     lib.gp_ticker_reap.restype = ctypes.c_int
-    lib.gp_host_new.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.gp_host_new.argtypes = [ctypes.c_int, u64]
     lib.gp_host_new.restype = vp
     lib.gp_host_tick.argtypes = [vp, u64]
     lib.gp_host_tick.restype = None

@@ -44,7 +44,7 @@ struct gp_host_proc_row {
     uint64_t t_ns;
     int32_t pid;
     uint32_t threads;
-    uint64_t cpu_ticks, rss_pages, vol_ctxsw, invol_ctxsw, read_bytes, write_bytes;
+    uint64_t cpu_ns, rss_pages, vol_ctxsw, invol_ctxsw, read_bytes, write_bytes;
 };
 
 struct gp_host {
@@ -55,7 +55,8 @@ struct gp_host {
     /* the caller's arrays (gp_host_set_procs) */
     struct gp_proc_fds *procs;
     int n_procs;
-    int full_every; /* ticks between full reads of an idle process (procsample.c) */
+    uint64_t full_interval_ns; /* between full reads of a process (procsample.c) */
+    int have_schedstat;
     struct gp_thread_fds *threads;
     /* ours, sized for n_procs */
     struct gp_proc_row *scratch;
@@ -145,7 +146,7 @@ EXPORT void gp_host_tick(struct gp_host *h, uint64_t now)
     else
         h->dropped++;
     if (h->n_procs > 0) {
-        gp_sample_procs(h->procs, h->n_procs, h->threads, h->scratch, h->full_every);
+        gp_sample_procs(h->procs, h->n_procs, h->threads, h->scratch, now, h->full_interval_ns, h->have_schedstat);
         for (int i = 0; i < h->n_procs; i++) {
             const struct gp_proc_row *s = &h->scratch[i];
             if (s->status == -ESRCH || s->status == -ENOENT) {
@@ -166,7 +167,7 @@ EXPORT void gp_host_tick(struct gp_host *h, uint64_t now)
             r->t_ns = now;
             r->pid = h->procs[i].pid;
             r->threads = s->threads;
-            r->cpu_ticks = s->cpu_ticks;
+            r->cpu_ns = s->cpu_ns;
             r->rss_pages = s->rss_pages;
             r->vol_ctxsw = s->vol_ctxsw;
             r->invol_ctxsw = s->invol_ctxsw;
@@ -182,9 +183,10 @@ static int open_ro(const char *path)
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
-/* A host sampler holding up to `ticks` ticks between drains, reading an idle process in full
- * every `full_every` ticks; NULL (errno set) when /proc is not readable. */
-EXPORT struct gp_host *gp_host_new(int ticks, int full_every)
+/* A host sampler holding up to `ticks` ticks between drains, reading each process in full every
+ * `full_interval_ns` (its threads' run times at every tick); NULL (errno set) when /proc is not
+ * readable. */
+EXPORT struct gp_host *gp_host_new(int ticks, uint64_t full_interval_ns)
 {
     struct gp_host *h = calloc(1, sizeof(*h));
     if (!h)
@@ -195,7 +197,8 @@ EXPORT struct gp_host *gp_host_new(int ticks, int full_every)
     h->netdev_fd = open_ro("/proc/net/dev");
     h->loadavg_fd = open_ro("/proc/loadavg");
     h->node_cap = ticks > 0 ? ticks : 1;
-    h->full_every = full_every > 0 ? full_every : 1;
+    h->full_interval_ns = full_interval_ns;
+    h->have_schedstat = gp_have_schedstat();
     h->node = calloc((size_t)h->node_cap, sizeof(*h->node));
     if (h->stat_fd < 0 || h->meminfo_fd < 0 || h->netdev_fd < 0 || h->loadavg_fd < 0 || !h->node) {
         int e = errno;

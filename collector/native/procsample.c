@@ -2,26 +2,29 @@
  *
  * Why C: at 10 Hz over the job's processes the Python version spent more time parsing the /proc
  * text than the kernel spent making it, and ran with cold caches at every tick. Here one ctypes
- * call per tick reads every process: /proc/PID/stat (CPU time, RSS, threads), each thread's
- * /proc/PID/task/TID/status (context switches: a status counts only its own thread) and
- * /proc/PID/io (storage bytes), through descriptors the caller opened once and re-reads with
+ * call per tick reads every process, through descriptors the caller opened once and re-reads with
  * pread at offset 0 (a /proc file regenerates its text on every such read).
  *
- * A status is the dearest read (about 13 us of kernel time against 2 for a schedstat): a thread
- * whose run time in its schedstat (ns, updated at every switch out) has not moved since the last
- * call has not been switched out since, so its context-switch counts cannot have changed and the
- * last ones are reused instead of re-read. Most threads of a job (sleeping helpers, idle pools,
- * launcher shells) do not run between two ticks: a process of 64 mostly idle threads costs
- * about 64 schedstat reads a tick, not 64 statuses.
+ * What is read how often. At every call, each thread's /proc/PID/task/TID/schedstat (about 1.5 us
+ * of kernel time): its run time in ns. The process's CPU time is what its listed threads have run
+ * since each was first read, plus what they ran before and what threads that exited or that no
+ * listing saw ran (`unlisted_runtime_ns`); at each full read that sum is brought up to
+ * /proc/PID/stat's utime + stime when stat's is larger (stat's is the whole thread group's, dead
+ * threads included, rounded down to clock ticks, so never more than the truth; neither is the
+ * sum). Between full reads it grows by the threads' exact run times, where stat's comes in 10 ms
+ * clock ticks, a tenth of a 100 ms tick's interval; it never goes back.
  *
- * The same observation spares an idle process's other reads: when none of its listed threads ran
- * since the last call, its CPU time, thread count and I/O counters cannot have moved (each needs
- * one of its threads on a CPU), and its resident set grows only by its own page faults; the last
- * full read's values are repeated instead of reading /proc/PID/stat and io again (~7 us warm,
- * three times that at 10 Hz). A full read still happens every `full_every` calls (once a second
- * in the collector): reclaim can shrink a sleeping process's resident set, and a thread running
- * without a break on a nohz_full CPU updates its schedstat run time only at the residual
- * once-a-second tick.
+ * Once per `full_interval_ns` (a second in the collector), a full read: /proc/PID/stat (resident
+ * set, thread count), /proc/PID/io (storage bytes) and the status of each thread that ran since
+ * its last one (context switches: a status counts only its own thread, and costs about 9 us, the
+ * dearest read; a thread whose run time has not moved has not been switched out since, so its
+ * counts cannot have changed); the calls between repeat the last full read's values. On a busy
+ * job of 16 MPI ranks of 4 threads this is 4 reads a process per call instead of 7, and the
+ * statuses and stat files, most of the kernel's time (perf), once a second instead of ten times.
+ * The switches of a thread that lived between two listings are not counted.
+ *
+ * Without schedstat files (a kernel built without CONFIG_SCHED_INFO) every call is a full read and
+ * the CPU time is stat's.
  *
  * Nothing is allocated; nothing is kept between calls except what the caller passes in (the
  * last counts, in the thread and process entries). A process that exited reports -ESRCH; an unreadable io
@@ -64,41 +67,63 @@ static void status_ctxsw(const char *status, uint64_t *vol, uint64_t *invol)
     *invol = n == UINT64_MAX ? 0 : n;
 }
 
-/* Add one thread's context switches; returns -1 when it has exited, 1 when it ran since the
- * last call (or that cannot be told), 0 when it did not. */
-static int thread_ctxsw(int pid, struct gp_thread_fds *t, uint64_t *vol, uint64_t *invol, char *buf, size_t size)
+/* A thread's file through its descriptor, or by path when the caller has none (fd < 0). */
+static ssize_t thread_text(int fd, int pid, int tid, const char *name, char *buf, size_t size)
 {
-    uint64_t runtime = UINT64_MAX;
-    if (t->schedstat_fd >= 0) {
-        if (gp_read_text(t->schedstat_fd, buf, size) <= 0)
-            return -1;
-        runtime = strtoull(buf, NULL, 10);
-    }
-    int ran = runtime == UINT64_MAX || runtime != t->last_runtime_ns;
-    if (ran) {
-        ssize_t len;
-        if (t->status_fd >= 0) {
-            len = gp_read_text(t->status_fd, buf, size);
-        } else {
-            char path[96];
-            snprintf(path, sizeof(path), "/proc/%d/task/%d/status", pid, t->tid);
-            int fd = open(path, O_RDONLY | O_CLOEXEC);
-            len = fd < 0 ? -1 : gp_read_text(fd, buf, size);
-            if (fd >= 0)
-                close(fd);
-        }
-        if (len <= 0)
-            return -1;
-        status_ctxsw(buf, &t->last_vol, &t->last_invol);
-        t->last_runtime_ns = runtime;
-    } /* else: not switched out since the last call, so its counts cannot have changed */
-    *vol += t->last_vol;
-    *invol += t->last_invol;
-    return ran;
+    if (fd >= 0)
+        return gp_read_text(fd, buf, size);
+    char path[96];
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/%s", pid, tid, name);
+    int own = open(path, O_RDONLY | O_CLOEXEC);
+    if (own < 0)
+        return -1;
+    ssize_t len = gp_read_text(own, buf, size);
+    close(own);
+    return len;
+}
+
+/* A thread's run time (ns) into t->last_runtime_ns (and first_runtime_ns at its first read); -1
+ * when it has exited. */
+static int thread_runtime(int pid, struct gp_thread_fds *t, char *buf, size_t size)
+{
+    if (thread_text(t->schedstat_fd, pid, t->tid, "schedstat", buf, size) <= 0)
+        return -1;
+    t->last_runtime_ns = strtoull(buf, NULL, 10);
+    if (t->first_runtime_ns == UINT64_MAX)
+        t->first_runtime_ns = t->last_runtime_ns;
+    return 0;
+}
+
+/* What a thread has run since it was first read (0 before). */
+static uint64_t thread_growth(const struct gp_thread_fds *t)
+{
+    return t->first_runtime_ns == UINT64_MAX ? 0 : t->last_runtime_ns - t->first_runtime_ns;
+}
+
+/* A thread's context switches into t->last_vol/last_invol, re-read only when it ran since its last
+ * status (or that cannot be told); -1 when it has exited. */
+static int thread_ctxsw(int pid, struct gp_thread_fds *t, char *buf, size_t size)
+{
+    if (t->last_runtime_ns != UINT64_MAX && t->last_runtime_ns == t->status_runtime_ns)
+        return 0; /* not switched out since its last status: its counts cannot have changed */
+    if (thread_text(t->status_fd, pid, t->tid, "status", buf, size) <= 0)
+        return -1;
+    status_ctxsw(buf, &t->last_vol, &t->last_invol);
+    t->status_runtime_ns = t->last_runtime_ns;
+    return 0;
+}
+
+/* A thread found gone: what it had counted stays in the process's sums. */
+static void thread_exited(struct gp_proc_fds *pf, struct gp_thread_fds *t)
+{
+    t->gone = 1;
+    pf->unlisted_runtime_ns += thread_growth(t);
+    pf->exited_vol += t->last_vol;
+    pf->exited_invol += t->last_invol;
 }
 
 /* The fields of /proc/PID/stat the rows use; -1 when the text cannot be parsed. */
-static int parse_stat(const char *buf, struct gp_proc_row *r)
+static int parse_stat(const char *buf, struct gp_proc_row *r, uint64_t ns_per_tick)
 {
     /* fields after "(comm) ": state is field 0; utime 11, stime 12, num_threads 17, rss 21 */
     const char *p = strrchr(buf, ')');
@@ -116,15 +141,59 @@ static int parse_stat(const char *buf, struct gp_proc_row *r)
     }
     if (k < 22)
         return -1;
-    r->cpu_ticks = f[11] + f[12];
+    r->cpu_ns = (f[11] + f[12]) * ns_per_tick;
     r->threads = (uint32_t)f[17];
     r->rss_pages = f[21];
     return 0;
 }
 
-/* One row per process; returns how many processes were read without error. */
+EXPORT int gp_have_schedstat(void)
+{
+    return access("/proc/thread-self/schedstat", R_OK) == 0;
+}
+
+/* stat, io and the threads' statuses into r and the process's last_* values; 0, or -errno. */
+static int full_read(struct gp_proc_fds *pf, struct gp_thread_fds *threads, struct gp_proc_row *r, char *buf,
+                     size_t size, int have_schedstat)
+{
+    uint64_t runtime_ns = r->cpu_ns;
+    ssize_t len = gp_read_text(pf->stat_fd, buf, size);
+    if (len <= 0)
+        return len == 0 ? -ESRCH : -errno;
+    if (parse_stat(buf, r, (uint64_t)(1000000000L / sysconf(_SC_CLK_TCK))) != 0)
+        return -EINVAL;
+    if (have_schedstat && r->cpu_ns > runtime_ns) {
+        /* stat's utime + stime (the whole thread group's run time, threads that exited included,
+         * each rounded down to a clock tick) is never more than the true total; the threads'
+         * sum is not either, but it misses what they ran before they were first read and what
+         * threads that no listing saw ran: brought up to stat's, then grown by the threads'
+         * exact run times until the next full read. */
+        pf->unlisted_runtime_ns += r->cpu_ns - runtime_ns;
+    } else if (have_schedstat) {
+        r->cpu_ns = runtime_ns;
+    }
+    r->read_bytes = r->write_bytes = UINT64_MAX;
+    if (pf->io_fd >= 0) {
+        len = gp_read_text(pf->io_fd, buf, size);
+        if (len < 0)
+            return -errno;
+        r->read_bytes = gp_key_u64(buf, "read_bytes:");
+        r->write_bytes = gp_key_u64(buf, "\nwrite_bytes:");
+    }
+    for (int t = pf->first_thread; t < pf->first_thread + pf->n_threads; t++)
+        if (!threads[t].gone && thread_ctxsw(pf->pid, &threads[t], buf, size) < 0)
+            thread_exited(pf, &threads[t]);
+    pf->last_rss_pages = r->rss_pages;
+    pf->last_threads = r->threads;
+    pf->last_read_bytes = r->read_bytes;
+    pf->last_write_bytes = r->write_bytes;
+    return 0;
+}
+
+/* One row per process; returns how many processes were read without error. `now_ns` is the
+ * call's time, on the clock of the caller's last_full_ns. */
 EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fds *threads, struct gp_proc_row *out,
-                           int full_every)
+                           uint64_t now_ns, uint64_t full_interval_ns, int have_schedstat)
 {
     char buf[4096];
     int ok = 0;
@@ -132,63 +201,51 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fd
         struct gp_proc_row *r = &out[i];
         struct gp_proc_fds *pf = &procs[i];
         memset(r, 0, sizeof(*r));
-        /* the threads first: whether any ran decides what else is read */
+        /* the threads first: their run times are the CPU time, and tell who is alive */
         uint32_t live = 0;
-        int ran = 0;
+        uint64_t grown_ns = 0;
         for (int t = pf->first_thread; t < pf->first_thread + pf->n_threads; t++) {
             struct gp_thread_fds *th = &threads[t];
             if (th->gone)
                 continue;
-            int rc = thread_ctxsw(pf->pid, th, &r->vol_ctxsw, &r->invol_ctxsw, buf, sizeof(buf));
-            if (rc < 0) {
-                th->gone = 1;
-                ran = 1; /* a thread exited: the process's counts moved */
-            } else {
-                live++;
-                ran |= rc;
+            if (have_schedstat && thread_runtime(pf->pid, th, buf, sizeof(buf)) < 0) {
+                thread_exited(pf, th);
+                continue;
             }
+            live++;
+            grown_ns += thread_growth(th);
         }
         r->threads_read = live;
         if (live == 0) {
             r->status = -ESRCH; /* every listed thread exited: the process is gone (or the list is stale) */
             continue;
         }
-        if (!ran && pf->idle_ticks > 0 && pf->idle_ticks < full_every) {
-            /* none of its threads ran since the last call: the last full read still holds */
-            r->cpu_ticks = pf->last_cpu_ticks;
+        r->cpu_ns = pf->unlisted_runtime_ns + grown_ns;
+        if (!have_schedstat || pf->last_full_ns == 0 || now_ns - pf->last_full_ns >= full_interval_ns) {
+            int st = full_read(pf, threads, r, buf, sizeof(buf), have_schedstat);
+            if (st != 0) {
+                r->status = st;
+                continue;
+            }
+            pf->last_full_ns = now_ns;
+        } else { /* between full reads: the last one's values */
             r->rss_pages = pf->last_rss_pages;
             r->threads = pf->last_threads;
             r->read_bytes = pf->last_read_bytes;
             r->write_bytes = pf->last_write_bytes;
-            pf->idle_ticks++;
-            ok++;
-            continue;
         }
-        ssize_t len = gp_read_text(pf->stat_fd, buf, sizeof(buf));
-        if (len <= 0) {
-            r->status = len == 0 ? -ESRCH : -errno;
-            continue;
-        }
-        if (parse_stat(buf, r) != 0) {
-            r->status = -EINVAL;
-            continue;
-        }
-        r->read_bytes = r->write_bytes = UINT64_MAX;
-        if (pf->io_fd >= 0) {
-            len = gp_read_text(pf->io_fd, buf, sizeof(buf));
-            if (len < 0) {
-                r->status = -errno;
-                continue;
+        /* a cumulative counter never goes back, whatever the listing did: a thread that exited
+         * between two listings without being seen gone here takes its run time out of the sum */
+        r->cpu_ns = r->cpu_ns > pf->last_cpu_ns ? r->cpu_ns : pf->last_cpu_ns;
+        pf->last_cpu_ns = r->cpu_ns;
+        r->vol_ctxsw = pf->exited_vol;
+        r->invol_ctxsw = pf->exited_invol;
+        for (int t = pf->first_thread; t < pf->first_thread + pf->n_threads; t++) {
+            if (!threads[t].gone) {
+                r->vol_ctxsw += threads[t].last_vol;
+                r->invol_ctxsw += threads[t].last_invol;
             }
-            r->read_bytes = gp_key_u64(buf, "read_bytes:");
-            r->write_bytes = gp_key_u64(buf, "\nwrite_bytes:");
         }
-        pf->last_cpu_ticks = r->cpu_ticks;
-        pf->last_rss_pages = r->rss_pages;
-        pf->last_threads = r->threads;
-        pf->last_read_bytes = r->read_bytes;
-        pf->last_write_bytes = r->write_bytes;
-        pf->idle_ticks = 1;
         ok++;
     }
     return ok;

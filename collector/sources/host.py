@@ -122,6 +122,10 @@ def _ctxsw(status: bytes) -> tuple[int, int]:
 # dropped (drops()), never grown.
 DRAIN_INTERVAL_S = 1.0
 BUFFER_S = 8.0
+# The native reader reads each process's threads' run times at every tick (its CPU time) and
+# its stat, io and threads' statuses (resident set, threads, I/O bytes, context switches) this
+# often, repeating them in the ticks between (collector/native/procsample.c says why).
+FULL_READ_INTERVAL_S = 1.0
 
 
 class HostSource(Source):
@@ -167,8 +171,7 @@ class HostSource(Source):
         except native.NativeUnavailable as e:
             self.proc_reader = f"python ({e})"
         else:
-            # an idle process is read in full once a second (procsample.c)
-            h = lib.gp_host_new(self._ticks_cap, max(1, round(1.0 / self.sample_interval_s)))
+            h = lib.gp_host_new(self._ticks_cap, round(FULL_READ_INTERVAL_S * 1e9))
             if not h:
                 raise SourceUnavailable(f"/proc not readable: {os.strerror(ctypes.get_errno())}")
             self._native, self._host, self.proc_reader = lib, h, "native"
@@ -251,19 +254,35 @@ class HostSource(Source):
         threads = np.zeros(sum(len(p.thread_fds) for p in self._procs.values()), native.THREAD_FDS_DTYPE)
         k = 0
         for i, p in enumerate(self._procs.values()):
+            f = fds[i]
+            f["pid"], f["stat_fd"], f["io_fd"] = p.pid, p.stat.fd, p.io.fd if p.io is not None else -1
+            f["first_thread"], f["n_threads"] = k, len(p.thread_fds)
             prev_p = last_proc.get(p.pid)
-            fds[i] = (p.pid, p.stat.fd, p.io.fd if p.io is not None else -1, k, len(p.thread_fds),
-                      *((prev_p["idle_ticks"], prev_p["last_threads"], 0, prev_p["last_cpu_ticks"],
-                         prev_p["last_rss_pages"], prev_p["last_read_bytes"], prev_p["last_write_bytes"])
-                        if prev_p is not None else (0,) * 7))
+            if prev_p is not None:
+                for name in native.PROC_FDS_KEPT:
+                    f[name] = prev_p[name]
             for tid, (status, schedstat) in p.thread_fds.items():
-                prev = last.get((p.pid, tid))
-                threads[k] = (tid, status.fd if status is not None else -1,
-                              schedstat.fd if schedstat is not None else -1, 0,
-                              int(prev["last_runtime_ns"]) if prev is not None else np.iinfo(np.uint64).max,
-                              int(prev["last_vol"]) if prev is not None else 0,
-                              int(prev["last_invol"]) if prev is not None else 0)
+                t = threads[k]
+                t["tid"] = tid
+                t["status_fd"] = status.fd if status is not None else -1
+                t["schedstat_fd"] = schedstat.fd if schedstat is not None else -1
+                prev = last.pop((p.pid, tid), None)
+                if prev is not None:
+                    for name in native.THREAD_FDS_KEPT:
+                        t[name] = prev[name]
+                else:
+                    t["last_runtime_ns"] = t["first_runtime_ns"] = t["status_runtime_ns"] = native.NO_RUNTIME
                 k += 1
+        # threads of a process still followed that exited before the C side saw them gone: what
+        # they had counted stays in their process's sums (procsample.c's thread_exited)
+        row_of = {int(pid): i for i, pid in enumerate(fds["pid"])}
+        for (pid, _tid), t in last.items():
+            i = row_of.get(pid)
+            if i is not None and not t["gone"]:
+                if t["first_runtime_ns"] != native.NO_RUNTIME:
+                    fds[i]["unlisted_runtime_ns"] += t["last_runtime_ns"] - t["first_runtime_ns"]
+                fds[i]["exited_vol"] += t["last_vol"]
+                fds[i]["exited_invol"] += t["last_invol"]
         if self._native.gp_host_set_procs(self._host, fds.ctypes.data, len(fds), threads.ctypes.data) != 0:
             raise MemoryError(f"host sampler: no memory for the rows of {len(fds)} processes")
         # the C side reads these arrays until the next call: they stay referenced here until then
@@ -406,7 +425,7 @@ class HostSource(Source):
             pr = np.empty(len(rows), _PROCS_DT)
             pr["t_ns"] = rows["t_ns"]
             pr["pid"] = rows["pid"]
-            pr["cpu_time_ns"] = rows["cpu_ticks"] * _NS_PER_TICK
+            pr["cpu_time_ns"] = rows["cpu_ns"]
             pr["rss_bytes"] = rows["rss_pages"] * _PAGE
             pr["num_threads"] = rows["threads"]
             pr["voluntary_ctxsw"] = rows["vol_ctxsw"]
