@@ -277,12 +277,12 @@ class HostSource(Source):
         # they had counted stays in their process's sums (procsample.c's thread_exited)
         row_of = {int(pid): i for i, pid in enumerate(fds["pid"])}
         for (pid, _tid), t in last.items():
-            i = row_of.get(pid)
-            if i is not None and not t["gone"]:
+            row = row_of.get(pid)
+            if row is not None and not t["gone"]:
                 if t["first_runtime_ns"] != native.NO_RUNTIME:
-                    fds[i]["unlisted_runtime_ns"] += t["last_runtime_ns"] - t["first_runtime_ns"]
-                fds[i]["exited_vol"] += t["last_vol"]
-                fds[i]["exited_invol"] += t["last_invol"]
+                    fds[row]["unlisted_runtime_ns"] += t["last_runtime_ns"] - t["first_runtime_ns"]
+                fds[row]["exited_vol"] += t["last_vol"]
+                fds[row]["exited_invol"] += t["last_invol"]
         if self._native.gp_host_set_procs(self._host, fds.ctypes.data, len(fds), threads.ctypes.data) != 0:
             raise MemoryError(f"host sampler: no memory for the rows of {len(fds)} processes")
         # the C side reads these arrays until the next call: they stay referenced here until then
