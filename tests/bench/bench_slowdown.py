@@ -7,7 +7,7 @@ job_script, fault "balanced") times its mpirun line, so queueing, the prolog's w
 and the epilog are not in it (the bench of the hooks measures those), and the automatic merge job
 of a profiled run is waited for before the next run starts.
 
-    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3]
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
 
 One line per application:
     {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
@@ -36,6 +36,9 @@ from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
 
+from gpuprof.collector import schema
+
+DEFAULT_MODES = ",".join(schema.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
 
 
@@ -50,7 +53,7 @@ def timed_script(app: apps_mod.App) -> str:
     return "\n".join(lines) + "\n"
 
 
-def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int) -> float:
+def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "") -> float:
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
@@ -58,7 +61,8 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int) -> float:
     (work / "job.sh").write_text(timed_script(app))
     for p in [work, *work.iterdir()]:
         os.chown(p, pw.pw_uid, pw.pw_gid)
-    args = [f"-N{app.nodes}", f"--chdir={work}", *(["--profile-gpu"] if profiled else []), str(work / "job.sh")]
+    flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
+    args = [f"-N{app.nodes}", f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
     info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
     out = work / f"slurm-{job}.out"
@@ -74,18 +78,18 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int) -> float:
     return float(m.group(1))
 
 
-def bench_app(app: apps_mod.App, pairs: int, base: Path) -> dict[str, Any]:
+def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "") -> dict[str, Any]:
     plain: list[float] = []
     prof: list[float] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for profiled in order:
-            t = one_run(app, profiled, base, k)
+            t = one_run(app, profiled, base, k, modes)
             (prof if profiled else plain).append(t)
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "profiled": profiled, "seconds": t}),
                   file=sys.stderr, flush=True)
     per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
-    return {"bench": "job_slowdown", "app": app.name, "modes": "metrics,stacks,collectives",
+    return {"bench": "job_slowdown", "app": app.name, "modes": modes or DEFAULT_MODES,
             "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
@@ -99,6 +103,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one pair of one application")
     ap.add_argument("--apps", default=None, help="comma list (default train,hpcc; quick: train)")
     ap.add_argument("--pairs", type=int, default=None, help="pairs of runs per application (default 3, quick 1)")
+    ap.add_argument("--modes", default="", help="--profile-gpu=MODES for the profiled runs (default: the default "
+                    "modes, plain --profile-gpu): what one mode costs")
     a = ap.parse_args()
     names = (a.apps or ("train" if a.quick else "train,hpcc")).split(",")
     pairs = a.pairs or (1 if a.quick else 3)
@@ -112,7 +118,7 @@ def main() -> int:
             app = apps_mod.get(name)
             try:
                 app.check()
-                line = bench_app(app, pairs, base)
+                line = bench_app(app, pairs, base, a.modes)
             except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
                 line = {"bench": "job_slowdown", "app": name, "median_percent": None, "missing": str(e)[:500]}
             print(json.dumps(line), flush=True)
