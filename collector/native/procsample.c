@@ -234,8 +234,9 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fd
             r->read_bytes = pf->last_read_bytes;
             r->write_bytes = pf->last_write_bytes;
         }
-        /* a cumulative counter never goes back, whatever the listing did: a thread that exited
-         * between two listings without being seen gone here takes its run time out of the sum */
+        /* A safety net: the sum above only grows (what exited threads ran stays in
+         * unlisted_runtime_ns, here and when the caller relists), but a cumulative counter must
+         * never go back, should a listing ever lose a thread unseen. */
         r->cpu_ns = r->cpu_ns > pf->last_cpu_ns ? r->cpu_ns : pf->last_cpu_ns;
         pf->last_cpu_ns = r->cpu_ns;
         r->vol_ctxsw = pf->exited_vol;
