@@ -86,9 +86,9 @@ struct gp_stack_key {
     s32 kernel_stack;
 };
 
+/* Blocked episodes of a (window, thread, stacks); the run-queue time is read from /proc */
 struct gp_off_value {
     u64 blocked_ns;
-    u64 runnable_ns;
     u64 count;
 };
 

@@ -1,11 +1,17 @@
 /* Off-CPU time of the job's threads (mode `stacks`), from the scheduler's tracepoints.
  *
- * At switch-out of a job thread: its time, whether it left blocked (a sleeping state) or runnable
- * (preempted, or yielded), and, when blocked, its stacks, in gp_off_start[tid]. At wakeup: the time
- * it became runnable. At switch-in: blocked = wakeup - switch-out, runnable = switch-in - wakeup (or
- * switch-in - switch-out when it was preempted), added to gp_off_counts under (window, pid, tid,
- * stacks) and drained by collector/sources/bpf_offcpu.py every sources.offcpu.flush_interval_s.
- * An episode is counted in the window in which the thread runs again.
+ * At a blocked switch-out of a job thread (it leaves the CPU in a sleeping state): its time and its
+ * stacks, in gp_off_start[tid]. At its wakeup: blocked = wakeup - switch-out, added to gp_off_counts
+ * under (window, pid, tid, stacks) and drained by collector/sources/bpf_offcpu.py every
+ * sources.offcpu.flush_interval_s. An episode is counted in the window in which the thread is woken.
+ *
+ * A runnable switch-out (preempted, or yielded) is not recorded: it returns before any lookup or
+ * clock read. MPI libraries poll with sched_yield on a node with more ranks than cores, 250,000
+ * switches a second under hpcc on two cores, and recording each (an entry stored at the switch-out,
+ * looked up, deleted and summed at the switch-in) made the job 10 to 14 % slower on top of the rest
+ * (docs/collector.md, job_slowdown). The time a thread waits for a CPU, after a wakeup or a
+ * preemption, is the kernel's own per-thread run_delay (/proc/PID/task/TID/schedstat), which the
+ * source reads at each drain: exact, and free per switch.
  *
  * The stacks of a blocked switch-out are those of a CPU sample (bpf/stacks.c): the kernel stack;
  * the Python stack of a registered Python process (bpf/pyframes.h); the user stack walked by the
@@ -28,17 +34,17 @@
 #define GP_OFF_COUNT_ENTRIES 16384
 #endif
 /* prev_state of sched_switch: the low byte holds the sleeping state bits; a preempted task is
- * reported as TASK_REPORT_MAX (0x100), a task that yielded as 0 (both: runnable). */
+ * reported as TASK_REPORT_MAX (0x100), a task that yielded as 0 (both: runnable, not recorded). */
 #define GP_TASK_STATE_MASK 0xff
 #define GP_TASK_EXITING 0x30 /* EXIT_DEAD | EXIT_ZOMBIE ("X", "Z") */
 
+/* A blocked switch-out waiting for its wakeup */
 struct gp_off_start {
     u64 t_out;
-    u64 t_wake; /* 0: not woken yet */
     u32 pid;
     s32 user_stack;   /* in gp_off_stacks (-EFAULT: none, or the CFI stack replaces it) */
     s32 kernel_stack; /* in gp_off_stacks */
-    u32 blocked;
+    u32 pad;
     u64 py_stack;  /* in gp_py_stacks (0: none) */
     u64 cfi_stack; /* in gp_cfi_stacks (0: none) */
 };
@@ -60,13 +66,26 @@ BPF_STACK_TRACE(gp_off_stacks, GP_OFF_STACK_ENTRIES);
 BPF_HASH(gp_off_start, u32, struct gp_off_start, 65536);
 BPF_HASH(gp_off_counts, struct gp_off_key, struct gp_off_value, GP_OFF_COUNT_ENTRIES);
 BPF_ARRAY(gp_off_gen, u32, 1);
-BPF_PERCPU_ARRAY(gp_off_drops, u64, 2); /* [0] counts map full, [1] start map full */
+/* [0] counts map full, [1] start map full, [2] exits map full */
+BPF_PERCPU_ARRAY(gp_off_drops, u64, 3);
 
-static __always_inline void gp_off_account(u32 tid, u64 now)
+/* A job thread's run-queue counters at its last switch-out, as it exits: the drain adds what it
+ * waited since the drain's last read of /proc, where the thread is gone by then */
+struct gp_off_exit {
+    u32 pid;
+    u32 pad;
+    u64 run_delay; /* ns, task->sched_info.run_delay: schedstat's second field */
+    u64 pcount;    /* switch-ins, its third */
+};
+BPF_HASH(gp_off_exited, u32, struct gp_off_exit, 4096);
+
+/* The wakeup of a thread asleep since a recorded switch-out: its blocked time, in the window */
+static __always_inline void gp_off_account(u32 tid)
 {
     struct gp_off_start *s = gp_off_start.lookup(&tid);
     if (!s)
-        return;
+        return; /* every wakeup of the system passes here: the clock is read on a hit only */
+    u64 now = bpf_ktime_get_ns();
     int zero = 0;
     u32 *gen = gp_off_gen.lookup(&zero);
     struct gp_off_key key = {};
@@ -77,14 +96,7 @@ static __always_inline void gp_off_account(u32 tid, u64 now)
     key.kernel_stack = s->kernel_stack;
     key.py_stack = s->py_stack;
     key.cfi_stack = s->cfi_stack;
-    u64 blocked = 0, runnable = 0;
-    if (s->blocked) {
-        u64 woke = s->t_wake ? s->t_wake : now; /* wakeup not seen: all of it blocked */
-        blocked = woke - s->t_out;
-        runnable = now - woke;
-    } else {
-        runnable = now - s->t_out;
-    }
+    u64 blocked = now > s->t_out ? now - s->t_out : 0;
     gp_off_start.delete(&tid);
     struct gp_off_value init = {};
     struct gp_off_value *v = gp_off_counts.lookup_or_try_init(&key, &init);
@@ -95,7 +107,6 @@ static __always_inline void gp_off_account(u32 tid, u64 now)
         return;
     }
     __sync_fetch_and_add(&v->blocked_ns, blocked);
-    __sync_fetch_and_add(&v->runnable_ns, runnable);
     __sync_fetch_and_add(&v->count, 1);
 }
 
@@ -147,43 +158,48 @@ static __always_inline void gp_off_cfi_walk(void *ctx, u32 tgid, u32 tid, struct
 
 TRACEPOINT_PROBE(sched, sched_switch)
 {
-    u64 now = bpf_ktime_get_ns();
-    /* the thread coming in first: the switch-out below may end in a tail call. Only job threads
-     * have a start entry: other threads cost one failed lookup */
-    u32 next = args->next_pid;
-    if (next != 0)
-        gp_off_account(next, now);
+    /* runnable (preempted, or yielded): nothing to record, and nothing read (see the top) */
+    long state = args->prev_state;
+    if (!(state & GP_TASK_STATE_MASK))
+        return 0;
     /* runs in prev's context: the current task is the one leaving the CPU */
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     u32 prev = args->prev_pid;
     if (tgid == 0 || prev != (u32)id)
         return 0;
-    if (args->prev_state & GP_TASK_EXITING) {
-        gp_off_start.delete(&prev); /* its last switch: nothing will switch it in again */
+    if (state & GP_TASK_EXITING) {
+        gp_off_start.delete(&prev); /* its last switch: nothing will wake it again */
+#ifdef GP_TASK_RUN_DELAY
+        if (gp_in_job(tgid)) {
+            /* offsets from the running kernel's BTF (bpf_support.task_run_queue_offsets): the
+             * headers BCC compiles against may be another build's */
+            u8 *task = (u8 *)bpf_get_current_task();
+            struct gp_off_exit e = {};
+            e.pid = tgid;
+            bpf_probe_read_kernel(&e.run_delay, sizeof(e.run_delay), task + GP_TASK_RUN_DELAY);
+            bpf_probe_read_kernel(&e.pcount, sizeof(e.pcount), task + GP_TASK_PCOUNT);
+            if (gp_off_exited.update(&prev, &e) != 0) {
+                int two = 2;
+                u64 *d = gp_off_drops.lookup(&two);
+                if (d)
+                    (*d)++;
+            }
+        }
+#endif
         return 0;
     }
     if (!gp_in_job(tgid))
         return 0;
     struct gp_off_start s = {};
-    s.t_out = now;
+    s.t_out = bpf_ktime_get_ns();
     s.pid = tgid;
-    s.blocked = (args->prev_state & GP_TASK_STATE_MASK) != 0;
-    /* Runnable (preempted, or it yielded): its time is counted, without stacks. MPI libraries poll
-     * with sched_yield on a node with more ranks than cores, 250,000 switches a second here under
-     * hpcc, and two stack walks at each made the job 40 % slower (docs/collector.md,
-     * job_slowdown); where it runs is in the CPU samples. -EFAULT: read as "no stack of that
-     * kind", not as a stack lost. */
-    s.user_stack = -EFAULT;
-    s.kernel_stack = -EFAULT;
-    if (s.blocked) {
-        s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
-        s.py_stack = gp_py_walk(tgid, prev, GP_IDS_OFFCPU);
+    s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
+    s.py_stack = gp_py_walk(tgid, prev, GP_IDS_OFFCPU);
 #ifdef GP_WITH_CFI
-        gp_off_cfi_walk(args, tgid, prev, &s);
+    gp_off_cfi_walk(args, tgid, prev, &s);
 #endif
-        s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
-    }
+    s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
     gp_off_save(prev, &s);
     return 0;
 }
@@ -211,32 +227,8 @@ int gp_off_cfi_cont(void *ctx)
 }
 #endif
 
-static __always_inline void gp_off_woken(u32 tid)
-{
-    struct gp_off_start *s = gp_off_start.lookup(&tid);
-    if (s && s->blocked && s->t_wake == 0)
-        s->t_wake = bpf_ktime_get_ns();
-}
-
 TRACEPOINT_PROBE(sched, sched_wakeup)
 {
-    gp_off_woken(args->pid);
-    return 0;
-}
-
-/* A new thread of a job process waits in the run queue before its first run: runnable time,
- * without a stack (it has not run yet). Runs in the parent's context. */
-TRACEPOINT_PROBE(sched, sched_wakeup_new)
-{
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (tgid == 0 || !gp_in_job(tgid))
-        return 0;
-    u32 tid = args->pid;
-    struct gp_off_start s = {};
-    s.t_out = bpf_ktime_get_ns();
-    s.pid = 0; /* a new thread's or a new process's tgid: read from /proc/TID by the collector */
-    s.user_stack = -EFAULT; /* no stack of that kind (not a stack the kernel failed to store) */
-    s.kernel_stack = -EFAULT;
-    gp_off_start.update(&tid, &s);
+    gp_off_account(args->pid);
     return 0;
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import functools
 import os
 import platform
 import re
@@ -546,11 +547,26 @@ def release_freed_heap() -> bool:
     return True
 
 
+@functools.cache
+def task_run_queue_offsets() -> tuple[int, int] | str:
+    """Offsets in struct task_struct of sched_info.run_delay and sched_info.pcount (the run-queue
+    counters of /proc/PID/task/TID/schedstat), from the running kernel's BTF; or why not known."""
+    try:
+        base = kernel_member_offset("task_struct", "sched_info")
+        return (base + kernel_member_offset("sched_info", "run_delay"),
+                base + kernel_member_offset("sched_info", "pcount"))
+    except (OSError, LookupError, ValueError) as e:
+        return f"the kernel's task_struct.sched_info is not known: {e}"
+
+
 def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:
     """Compile-time constants of every BPF source (the program is compiled once for all of them)."""
     out: dict[str, str] = {}
     if "GP_WITH_COLLECTIVES" in switches:
         out.update(collectives_defines())
+    offsets = task_run_queue_offsets()
+    if "GP_WITH_OFFCPU" in switches and not isinstance(offsets, str):
+        out["GP_TASK_RUN_DELAY"], out["GP_TASK_PCOUNT"] = str(offsets[0]), str(offsets[1])
     return out
 
 

@@ -424,16 +424,20 @@ OFFCPU_INTERVALS = Table(
     "offcpu",
     "intervals",
     "off-CPU time of job threads per window and (pid, tid, stacks at switch-out): blocked (switch-out "
-    "in a sleeping state to wakeup) and runnable (wakeup or preemption to switch-in); an episode "
-    "counts in the window in which the thread ran again",
+    "in a sleeping state to wakeup; an episode counts in the window in which the thread was woken), and "
+    "runnable (waiting for a CPU after a wakeup or a preemption, the kernel's per-thread run_delay read "
+    "at each window's end, in rows without stacks; files written before 2026-12-04 counted it per "
+    "switch, with the blocked episode's stacks)",
     (
         C("t_ns", "<u8", "ns", "CLOCK_MONOTONIC start of the window"),
-        C("pid", "<u4", "", "process id (0 = a new thread that exited before its process was read)"),
+        C("pid", "<u4", "", "process id (0 in files written before 2026-12-04: a new thread that exited before "
+          "its process was read)"),
         C("tid", "<u4", "", "thread id"),
         *_STACK_COLS,
         C("blocked_ns", "<u8", "ns", "time asleep (waiting for I/O, a lock, a timer, a message)"),
         C("runnable_ns", "<u8", "ns", "time runnable but waiting for a CPU (run queue)"),
-        C("count", "<u4", "", "off-CPU episodes"),
+        C("count", "<u4", "", "off-CPU episodes: blocked episodes, or in a run-queue row the times the thread "
+          "was switched in"),
     ),
 )
 STACK_FRAMES = Table(

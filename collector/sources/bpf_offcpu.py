@@ -1,10 +1,12 @@
 """Mode `stacks`, off-CPU half: where and how long the job's threads were not running (bpf/offcpu.c).
 
-sched_switch / sched_wakeup(_new) tracepoints measure, per job thread, time blocked (switched out
-asleep until woken) and time runnable but waiting for a CPU (woken or preempted until switched in),
-with the thread's stacks at a blocked switch-out. The kernel sums them per (window, pid, tid,
-stacks); every sources.offcpu.flush_interval_s the source drains the finished window into
-/offcpu/intervals, whose stack ids share /stacks/frames with /stacks/samples.
+The sched_switch and sched_wakeup tracepoints measure, per job thread, the time blocked (switched
+out asleep until woken), with the thread's stacks at the switch-out; the kernel sums them per
+(window, pid, tid, stacks). The time runnable but waiting for a CPU (woken or preempted until
+switched in) is the kernel's own per-thread counter, read here (RunQueueTime): recording it per
+switch cost the job more than all the rest (bpf/offcpu.c). Every sources.offcpu.flush_interval_s
+the source drains the finished window into /offcpu/intervals, whose stack ids share /stacks/frames
+with /stacks/samples; the run-queue time is in rows of its own, without stacks.
 
 The user stacks are those of the CPU samples (bpf_stacks.UserStacks, shared with the stacks
 source): walked by the CFI tables of the process's files (sources.stacks.unwinder = "cfi"; the
@@ -14,13 +16,15 @@ CPython process merged in.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import BpfHub, read_ring_drops
+from gpuprof.collector.bpf_support import BpfHub, read_ring_drops, task_run_queue_offsets
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.bpf_stacks import (
     UserStacks,
@@ -31,19 +35,71 @@ from gpuprof.collector.sources.bpf_stacks import (
     shared_user_stacks,
     stack_store,
 )
-from gpuprof.collector.symbolize import StackStore
+from gpuprof.collector.symbolize import STACK_NONE, StackStore
 
 
-def _tgid_of(tid: int) -> int:
-    """The process of a thread, while it exists (0 when it is gone)."""
-    try:
-        with open(f"/proc/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+class RunQueueTime:
+    """Each job thread's time runnable but waiting for a CPU, from the kernel's per-thread counter:
+    the second field of /proc/PID/task/TID/schedstat (run_delay, ns; the third counts the times the
+    thread was switched in), read at each drain. Exact, and free per switch.
+
+    A thread listed at the first read (the source's start) counts from then; a thread first seen
+    later was born since and counts its whole life. A thread that exits between two reads is gone
+    from /proc by the next: its final counters come from its last switch-out (gp_off_exited,
+    bpf/offcpu.c)."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[int, int]] = {}  # tid -> (run_delay ns, switch-ins) at the last read
+        self.started = False
+        self.unreadable: str | None = None  # the first file that could not be read, and why
+
+    def _since(self, tid: int, cur: tuple[int, int]) -> tuple[int, int]:
+        before = self.last.get(tid, cur if not self.started else (0, 0))
+        return cur[0] - before[0], max(cur[1] - before[1], 0)
+
+    def read(self, pids: Iterable[int], exited: dict[int, tuple[int, int, int]] | None = None
+             ) -> list[tuple[int, int, int, int]]:
+        """(pid, tid, ns waited, switch-ins) since the last read, for every thread that waited;
+        exited: tid -> (pid, run_delay, switch-ins) of the threads that exited since."""
+        out: list[tuple[int, int, int, int]] = []
+        now: dict[int, tuple[int, int]] = {}
+        for tid, (pid, delay, runs) in (exited or {}).items():
+            # kept at its final value: a process's leader stays listed until it is reaped
+            cur = now[tid] = (delay, runs)
+            waited, n = self._since(tid, cur)
+            if waited > 0:
+                out.append((pid, tid, waited, n))
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except FileNotFoundError:
+                continue  # the process is gone
+            except OSError as e:
+                self.unreadable = self.unreadable or f"/proc/{pid}/task: {e.strerror}"
+                continue
+            for name in tids:
+                tid = int(name)
+                if tid in now:
+                    continue
+                path = f"/proc/{pid}/task/{name}/schedstat"
+                try:
+                    with open(path, "rb") as f:
+                        fields = f.read().split()
+                except FileNotFoundError:
+                    continue  # the thread exited since the listing: its counters come with the exits
+                except OSError as e:
+                    self.unreadable = self.unreadable or f"{path}: {e.strerror}"
+                    continue
+                if len(fields) < 3:
+                    self.unreadable = self.unreadable or f"{path}: {len(fields)} fields, 3 expected"
+                    continue
+                cur = now[tid] = (int(fields[1]), int(fields[2]))
+                waited, n = self._since(tid, cur)
+                if waited > 0:
+                    out.append((pid, tid, waited, n))
+        self.last = now
+        self.started = True
+        return out
 
 
 class BpfOffcpuSource(Source):
@@ -97,6 +153,14 @@ class BpfOffcpuSource(Source):
         self._start_keys = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Key))
         self._start_leaves = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Leaf))
         self.window_t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        self.exits = b[b"gp_off_exited"]
+        offsets = task_run_queue_offsets()
+        if isinstance(offsets, str):
+            ctx.report_error(self.name, f"the run-queue time a thread waited between the last drain and its "
+                                        f"exit is not counted: {offsets}")
+        self.run_queue = RunQueueTime()
+        self.run_queue.read(ctx.pids())  # what the threads waited before the start is not counted
+        self._said_unreadable = False
 
     def _load_cfi_walk(self, ctx: SourceContext) -> None:
         """The continuation of the CFI walk at blocked switch-outs (gp_off_cfi_cont, bpf/offcpu.c)
@@ -136,14 +200,15 @@ class BpfOffcpuSource(Source):
             pending = list(self.starts.items())
             for _, v in pending:
                 frames.update({s: self.counts.frames(s) for s in (v.user_stack, v.kernel_stack) if s >= 0})
+        waits = self.run_queue.read(job, self._take_exits())
+        if self.run_queue.unreadable and not self._said_unreadable:
+            self._said_unreadable = True
+            self.ctx.report_error(self.name, f"run-queue time not recorded for some threads: "
+                                             f"{self.run_queue.unreadable}")
         n_done = len(keys)
-        rows = schema.OFFCPU_INTERVALS.empty(n_done + (len(pending) if final else 0))
+        rows = schema.OFFCPU_INTERVALS.empty(n_done + len(waits) + (len(pending) if final else 0))
         pids = keys["pid"].tolist()
-        tids = keys["tid"].tolist()
-        for i, (pid, tid) in enumerate(zip(pids, tids)):
-            if not pid:  # a new thread's first wait (sched_wakeup_new): its process from /proc
-                pids[i] = _tgid_of(tid)
-        seen = set(pids) - {0}
+        seen = set(pids)
         self.store.watch(seen - job)  # the job's were watched above: those forked since
         if self.python_frames:
             self.users.register(seen - job)
@@ -169,23 +234,29 @@ class BpfOffcpuSource(Source):
         done = rows[:n_done]
         done["t_ns"], done["pid"], done["tid"] = t0, pids, keys["tid"]
         done["user_stack"], done["kernel_stack"] = users, kernels
-        done["blocked_ns"], done["runnable_ns"], done["count"] = (values["blocked_ns"], values["runnable_ns"],
-                                                                  values["count"])
+        done["blocked_ns"], done["runnable_ns"], done["count"] = values["blocked_ns"], 0, values["count"]
         i = n_done
+        for pid, tid, waited, runs in waits:
+            rows[i] = (t0, pid, tid, STACK_NONE, STACK_NONE, 0, waited, runs)
+            i += 1
         if final:
-            for k, v in pending:
-                tid = int(k.value)
-                pid = int(v.pid) or _tgid_of(tid)
-                end = max(now_ns, int(v.t_out))
-                woke = int(v.t_wake) or end
-                blocked, runnable = (woke - int(v.t_out), end - woke) if v.blocked else (0, end - int(v.t_out))
-                rows[i] = (t0, pid, tid,
+            for k, v in pending:  # asleep at the end: blocked until now
+                pid = int(v.pid)
+                rows[i] = (t0, pid, int(k.value),
                            dec.user(pid, int(v.user_stack), int(v.py_stack), int(v.cfi_stack)),
-                           dec.kernel(int(v.kernel_stack)), blocked, runnable, 1)
+                           dec.kernel(int(v.kernel_stack)), max(now_ns - int(v.t_out), 0), 0, 1)
                 i += 1
         rows = rows[:i]
         self.users.after_drain(self.name, job | seen)
         return [(schema.OFFCPU_INTERVALS, np.sort(rows, order=("pid", "tid")))] if i else []
+
+    def _take_exits(self) -> dict[int, tuple[int, int, int]]:
+        """The job threads that exited since the last drain, with their final run-queue counters
+        (tid -> (pid, run_delay ns, switch-ins)), taken out of the kernel map."""
+        out = {int(k.value): (int(v.pid), int(v.run_delay), int(v.pcount)) for k, v in self.exits.items()}
+        for tid in out:
+            del self.exits[self.exits.Key(tid)]  # only this drain deletes: each is there
+        return out
 
     def sample(self, now_ns: int) -> list[Batch]:
         return self._drain(now_ns, final=False)
