@@ -33,10 +33,10 @@
 #ifndef GP_OFF_COUNT_ENTRIES
 #define GP_OFF_COUNT_ENTRIES 16384
 #endif
-/* prev_state of sched_switch: the low byte holds the sleeping state bits; a preempted task is
- * reported as TASK_REPORT_MAX (0x100), a task that yielded as 0 (both: runnable, not recorded). */
-#define GP_TASK_STATE_MASK 0xff
-#define GP_TASK_EXITING 0x30 /* EXIT_DEAD | EXIT_ZOMBIE ("X", "Z") */
+/* The raw task state the kernel passes sched_switch (its 4th argument, Linux 5.18 and later):
+ * TASK_RUNNING (0) when the task yielded or was preempted, TASK_DEAD at an exiting task's last
+ * switch, else a sleeping state. */
+#define GP_TASK_DEAD 0x0080
 
 /* A blocked switch-out waiting for its wakeup */
 struct gp_off_start {
@@ -156,19 +156,23 @@ static __always_inline void gp_off_cfi_walk(void *ctx, u32 tgid, u32 tid, struct
 }
 #endif
 
-TRACEPOINT_PROBE(sched, sched_switch)
+/* A raw tracepoint: the kernel's own arguments, without the record a plain tracepoint builds at
+ * every switch (both task names copied, the state mapped), a third of what a switch cost hpcc when
+ * the program did nothing (docs/collector.md, job_slowdown). args: [0] preempt, [1] prev, [2] next,
+ * [3] prev's state. */
+RAW_TRACEPOINT_PROBE(sched_switch)
 {
     /* runnable (preempted, or yielded): nothing to record, and nothing read (see the top) */
-    long state = args->prev_state;
-    if (!(state & GP_TASK_STATE_MASK))
+    u32 state = (u32)ctx->args[3];
+    if (ctx->args[0] || state == 0)
         return 0;
     /* runs in prev's context: the current task is the one leaving the CPU */
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    u32 prev = args->prev_pid;
-    if (tgid == 0 || prev != (u32)id)
+    u32 prev = (u32)id; /* prev is the current task */
+    if (tgid == 0)
         return 0;
-    if (state & GP_TASK_EXITING) {
+    if (state & GP_TASK_DEAD) {
         gp_off_start.delete(&prev); /* its last switch: nothing will wake it again */
 #ifdef GP_TASK_RUN_DELAY
         if (gp_in_job(tgid)) {
@@ -194,12 +198,12 @@ TRACEPOINT_PROBE(sched, sched_switch)
     struct gp_off_start s = {};
     s.t_out = bpf_ktime_get_ns();
     s.pid = tgid;
-    s.kernel_stack = gp_off_stacks.get_stackid(args, 0);
+    s.kernel_stack = gp_off_stacks.get_stackid(ctx, 0);
     s.py_stack = gp_py_walk(tgid, prev, GP_IDS_OFFCPU);
 #ifdef GP_WITH_CFI
-    gp_off_cfi_walk(args, tgid, prev, &s);
+    gp_off_cfi_walk(ctx, tgid, prev, &s);
 #endif
-    s.user_stack = gp_off_stacks.get_stackid(args, BPF_F_USER_STACK);
+    s.user_stack = gp_off_stacks.get_stackid(ctx, BPF_F_USER_STACK);
     gp_off_save(prev, &s);
     return 0;
 }

@@ -172,7 +172,7 @@ class BpfOffcpuSource(Source):
         assert self.hub is not None
         b = self.hub.bpf
         try:
-            cont = b.load_func(b"gp_off_cfi_cont", BPF.TRACEPOINT)
+            cont = b.load_func(b"gp_off_cfi_cont", BPF.RAW_TRACEPOINT)  # sched_switch is a raw tracepoint
             progs = b[b"gp_off_cfi_progs"]
             progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
         except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load

@@ -38,7 +38,7 @@ from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, python
 
 from gpuprof.collector import schema
 
-SWITCH_PROG = b"tracepoint__sched__sched_switch"
+SWITCH_PROG = b"raw_tracepoint__sched_switch"
 PY_OFFCPU = str(REPO / "tests" / "progs" / "py_offcpu_tree.py")
 C_CHAIN = ("block_c", "block_b", "block_a", "main")
 PY_CHAIN = ["py::<module>", "py::main", "py::outer", "py::middle", "py::leaf_sleep"]
