@@ -601,7 +601,7 @@ class Resolver:
         names: list[str] = []
         unknown = UNKNOWN_NAME
         if m.kind == "kernel":
-            name = _ksym(off)
+            name = kernel_symbol(off)
             names = [name] if name else []
         elif m.kind == "elf":
             mn = self._module_names(mod, m)
@@ -707,7 +707,8 @@ def read_perf_map(pid: int, uid: int | None = None) -> tuple[list[int], list[tup
 
 
 @lru_cache(maxsize=65536)
-def _ksym(addr: int) -> str | None:
+def kernel_symbol(addr: int) -> str | None:
+    """The kernel function an address is in (BCC's kallsyms), None when not known."""
     try:
         from bcc import BPF
     except ImportError:

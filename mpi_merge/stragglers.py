@@ -1053,7 +1053,7 @@ def _peer_not_running(c: CommSummary, ranks: list[int], st: _CommStats, windows:
             ni = int(c.node_of_rank[r])
             where = f" ({node_names[ni]})" if 0 <= ni < len(node_names) else ""
             return (f"its collectives returned late while rank {r}{where} was not running "
-                    f"({what} for the other ranks, eBPF off-CPU time of its MPI threads): a wait inside the "
+                    f"({what} for the other ranks, off-CPU time of its MPI threads): a wait inside the "
                     "collective, not the network")
     return ""
 
@@ -1153,7 +1153,8 @@ def _evidence(f: Finding, tests: list[_Test], main: _Test, comms: list[CommSumma
     if starved:
         off_note.append(f"its MPI threads waited for a CPU (runnable, not running) {rq / ms:.0f} ms/s vs peers "
                         f"{rq_p / ms:.0f} ms/s")
-    where_off = " in the flagged windows (eBPF off-CPU time of the threads that call MPI)"
+    # blocked: eBPF (bpf/offcpu.c); runnable: the kernel's per-thread run_delay, read by the collector
+    where_off = " in the flagged windows (off-CPU time of the threads that call MPI)"
     if f.kind == "exit delay" and (stopped or starved):
         # a collective that returns late on a process that was not on a CPU: the host held it
         f.cause = "host"

@@ -63,6 +63,9 @@ def test_blocked_time_attributed_to_the_sleeping_call(tmp_path: Path) -> None:
     assert in_call >= 0.95 * blocked, [(names.get(int(r["user_stack"])), int(r["blocked_ns"])) for r in mine]
     kernel = {n for r in mine for n in names.get(int(r["kernel_stack"]), [])}
     assert any("nanosleep" in n for n in kernel), kernel
+    # the kernel stacks start at the scheduler, not inside the tracing that took them
+    leaves = Counter(names.get(int(r["kernel_stack"]), ["?"])[0] for r in mine if r["blocked_ns"])
+    assert set(leaves) == {"__schedule"}, leaves
     # every 5 ms sleep is one episode: about 3 s / (5 ms + wake-up) of them (the run-queue rows
     # count switch-ins)
     assert 200 <= int(mine[mine["blocked_ns"] > 0]["count"].sum()) <= 700

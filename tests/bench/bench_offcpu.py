@@ -14,6 +14,12 @@ offcpu_blocked_stacks  a program whose main thread blocks about 480 times a seco
                        whole run, and from 2 s on: after the process's registration), the
                        program's slowdown against the plain run (iterations of its loop), the share
                        of the blocked time whose user stack holds the whole known chain.
+offcpu_switch_cost     two threads of one process yielding to each other on CPU 0 (tests/progs/
+                       cpu_work.c, mode yield: a switch at every sched_yield, as MPI ranks polling
+                       on a shared core), their yields per second with and without the off-CPU
+                       source (the default config, drained every second), in pairs whose order
+                       alternates: what every switch of a job thread costs it. A runnable
+                       switch-out records nothing (docs/probes.md, "Off-CPU time").
 Needs root, BCC and gcc. Medians with min and max over the pairs.
 """
 
@@ -185,6 +191,38 @@ def offcpu_blocked_stacks(program: str, seconds: float, pairs: int, state: Path)
     return out
 
 
+def offcpu_switch_cost(seconds: float, pairs: int) -> dict[str, Any]:
+    from harness import run_source_over
+
+    from gpuprof.collector.sources.bpf_offcpu import BpfOffcpuSource
+
+    prog = str(native_progs.cpu_work())
+
+    def yields_per_s(profiled: bool) -> float:
+        gated = GatedProcess([prog, "yield", str(seconds)])
+        if profiled:
+            ctx = make_ctx(lambda: frozenset({gated.pid}), ("stacks",))
+            _, (rc, _out, err) = run_source_over(BpfOffcpuSource(), ctx, gated, poll_s=1.0)
+        else:
+            gated.go()
+            rc, _out, err = gated.wait()
+        if rc != 0:
+            raise RuntimeError(f"cpu_work yield failed: {err[-500:]}")
+        return json.loads(err.strip().splitlines()[-1])["iterations"] / seconds
+
+    plain: list[float] = []
+    profiled: list[float] = []
+    for i in range(pairs):
+        for p in ((False, True) if i % 2 == 0 else (True, False)):
+            (profiled if p else plain).append(yields_per_s(p))
+    fewer = [(a / b - 1) * 100 for a, b in zip(plain, profiled)]
+    return {"bench": "offcpu_switch_cost", "program": "cpu_work yield (two threads, sched_yield, CPU 0)",
+            "fewer_yields_percent": round((statistics.median(plain) / statistics.median(profiled) - 1) * 100, 2),
+            "pair_percent": _spread(fewer), "plain_yields_per_s": _spread(plain, 0),
+            "profiled_yields_per_s": _spread(profiled, 0), "seconds": seconds, "pairs": pairs,
+            "interleaved": "alternating order", "load_avg": [round(x, 2) for x in os.getloadavg()]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs, one pair (noisier figures)")
@@ -207,6 +245,7 @@ def main() -> int:
             for program in ("c", "python"):
                 for line in offcpu_blocked_stacks(program, seconds, pairs, state):
                     print(json.dumps(line), flush=True)
+        print(json.dumps(offcpu_switch_cost(seconds, max(pairs, 3))), flush=True)
     finally:
         if old_stats is not None:
             stats.write_text(old_stats)

@@ -4,6 +4,8 @@
  *   cpu_work hot THREADS SECONDS     THREADS threads spin in hot_function
  *   cpu_work sleepy SECONDS          one thread sleeps in sleepy_wait (nanosleep 5 ms at a time)
  *   cpu_work contend SECONDS         two threads spin in contend_spin, both pinned to CPU 0
+ *   cpu_work yield SECONDS           two threads call sched_yield in a loop, both pinned to CPU 0
+ *                                    (an MPI rank polling on a shared core: a switch per call)
  *   cpu_work jit SECONDS             one thread spins in anonymous code named jit_spin_loop
  *
  * Prints one JSON line at the end: {"pid": ..., "tids": [...], "cpu_s": ...} (the worker threads,
@@ -95,6 +97,22 @@ static void *contend_thread(void *arg)
     return (void *)x;
 }
 
+static void *yield_thread(void *arg)
+{
+    tids[(long)arg] = (pid_t)syscall(SYS_gettid);
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(0, &set);
+    sched_setaffinity(0, sizeof(set), &set);
+    unsigned long n = 0;
+    while (!stop_flag) {
+        sched_yield();
+        n++;
+    }
+    iterations[(long)arg] = n;
+    return NULL;
+}
+
 static void *sleepy_thread(void *arg)
 {
     tids[(long)arg] = (pid_t)syscall(SYS_gettid);
@@ -126,7 +144,7 @@ static void *jit_thread(void *arg)
 int main(int argc, char **argv)
 {
     if (argc < 3) {
-        fprintf(stderr, "usage: cpu_work hot|sleepy|contend|jit [THREADS] SECONDS\n");
+        fprintf(stderr, "usage: cpu_work hot|sleepy|contend|yield|jit [THREADS] SECONDS\n");
         return 2;
     }
     const char *mode = argv[1];
@@ -143,6 +161,9 @@ int main(int argc, char **argv)
         else if (!strcmp(mode, "contend")) {
             n = 2;
             fn = contend_thread;
+        } else if (!strcmp(mode, "yield")) {
+            n = 2;
+            fn = yield_thread;
         } else if (!strcmp(mode, "jit"))
             fn = jit_thread;
     }
