@@ -15,6 +15,7 @@ a final step of the batch script: the script is the user's and stays unmodified.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any
 
 from gpuprof.collector import environment as env
 from gpuprof.collector.errors import GpuprofError, JobLookupError
-from gpuprof.slurm_hooks.job import JobInfo, job_source
+from gpuprof.slurm_hooks.job import JobInfo, expand_hostlist, job_source
 from gpuprof.slurm_hooks.paths import node_dir_for_stdout, stdout_stem
 
 
@@ -161,6 +162,15 @@ def main(argv: list[str]) -> int:
     return run(a.job, Path(a.dir), a.stdout, [n for n in a.nodes.split(",") if n], a.ranks, a.mpirun)
 
 
+def allocated_nodes(job: JobInfo) -> list[str]:
+    """The job's nodes as allocated, from the Epilog's SLURM_JOB_NODELIST (slurmd sets it from the
+    job's credential); the lookup's when the variable is not set. The lookup's NodeList of a job
+    whose other nodes' epilogs have finished can be shorter: a later node then took itself for the
+    first, and the local cluster had up to three merge jobs for one job."""
+    listed = env.get(env.SLURM_JOB_NODELIST)
+    return expand_hostlist(listed) if listed else job.nodes
+
+
 def from_node_epilog(cfg: dict[str, Any], job_id: str, node: str, log: Any) -> None:
     """The node Epilog's part (merge.submit_from = "node_epilog"): on the job's first node only,
     submit the merge job. Never raises: a merge not submitted is logged, the job is already done."""
@@ -168,6 +178,7 @@ def from_node_epilog(cfg: dict[str, Any], job_id: str, node: str, log: Any) -> N
         return
     try:
         job = job_source().lookup(job_id)
+        job = dataclasses.replace(job, nodes=allocated_nodes(job))
         if not job.nodes or job.nodes[0] != node:
             return
         merge_id = submit(job_id, cfg, job)

@@ -64,6 +64,7 @@ def test_only_the_first_node_submits(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(automerge, "job_source", lambda: Source())
     monkeypatch.setattr(automerge, "submit", lambda job_id, cfg, j=None: submitted.append(job_id) or "99")
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)  # the lookup's nodes, then
     cfg = config.defaults()
     log = logging.getLogger("test")
     automerge.from_node_epilog(cfg, "77", "node3", log)
@@ -73,6 +74,31 @@ def test_only_the_first_node_submits(tmp_path: Path, monkeypatch: pytest.MonkeyP
     cfg["merge"]["submit_from"] = "epilog_slurmctld"
     automerge.from_node_epilog(cfg, "77", "node2", log)
     assert submitted == ["77"]
+
+
+def test_the_first_node_is_the_allocations_not_the_completing_jobs(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """node1's epilog is done, and the lookup of the completing job lists node[2-4] only: node2 is
+    still not the first (the Epilog's SLURM_JOB_NODELIST is the allocation); node1 submits the merge
+    for all four nodes."""
+    submitted: list[list[str]] = []
+
+    class Source:
+        def lookup(self, job_id: str) -> JobInfo:
+            j = job(tmp_path)
+            j.nodes = ["node2", "node3", "node4"]
+            return j
+
+    monkeypatch.setattr(automerge, "job_source", lambda: Source())
+    monkeypatch.setattr(automerge, "submit", lambda job_id, cfg, j: submitted.append(j.nodes) or "99")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
+    monkeypatch.setattr(automerge, "expand_hostlist",
+                        lambda s: ["node1", "node2", "node3", "node4"] if s == "node[1-4]" else [])
+    log = logging.getLogger("test")
+    automerge.from_node_epilog(config.defaults(), "77", "node2", log)
+    assert submitted == []
+    automerge.from_node_epilog(config.defaults(), "77", "node1", log)
+    assert submitted == [["node1", "node2", "node3", "node4"]]
 
 
 def test_submit_from_is_checked(tmp_path: Path) -> None:
