@@ -163,11 +163,13 @@ def main(argv: list[str]) -> int:
 
 
 def allocated_nodes(job: JobInfo) -> list[str]:
-    """The job's nodes as allocated, from the Epilog's SLURM_JOB_NODELIST (slurmd sets it from the
-    job's credential); the lookup's when the variable is not set. The lookup's NodeList of a job
-    whose other nodes' epilogs have finished can be shorter: a later node then took itself for the
-    first, and the local cluster had up to three merge jobs for one job."""
-    listed = env.get(env.SLURM_JOB_NODELIST)
+    """The job's nodes as allocated, from the Epilog's SLURM_JOB_NODELIST (Slurm 23.02 on) or
+    SLURM_NODELIST (22.05: slurmd sets it from the job's credential); the lookup's when neither is
+    set. The lookup's NodeList of a completing job loses each node whose epilog has finished (seen
+    on Slurm 22.05: node[1-4], then node1,node[3-4], then node3): a later node then took itself for
+    the first, and the local cluster had up to three merge jobs for one job, each expecting fewer
+    nodes."""
+    listed = env.get(env.SLURM_JOB_NODELIST) or env.get(env.SLURM_NODELIST)
     return expand_hostlist(listed) if listed else job.nodes
 
 

@@ -64,7 +64,8 @@ def test_only_the_first_node_submits(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(automerge, "job_source", lambda: Source())
     monkeypatch.setattr(automerge, "submit", lambda job_id, cfg, j=None: submitted.append(job_id) or "99")
-    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)  # the lookup's nodes, then
+    for v in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(v, raising=False)  # the lookup's nodes, then
     cfg = config.defaults()
     log = logging.getLogger("test")
     automerge.from_node_epilog(cfg, "77", "node3", log)
@@ -76,7 +77,8 @@ def test_only_the_first_node_submits(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert submitted == ["77"]
 
 
-def test_the_first_node_is_the_allocations_not_the_completing_jobs(tmp_path: Path,
+@pytest.mark.parametrize("variable", ["SLURM_JOB_NODELIST", "SLURM_NODELIST"])  # Slurm 23.02 on; 22.05
+def test_the_first_node_is_the_allocations_not_the_completing_jobs(tmp_path: Path, variable: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """node1's epilog is done, and the lookup of the completing job lists node[2-4] only: node2 is
     still not the first (the Epilog's SLURM_JOB_NODELIST is the allocation); node1 submits the merge
@@ -91,7 +93,9 @@ def test_the_first_node_is_the_allocations_not_the_completing_jobs(tmp_path: Pat
 
     monkeypatch.setattr(automerge, "job_source", lambda: Source())
     monkeypatch.setattr(automerge, "submit", lambda job_id, cfg, j: submitted.append(j.nodes) or "99")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
+    for v in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(variable, "node[1-4]")
     monkeypatch.setattr(automerge, "expand_hostlist",
                         lambda s: ["node1", "node2", "node3", "node4"] if s == "node[1-4]" else [])
     log = logging.getLogger("test")

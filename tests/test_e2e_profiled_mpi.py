@@ -99,7 +99,7 @@ def test_node_files_hold_the_collectives(demo_job: tuple[str, Path]) -> None:
     assert len(world_ids) == 1, f"COMM_WORLD id differs between nodes: {world_ids}"
 
 
-def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user: str) -> None:
+def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user: str, cluster: Cluster) -> None:
     job, work = demo_job
     stem = work / f"slurm-{job}"
     results = [Path(f"{stem}.gpuprof.{ext}") for ext in ("h5", "txt", "json", "html")]
@@ -109,6 +109,10 @@ def test_merged_report_names_the_slow_rank(demo_job: tuple[str, Path], test_user
     report = json.loads(results[2].read_text())
     assert report["status"] == "complete", report.get("partial_reasons")
     assert sorted(report["nodes_merged"]) == list(NODES)
+    # one merge job, from the first node's epilog (the later nodes once took themselves for the first
+    # when the completing job's NodeList had lost the nodes already done)
+    shown = cluster.run(["scontrol", "show", "job", "-o"], check=True).stdout
+    assert shown.count(f"JobName=gpuprof-merge-{job} ") == 1, shown
     # One host: every virtual node shares the clock, so the offsets must come out zero within noise.
     for node in report["nodes"]:
         off = node["clock"]["offset_us"]
