@@ -364,8 +364,8 @@ CANCEL_POLL_S = 0.1  # how soon a stopping collector stops waiting for its compi
 
 
 class TableCache:
-    """Compiled tables by key (build id, else file identity): in memory up to max_rows rows in all
-    (least recently used dropped first), and on disk (build ids only) in a directory only root may
+    """Compiled tables by key (build id, else content hash: cache_id): in memory up to max_rows rows
+    in all (least recently used dropped first), and on disk in a directory only root may
     write, up to disk_bytes in all (oldest files removed first). Files without a table are
     remembered too (by key) so that they are not compiled again."""
 
@@ -413,7 +413,7 @@ class TableCache:
             return t
         fkey = file_key(st)
         with os.fdopen(os.dup(fd), "rb") as f:
-            bid = _peek_build_id(f)
+            bid = cache_id(f)
             if bid is not None:
                 with self.lock:
                     t = self.mem.get(bid)
@@ -442,12 +442,13 @@ class TableCache:
                 t0 = time.process_time()
                 try:
                     f.seek(0)
+                    key = bid or fkey  # a file without a build id: its table keyed by its content
                     if child:
-                        t = compile_in_child(f.fileno(), fkey, self.max_rows, self.cancel,
+                        t = compile_in_child(f.fileno(), key, self.max_rows, self.cancel,
                                              self._child_store(bid), lock_fd)
                         self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
                     else:
-                        t = compile_table(f, fkey, self.max_rows)
+                        t = compile_table(f, key, self.max_rows)
                 except NoTable as e:
                     with self.lock:
                         self.no_table[bid or fkey] = str(e)
@@ -470,9 +471,9 @@ class TableCache:
     def warm(self, fd: int, st: os.stat_result) -> bool:
         """Compile the open file's table into the disk cache only (a library the node's jobs are
         likely to map: the next registration of it is a disk hit); not kept in memory. True when
-        compiled now; False when it is cached already, has no build id, or there is no disk cache."""
+        compiled now; False when it is cached already, has no cache id, or there is no disk cache."""
         with os.fdopen(os.dup(fd), "rb") as f:
-            bid = _peek_build_id(f)
+            bid = cache_id(f)
         store = self._child_store(bid)
         if bid is None or store is None or self._on_disk(bid):
             return False
@@ -480,7 +481,7 @@ class TableCache:
         try:
             if self._on_disk(bid):  # another collector of the host compiled it while this one waited
                 return False
-            t = compile_in_child(fd, file_key(st), self.max_rows, self.cancel, store, lock_fd)
+            t = compile_in_child(fd, bid, self.max_rows, self.cancel, store, lock_fd)
             self.child_cpu_s += t.stats.pop("cpu_ms", 0) / 1000
             if not t.stats.pop("stored", 0):
                 self._disk_store(t)
@@ -745,7 +746,7 @@ def _child_main(argv: list[str]) -> int:
     stats = {**t.stats, "cpu_ms": round(time.process_time() * 1000)}
     if store is not None:
         cache = TableCache(max_rows, store[0], store[1])
-        if cache._disk_paths(t.key) is not None:  # a build id (tables without one are not kept on disk)
+        if cache._disk_paths(t.key) is not None:  # a cache id (build id or content hash; a file key is not kept)
             cache._disk_store(t)
             stats["stored"] = int(not cache.disk_errors)
     buf = io.BytesIO()  # (np.save to a real file writes the data past its own buffer)
@@ -757,6 +758,27 @@ def _child_main(argv: list[str]) -> int:
     except BrokenPipeError:
         pass  # the collector stopped and left this compile to finish into the disk cache
     return 0
+
+
+CONTENT_ID_MAX_BYTES = 2 << 30  # larger files without a build id are not hashed (not kept on disk)
+
+
+def cache_id(f: BinaryIO) -> str | None:
+    """The disk cache's name of a file's table: its build id, else the SHA-256 of its bytes (64 hex
+    digits). pip's wheels ship libraries without a build id (numpy's OpenBLAS, 25 MB, about 5 s of
+    CPU to compile): keyed by file identity alone they were compiled again by every collector of
+    every job, during the job. None: neither (not an ELF file, or too large to hash)."""
+    bid = _peek_build_id(f)
+    if bid is not None:
+        return bid
+    f.seek(0, os.SEEK_END)
+    if f.tell() > CONTENT_ID_MAX_BYTES:
+        return None
+    f.seek(0)
+    h = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _peek_build_id(f: BinaryIO) -> str | None:

@@ -140,6 +140,35 @@ def test_cache_by_build_id_on_disk(tmp_path: Path) -> None:
     assert (os.stat(tmp_path / "cfi").st_mode & 0o777) == 0o700
 
 
+def test_a_library_without_build_id_is_cached_by_its_content(tmp_path: Path) -> None:
+    """pip's wheels ship libraries without a build id (numpy's OpenBLAS): their tables go to the
+    disk cache under the SHA-256 of the file, so that the next collector loads them instead of
+    compiling them again (it compiled OpenBLAS's in every collector of every job, during the job)."""
+    import hashlib
+    import os
+    import subprocess
+
+    from elftools.elf.elffile import ELFFile
+
+    lib = tmp_path / "libc-no-build-id.so"
+    subprocess.run(["objcopy", "--remove-section=.note.gnu.build-id", str(LIBC), str(lib)], check=True)
+    with open(lib, "rb") as f:
+        assert ct.build_id(ELFFile(f)) is None
+        assert ct.cache_id(f) == hashlib.sha256(lib.read_bytes()).hexdigest()
+    a = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+    fd = os.open(lib, os.O_RDONLY)
+    try:
+        t1 = a.get(fd, os.fstat(fd), child=True)
+        b = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        t2 = b.get(fd, os.fstat(fd), child=True)
+    finally:
+        os.close(fd)
+    assert t1 is not None and t2 is not None
+    assert a.compiled == 1 and b.compiled == 0 and b.disk_hits == 1
+    assert len(t1.key) == 64 and t1.key == t2.key
+    assert ct.digest(t1.rows) == ct.digest(t2.rows) and t1.segments == t2.segments
+
+
 def _get_in_another_process(cache_dir: str, out: Any) -> None:
     """One collector's compile thread asking for libc's table (run in a process of its own)."""
     import os
