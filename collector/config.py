@@ -93,7 +93,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cfi_max_rows": Key(int, 1048576, "cap on the CFI table rows loaded (12 bytes each; at most 1048576, the "
                                           "BPF map's size); a file whose table does not fit gets none"),
         "cfi_cache_mb": Key(int, 64, "compiled CFI tables kept on disk in <state_dir>/cfi-tables, by build id "
-                                     "(0 = none)"),
+                                     "(else the file's SHA-256; 0 = none)"),
         "cfi_prewarm": Key(bool, True, "compile the tables of the node's common runtime libraries (C, C++ and "
                                         "Fortran runtimes, MPI, the Python interpreter, numpy's BLAS) into the "
                                         "disk cache when a collector starts, once per host"),

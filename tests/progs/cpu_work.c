@@ -84,13 +84,19 @@ static void *hot_thread(void *arg)
     return (void *)x;
 }
 
-static void *contend_thread(void *arg)
+/* The calling thread, on CPU 0 only (threads that contend for one CPU) */
+static void pin_to_cpu0(void)
 {
-    tids[(long)arg] = (pid_t)syscall(SYS_gettid);
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(0, &set);
     sched_setaffinity(0, sizeof(set), &set);
+}
+
+static void *contend_thread(void *arg)
+{
+    tids[(long)arg] = (pid_t)syscall(SYS_gettid);
+    pin_to_cpu0();
     unsigned long x = 1;
     while (!stop_flag)
         x += contend_spin(x);
@@ -100,10 +106,7 @@ static void *contend_thread(void *arg)
 static void *yield_thread(void *arg)
 {
     tids[(long)arg] = (pid_t)syscall(SYS_gettid);
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(0, &set);
-    sched_setaffinity(0, sizeof(set), &set);
+    pin_to_cpu0();
     unsigned long n = 0;
     while (!stop_flag) {
         sched_yield();
