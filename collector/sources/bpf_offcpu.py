@@ -125,11 +125,11 @@ class RunQueueTime:
                 tid = int(name)
                 if tid in now:
                     continue
-                cur = self._counters(pid, tid)
-                if cur is None:
+                counters = self._counters(pid, tid)
+                if counters is None:
                     continue
-                now[tid] = cur
-                waited, n = self._since(tid, cur)
+                now[tid] = counters
+                waited, n = self._since(tid, counters)
                 if waited > 0:
                     out.append((pid, tid, waited, n))
         for tid in [t for t in self.fds if t not in now or t in (exited or {})]:
@@ -226,6 +226,7 @@ class BpfOffcpuSource(Source):
 
     def _drain(self, now_ns: int, final: bool) -> list[Batch]:
         assert self.hub is not None and self.store is not None and self.users is not None
+        assert self.run_queue is not None
         job = set(self.ctx.pids())
         self.hub.set_pids(job)
         self.store.new_drain()
