@@ -100,7 +100,7 @@ struct gp_cfi_walk {
     u32 fp_frames;
     u32 tgid;
     u32 leaf_mapped; /* the first pc is in a registered mapping */
-    u32 pad;
+    u32 guessed;     /* the last step was the frame-pointer rule's: its return address is a guess */
 };
 
 BPF_ARRAY(gp_cfi_rows, struct gp_cfi_row, GP_CFI_ROWS);
@@ -216,6 +216,7 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
         return 1;
     }
     u8 cfa_type = GP_CFA_NONE, rbp_type = GP_RBP_SAME;
+    u32 guessed = 0;
     s32 cfa_off = 0;
     s16 rbp_off = 0;
     if (m->count) {
@@ -250,6 +251,7 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
         rbp_type = GP_RBP_AT_CFA;
         rbp_off = -16;
         w->fp_frames++;
+        guessed = 1;
     }
     if (cfa <= w->sp) {
         w->end = GP_CFI_END_BAD_CFA;
@@ -271,6 +273,7 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
         w->bp = 0;
     }
     w->sp = cfa;
+    w->guessed = guessed;
     if (ra == 0) {
         w->end = GP_CFI_END_OK;
         return 1;
@@ -323,6 +326,7 @@ static __always_inline void gp_cfi_init(struct gp_cfi_state *s, u32 pfirst, u32 
     w->fp_frames = 0;
     w->tgid = tgid;
     w->leaf_mapped = 0;
+    w->guessed = 0;
 }
 
 /* gp_cfi_init from the user registers of the current task while it is in the kernel (a system
@@ -386,7 +390,11 @@ static __always_inline u64 gp_cfi_store(struct gp_cfi_state *s)
             *v += w->fp_frames;
     }
     u32 tgid = w->tgid;
-    if (end == GP_CFI_END_NO_MAPPING) {
+    /* A pc in no registered mapping asks for the process's mappings to be read again (a dlopen
+     * since), unless a frame-pointer step guessed it: in code without CFI and without frame
+     * pointers (the vDSO, hand-written assembly) rbp is any value, and such a process asked at
+     * every such sample, which woke the registration thread to read unchanged maps at 10 Hz. */
+    if (end == GP_CFI_END_NO_MAPPING && !w->guessed) {
         u8 one = 1;
         gp_cfi_stale.update(&tgid, &one);
     }

@@ -225,6 +225,7 @@ class CfiUnwinder:
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
         self._wake = threading.Event()  # something for the registration thread (with the native watch)
         self._watch: _StaleWatch | None = _StaleWatch.start(self.stale_map, self._wake.set)
+        self._watch_wakes: int | None = None  # the watch's count when it stopped (None: never started)
         self.poll_how = (f"native watch every {POLL_S} s, python when asked or every {IDLE_POLL_S} s"
                          if self._watch is not None else f"python every {POLL_S} s ({_StaleWatch.why_not})")
         compiler.on_done = self._wake.set
@@ -490,6 +491,7 @@ class CfiUnwinder:
         self._wake.set()
         self.poller.join(timeout=5)
         if self._watch is not None:
+            self._watch_wakes = self._watch.wakes()  # status() after the close still says it
             self._watch.stop()  # after the poller: it acknowledges through the watch
             self._watch = None
         self.compiler.on_done = None
@@ -505,7 +507,7 @@ class CfiUnwinder:
                 "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
                 "compiled_by_another_collector": self.cache.waited_for_others, "prewarmed": self.cache.warmed,
                 "registrations": self.registrations, "registration_wakeups": self.poll_how,
-                "registration_watch_wakes": self._watch.wakes() if self._watch is not None else None,
+                "registration_watch_wakes": self._watch.wakes() if self._watch is not None else self._watch_wakes,
                 **self.counts()}
 
 

@@ -148,6 +148,13 @@ def no_cfi_tree(frame_pointers: bool, debug_frame: bool = False) -> Path:
                   [PROGS / "nofp_tree.c"])
 
 
+def bogus_frame() -> Path:
+    """tests/progs/bogus_frame.c: a leaf without CFI under a made-up frame whose return address is
+    in no mapping (no .eh_frame, no frame pointers)."""
+    return _build("gcc", BUILD / "bogus_frame", ["-O2", "-fomit-frame-pointer", *NO_CFI_FLAGS],
+                  [PROGS / "bogus_frame.c"])
+
+
 def nofp_block(frame_pointers: bool = False) -> Path:
     """tests/progs/nofp_block.c (main -> block_a -> block_b -> block_c -> a blocking call),
     -O2 -fomit-frame-pointer, or -O2 with frame pointers (leaves included)."""
