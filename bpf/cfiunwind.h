@@ -392,7 +392,7 @@ static __always_inline u64 gp_cfi_store(struct gp_cfi_state *s)
     u32 tgid = w->tgid;
     /* A pc in no registered mapping asks for the process's mappings to be read again (a dlopen
      * since), unless a frame-pointer step guessed it: in code without CFI and without frame
-     * pointers (the vDSO, hand-written assembly) rbp is any value, and such a process asked at
+     * pointers (hand-written assembly, JIT code) rbp is any value, and such a process asked at
      * every such sample, which woke the registration thread to read unchanged maps at 10 Hz. */
     if (end == GP_CFI_END_NO_MAPPING && !w->guessed) {
         u8 one = 1;

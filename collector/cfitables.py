@@ -661,6 +661,34 @@ def _cfi_bytes(f: BinaryIO) -> int:
 CHILD_TIMEOUT_S = 120.0
 
 
+def own_vdso() -> tuple[int, bytes] | None:
+    """This process's vDSO: (its address, its image), or None when it has none. The kernel maps the
+    same image into every x86-64 process of the host (it is the kernel's, not the job's), so the
+    collector compiles its table and reads its symbols from its own copy: nothing of a job's memory
+    is read for it."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[vdso]"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                return lo, ctypes.string_at(lo, hi - lo)
+    return None
+
+
+def vdso_table(max_rows: int) -> CfiTable:
+    """The CFI table of the host's vDSO (own_vdso; keyed by its build id), for walks whose leaf is
+    in clock_gettime or gettimeofday (an MPI progress loop's timer: most samples of a process
+    polling the clock). Debian 12's vDSO keeps frame pointers, so the frame-pointer rule unwound
+    it too, except at its entries and exits before rbp is set (3 of 190 samples of
+    tests/progs/vdso_loop.c ended there); a vDSO built without them is unwound only with this.
+    Raises NoTable when there is no vDSO or it has no CFI."""
+    image = own_vdso()
+    if image is None:
+        raise NoTable("no [vdso] in this process")
+    return compile_table(io.BytesIO(image[1]), "vdso", max_rows)
+
+
 def compile_in_child(fd: int, fallback_key: str, max_rows: int, cancel: threading.Event | None = None,
                      store: tuple[str, int] | None = None, lock_fd: int | None = None) -> CfiTable:
     """compile_table in a child process (`python -m gpuprof.collector.cfitables`, at the collector's

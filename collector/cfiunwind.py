@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,6 +42,8 @@ from gpuprof.collector.cfitables import (
     TableCache,
     file_key,
     open_mapped_file,
+    own_vdso,
+    vdso_table,
 )
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
@@ -217,6 +219,8 @@ class CfiUnwinder:
         self.waiting: set[int] = set()  # pids whose tables are not all compiled yet
         self.no_table: dict[str, str] = {}  # file identity -> why (reported; bounded below)
         self.no_room = 0  # tables that did not fit in what was left of max_rows
+        self._vdso_table: CfiTable | None | Literal[False] = None  # False: none (the reason in no_table)
+        self._vdso_size = 0
         self.registrations = 0
         self.last_counts = [0] * 13
         cont = bpf.load_func(b"gp_cfi_cont", BPF.PERF_EVENT)
@@ -323,8 +327,15 @@ class CfiUnwinder:
         missing = False
         for i, m in enumerate(maps):
             entries[i]["start"], entries[i]["end"] = m.start, m.end
+            if m.path == "[vdso]":
+                t = self._vdso(m.end - m.start)
+                d = t.vaddr_minus_offset(m.offset) if t is not None else None
+                if t is not None and d is not None:
+                    entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
+                    tables.append((i, t))
+                continue
             if not m.path.startswith("/"):
-                continue  # anonymous code, [vdso]: the frame-pointer rule
+                continue  # anonymous code: the frame-pointer rule
             try:
                 fd, st = open_mapped_file(pid, m.start, m.end)
             except OSError as e:
@@ -378,6 +389,21 @@ class CfiUnwinder:
             self.mappings.free(old.first, old.count)
             for k in old.keys - keys:
                 self._unuse(k, pid)
+
+    def _vdso(self, size: int) -> CfiTable | None:
+        """The host's vDSO table (cfitables.vdso_table), for a [vdso] mapping of the collector's
+        own vDSO's size; another size is another image (a 32-bit process's): the frame-pointer rule."""
+        if self._vdso_table is None:
+            try:
+                self._vdso_table = vdso_table(self.cache.max_rows)
+                own = own_vdso()
+                self._vdso_size = len(own[1]) if own is not None else 0
+            except (NoTable, OSError) as e:
+                self._vdso_table = False
+                self._no_table("[vdso]", str(e))
+        if self._vdso_table is False or size != self._vdso_size:
+            return None
+        return self._vdso_table
 
     def _no_table(self, path: str, why: str) -> None:
         if len(self.no_table) >= 1024:

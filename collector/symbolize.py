@@ -41,6 +41,7 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import attach_path, parse_maps, pid_alive, read_maps_text
+from gpuprof.collector.cfitables import own_vdso
 from gpuprof.collector.debuginfo import (
     DEFAULT_DEBUG_ROOTS,
     DIE_BUDGET,
@@ -80,6 +81,17 @@ class Module:
     name: str = ""  # shown in /stacks/symbols.module
     uid: int = -1  # perfmap, elf: the process's uid when its maps were read (whose files it may read)
     ident: str = ""  # elf: "DEV:INODE" as /proc/PID/maps gave it (the file itself, not its path)
+
+
+VDSO_IDENT = "[vdso]"  # Module.ident of the host's vDSO (no file: its image is the collector's own)
+
+
+@lru_cache(maxsize=1)
+def _vdso_size() -> int:
+    """The size of the collector's own vDSO (0: none); a [vdso] of another size (a 32-bit
+    process's) is another image, left unnamed."""
+    image = own_vdso()
+    return len(image[1]) if image is not None else 0
 
 
 def unknown_name(module: str, offset: int) -> str:
@@ -208,6 +220,9 @@ class StackStore:
                 if ident not in self.held and ident not in self._hold_tried:
                     self._hold(pid, m.start, m.end, ident)
                 off = m.offset
+            elif m.path == "[vdso]" and m.end - m.start == _vdso_size():
+                # the host's vDSO, named from the collector's own copy (_load)
+                idx, off = self._module(Module("elf", name=m.path, ident=VDSO_IDENT)), m.offset
             elif m.path in ("[vdso]", "[vsyscall]"):
                 idx, off = self._module(Module("none", name=m.path)), m.start
             else:  # anonymous executable memory: JIT code, perf trampolines
@@ -637,7 +652,9 @@ class Resolver:
 
     def _load(self, m: Module) -> ModuleNames:
         fd = self.held.get(m.ident) if m.ident else None
-        if fd is None:
+        if fd is None and m.ident == VDSO_IDENT:
+            fd = self._vdso_fd()
+        elif fd is None:
             fd = self._open_by_path(m)
         elf = read_elf_fd(fd, m.path)
         key = elf.build_id or m.ident or m.path
@@ -651,6 +668,17 @@ class Resolver:
                 debug = self.debug.find(elf, file_dir, owners)
             mn = self._by_key[key] = ModuleNames(elf, fd, debug, self.budget)
         return mn
+
+    def _vdso_fd(self) -> int:
+        """A memory file holding the collector's own vDSO (the same image as every x86-64
+        process's of this host: cfitables.own_vdso), for its symbols (__vdso_clock_gettime, ...)."""
+        image = own_vdso()
+        if image is None:
+            raise OSError(errno.ENOENT, "no [vdso] in the collector")
+        fd = os.memfd_create("gpuprof-vdso", os.MFD_CLOEXEC)
+        self._opened.append(fd)
+        os.write(fd, image[1])
+        return fd
 
     def _open_by_path(self, m: Module) -> int:
         """The module's file by its path (no descriptor was held): safeio's checks, and the device

@@ -549,6 +549,32 @@ def test_code_without_cfi(state_dir: Path) -> None:
 
 
 @pytest.mark.bpf
+def test_samples_in_the_vdso_are_named_and_unwind_to_start(state_dir: Path) -> None:
+    """A program polling clock_gettime (tests/progs/vdso_loop.c) is sampled mostly in the vDSO. Its
+    frames are named from the host's image (the collector's own copy: __vdso_clock_gettime, not
+    [unknown [vdso]+0x...]), and with the vDSO's CFI every such sample reads the vDSO, libc's
+    clock_gettime, poll_clock, poll_a, main and _start, at its entries and exits too (where the
+    frame-pointer rule ended the walk: 3 of 190 samples in one run without the table)."""
+    _skip()
+    run = sampled(state_dir, [str(native_progs.vdso_loop()), "2"])
+    assert not run["errors"], run["errors"]
+    rows = run["rows"]
+    # from the first window where the program was registered (a stack through poll_clock)
+    t0 = min(int(r["t_ns"]) for r in rows if "poll_clock" in run["names"].get(int(r["user_stack"]), []))
+    in_vdso: Counter[tuple[str, ...]] = Counter()
+    total = 0
+    for r in rows[rows["t_ns"] >= t0]:
+        sid, n = int(r["user_stack"]), int(r["count"])
+        total += n
+        if (run["modules"].get(sid) or [""])[0] == "[vdso]":
+            in_vdso[tuple(run["names"][sid])] += n
+    assert sum(in_vdso.values()) >= 0.3 * total, (total, in_vdso.most_common(3))
+    assert _share(in_vdso, lambda s: s[0].startswith("__vdso_")) == 1.0, in_vdso.most_common(4)
+    assert _share(in_vdso, lambda s: "poll_clock" in s and "main" in s and _to_start(s)) == 1.0, \
+        in_vdso.most_common(4)
+
+
+@pytest.mark.bpf
 def test_a_guessed_caller_in_no_mapping_does_not_ask_for_the_mappings(state_dir: Path) -> None:
     """A leaf without CFI whose rbp is not a frame pointer (tests/progs/bogus_frame.c; the vDSO and
     hand-written assembly in real jobs): the frame-pointer rule's guess lands in no mapping at every

@@ -155,6 +155,12 @@ def bogus_frame() -> Path:
                   [PROGS / "bogus_frame.c"])
 
 
+def vdso_loop() -> Path:
+    """tests/progs/vdso_loop.c (main -> poll_a -> poll_clock -> clock_gettime in the vDSO),
+    -O2 -fomit-frame-pointer."""
+    return _build("gcc", BUILD / "vdso_loop", NOFP_CFLAGS, [PROGS / "vdso_loop.c"])
+
+
 def nofp_block(frame_pointers: bool = False) -> Path:
     """tests/progs/nofp_block.c (main -> block_a -> block_b -> block_c -> a blocking call),
     -O2 -fomit-frame-pointer, or -O2 with frame pointers (leaves included)."""
