@@ -7,7 +7,17 @@ job_script, fault "balanced") times its mpirun line, so queueing, the prolog's w
 and the epilog are not in it (the bench of the hooks measures those), and the automatic merge job
 of a profiled run is waited for before the next run starts.
 
+Three layouts, all printed by default (--layouts):
+- "node": one Slurm node, one rank per core (2 here): one collector for the machine, no core
+  shared by two ranks; what a job pays on a site's node (smaller than theirs).
+- "shared": the application's 4 ranks on that one node, two per core: one collector, but ranks
+  that yield to each other at every poll (a context switch each, which the off-CPU probe sees).
+- "nodes": one rank per virtual node of the local cluster (4 nodes on this one machine, so four
+  collectors on its 2 cores, and ranks sharing cores): the layout of the other benches, an upper
+  bound.
+
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
+        [--layouts node,shared,nodes]
 
 One line per application:
     {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
@@ -42,27 +52,47 @@ DEFAULT_MODES = ",".join(schema.DEFAULT_MODES)  # what plain --profile-gpu profi
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
 
 
-def timed_script(app: apps_mod.App) -> str:
-    """realapps' batch script for the app (no fault), its mpirun line timed."""
+def timed_script(app: apps_mod.App, layout: str) -> str:
+    """realapps' batch script for the app (no fault), its mpirun line timed; on one node without
+    its one task per node (placement() gives the tasks)."""
     text = runner.job_script(runner.RunSpec(app, faults_mod.FAULTS["balanced"], 0))
     lines = [f"#SBATCH --job-name=bench-slowdown-{app.name}" if line.startswith("#SBATCH --job-name=") else line
-             for line in text.splitlines()]
+             for line in text.splitlines()
+             if not (layout != "nodes" and line.startswith("#SBATCH --ntasks-per-node="))]
     i = next(k for k, line in enumerate(lines) if line.startswith("mpirun "))
     lines[i:i + 1] = ["t0=$(date +%s.%N)", lines[i], "t1=$(date +%s.%N)",
                       'awk -v a="$t0" -v b="$t1" \'BEGIN { printf "bench_app_seconds %.3f\\n", b - a }\'']
     return "\n".join(lines) + "\n"
 
 
-def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "") -> float:
+LAYOUTS = ("node", "shared", "nodes")
+
+
+def ranks(app: apps_mod.App, layout: str) -> int:
+    return (os.cpu_count() or 1) if layout == "node" else app.nodes
+
+
+def placement(app: apps_mod.App, layout: str) -> list[str]:
+    """sbatch's arguments for the layout."""
+    if layout == "nodes":
+        return [f"-N{app.nodes}"]
+    if layout in ("node", "shared"):  # --overcommit: more tasks than the node's CPUs (shared)
+        return ["-N1", f"--ntasks={ranks(app, layout)}", "--overcommit"]
+    raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+
+
+def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes") -> float:
     pw = pwd.getpwnam(slurm.TEST_USER)
-    work = base / f"{app.name}-{k}-{'prof' if profiled else 'plain'}"
+    work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
     app.prepare(work)
-    (work / "job.sh").write_text(timed_script(app))
+    if app.name == "hpcc" and ranks(app, layout) != app.nodes:
+        apps_mod.hpcc_grid(work, 1, ranks(app, layout))
+    (work / "job.sh").write_text(timed_script(app, layout))
     for p in [work, *work.iterdir()]:
         os.chown(p, pw.pw_uid, pw.pw_gid)
     flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
-    args = [f"-N{app.nodes}", f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
+    args = [*placement(app, layout), f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
     info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
     out = work / f"slurm-{job}.out"
@@ -78,23 +108,28 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     return float(m.group(1))
 
 
-def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "") -> dict[str, Any]:
+def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes") -> dict[str, Any]:
     plain: list[float] = []
     prof: list[float] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for profiled in order:
-            t = one_run(app, profiled, base, k, modes)
+            t = one_run(app, profiled, base, k, modes, layout)
             (prof if profiled else plain).append(t)
-            print(json.dumps({"progress": "job_slowdown run", "app": app.name, "profiled": profiled, "seconds": t}),
+            print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout, "profiled": profiled,
+                              "seconds": t}),
                   file=sys.stderr, flush=True)
     per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
-    return {"bench": "job_slowdown", "app": app.name, "modes": modes or DEFAULT_MODES,
+    nodes = app.nodes if layout == "nodes" else 1
+    n = ranks(app, layout)
+    return {"bench": "job_slowdown", "app": app.name, "layout": layout, "modes": modes or DEFAULT_MODES,
             "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
             "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
-            "nodes": app.nodes, "goal_percent": 1.0, "cores": os.cpu_count(),
+            "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
+            "collectors_on_this_host": nodes, "goal_percent": 1.0,
+            "cores": os.cpu_count(),
             "what": "the application's mpirun line, timed inside the batch script"}
 
 
@@ -105,7 +140,14 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=None, help="pairs of runs per application (default 3, quick 1)")
     ap.add_argument("--modes", default="", help="--profile-gpu=MODES for the profiled runs (default: the default "
                     "modes, plain --profile-gpu): what one mode costs")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of node (one node, a rank per core), "
+                    "shared (the application's 4 ranks on one node) and nodes (one rank per virtual node: four "
+                    "collectors on this host); default all three")
     a = ap.parse_args()
+    layouts = a.layouts.split(",")
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            ap.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
     names = (a.apps or ("train" if a.quick else "train,hpcc")).split(",")
     pairs = a.pairs or (1 if a.quick else 3)
     if os.geteuid() != 0:
@@ -116,12 +158,14 @@ def main() -> int:
     try:
         for name in names:
             app = apps_mod.get(name)
-            try:
-                app.check()
-                line = bench_app(app, pairs, base, a.modes)
-            except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
-                line = {"bench": "job_slowdown", "app": name, "median_percent": None, "missing": str(e)[:500]}
-            print(json.dumps(line), flush=True)
+            for layout in layouts:
+                try:
+                    app.check()
+                    line = bench_app(app, pairs, base, a.modes, layout)
+                except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
+                    line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
+                            "missing": str(e)[:500]}
+                print(json.dumps(line), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -60,6 +60,18 @@ def _hpcc_input(work: Path) -> None:
     (work / "hpccinf.txt").write_text(text.replace("1000         Ns", "1200         Ns"))
 
 
+def hpcc_grid(work: Path, p: int, q: int) -> None:
+    """HPL's process grid in work/hpccinf.txt (_hpcc_input's is 2x2, for 4 ranks): P x Q must be
+    the job's rank count, else HPL is skipped."""
+    path = work / "hpccinf.txt"
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        field = line.split(maxsplit=1)
+        if len(field) == 2 and field[1].strip() in ("Ps", "Qs"):
+            lines[i] = f"{p if field[1].strip() == 'Ps' else q:<13}{field[1]}"
+    path.write_text("".join(lines))
+
+
 MEEP_CTL = """\
 ; A 2-D dielectric waveguide driven by a continuous source (FDTD; meep splits the cell into one
 ; chunk per rank and exchanges the chunk boundaries every time step). Written for the suite.
