@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import io
 import os
@@ -661,19 +662,20 @@ def _cfi_bytes(f: BinaryIO) -> int:
 CHILD_TIMEOUT_S = 120.0
 
 
-def own_vdso() -> tuple[int, bytes] | None:
-    """This process's vDSO: (its address, its image), or None when it has none. The kernel maps the
-    same image into every x86-64 process of the host (it is the kernel's, not the job's), so the
-    collector compiles its table and reads its symbols from its own copy: nothing of a job's memory
-    is read for it."""
+@functools.lru_cache(maxsize=1)
+def own_vdso() -> bytes:
+    """This process's vDSO image (b"": it has none). The kernel maps the same image into every
+    x86-64 process of the host (it is the kernel's, not the job's), so the collector compiles its
+    table and reads its symbols from its own copy: nothing of a job's memory is read for it. A
+    [vdso] of another size is another image (a 32-bit process's)."""
     import ctypes
 
     with open("/proc/self/maps") as f:
         for line in f:
             if line.rstrip().endswith("[vdso]"):
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                return lo, ctypes.string_at(lo, hi - lo)
-    return None
+                return ctypes.string_at(lo, hi - lo)
+    return b""
 
 
 def vdso_table(max_rows: int) -> CfiTable:
@@ -684,9 +686,9 @@ def vdso_table(max_rows: int) -> CfiTable:
     tests/progs/vdso_loop.c ended there); a vDSO built without them is unwound only with this.
     Raises NoTable when there is no vDSO or it has no CFI."""
     image = own_vdso()
-    if image is None:
+    if not image:
         raise NoTable("no [vdso] in this process")
-    return compile_table(io.BytesIO(image[1]), "vdso", max_rows)
+    return compile_table(io.BytesIO(image), "vdso", max_rows)
 
 
 def compile_in_child(fd: int, fallback_key: str, max_rows: int, cancel: threading.Event | None = None,

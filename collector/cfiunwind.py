@@ -220,7 +220,6 @@ class CfiUnwinder:
         self.no_table: dict[str, str] = {}  # file identity -> why (reported; bounded below)
         self.no_room = 0  # tables that did not fit in what was left of max_rows
         self._vdso_table: CfiTable | None | Literal[False] = None  # False: none (the reason in no_table)
-        self._vdso_size = 0
         self.registrations = 0
         self.last_counts = [0] * 13
         cont = bpf.load_func(b"gp_cfi_cont", BPF.PERF_EVENT)
@@ -396,12 +395,10 @@ class CfiUnwinder:
         if self._vdso_table is None:
             try:
                 self._vdso_table = vdso_table(self.cache.max_rows)
-                own = own_vdso()
-                self._vdso_size = len(own[1]) if own is not None else 0
             except (NoTable, OSError) as e:
                 self._vdso_table = False
                 self._no_table("[vdso]", str(e))
-        if self._vdso_table is False or size != self._vdso_size:
+        if self._vdso_table is False or size != len(own_vdso()):
             return None
         return self._vdso_table
 

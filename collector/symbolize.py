@@ -86,14 +86,6 @@ class Module:
 VDSO_IDENT = "[vdso]"  # Module.ident of the host's vDSO (no file: its image is the collector's own)
 
 
-@lru_cache(maxsize=1)
-def _vdso_size() -> int:
-    """The size of the collector's own vDSO (0: none); a [vdso] of another size (a 32-bit
-    process's) is another image, left unnamed."""
-    image = own_vdso()
-    return len(image[1]) if image is not None else 0
-
-
 def unknown_name(module: str, offset: int) -> str:
     """The name of a frame nothing names: where it is, so that a reader with the file's symbols
     can name it later (docs/probes.md)."""
@@ -220,7 +212,7 @@ class StackStore:
                 if ident not in self.held and ident not in self._hold_tried:
                     self._hold(pid, m.start, m.end, ident)
                 off = m.offset
-            elif m.path == "[vdso]" and m.end - m.start == _vdso_size():
+            elif m.path == "[vdso]" and m.end - m.start == len(own_vdso()):
                 # the host's vDSO, named from the collector's own copy (_load)
                 idx, off = self._module(Module("elf", name=m.path, ident=VDSO_IDENT)), m.offset
             elif m.path in ("[vdso]", "[vsyscall]"):
@@ -673,11 +665,11 @@ class Resolver:
         """A memory file holding the collector's own vDSO (the same image as every x86-64
         process's of this host: cfitables.own_vdso), for its symbols (__vdso_clock_gettime, ...)."""
         image = own_vdso()
-        if image is None:
+        if not image:
             raise OSError(errno.ENOENT, "no [vdso] in the collector")
         fd = os.memfd_create("gpuprof-vdso", os.MFD_CLOEXEC)
         self._opened.append(fd)
-        os.write(fd, image[1])
+        os.write(fd, image)
         return fd
 
     def _open_by_path(self, m: Module) -> int:
