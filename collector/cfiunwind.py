@@ -35,6 +35,7 @@ import numpy as np
 
 from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
 from gpuprof.collector.cfitables import (
+
     ROW_DTYPE,
     CfiTable,
     CompileCancelled,
@@ -45,6 +46,7 @@ from gpuprof.collector.cfitables import (
     own_vdso,
     vdso_table,
 )
+from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
@@ -73,7 +75,7 @@ class Compiler:
         self.done = 0  # files finished (compiled, or found to have no table)
         self.on_done: Any = None  # called after each file finished (the unwinder's wake-up), or None
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="gpuprof-cfi-compiler", daemon=True)
+        self.thread = named_thread(self._run, "gpuprof-cfi-compiler")
         self.thread.start()
 
     def submit(self, fd: int, st: os.stat_result, warm: bool = False) -> bool:
@@ -232,7 +234,7 @@ class CfiUnwinder:
         self.poll_how = (f"native watch every {POLL_S} s, python when asked or every {IDLE_POLL_S} s"
                          if self._watch is not None else f"python every {POLL_S} s ({_StaleWatch.why_not})")
         compiler.on_done = self._wake.set
-        self.poller = threading.Thread(target=self._poll, name="gpuprof-cfi-register", daemon=True)
+        self.poller = named_thread(self._poll, "gpuprof-cfi-register")
         self.poller.start()
 
     # --- registration ----------------------------------------------------------------------------
@@ -619,7 +621,7 @@ class _StaleWatch:
             cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
             return None
         try:
-            ticker = native.Ticker(lib, "gp_mapwatch_tick", ptr, POLL_S)
+            ticker = native.Ticker(lib, "gp_mapwatch_tick", ptr, POLL_S, "gp-mapwatch")
         except native.NativeUnavailable as e:
             lib.gp_mapwatch_free(ptr)
             cls.why_not = str(e)

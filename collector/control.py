@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuprof.collector.errors import CollectorError
+from gpuprof.collector.osthread import named_thread
 
 
 class Controlled(Protocol):
@@ -96,23 +97,22 @@ class ControlServer:
             sock.close()
             raise CollectorError(f"{self.path}: control socket replaced or widened after bind "
                                  f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid}); refusing")
-        sock.listen(8)
-        sock.settimeout(0.2)  # so close() is noticed promptly
+        sock.listen(8)  # blocking: close() wakes the accept with a shutdown (no polling at 5 Hz)
         return sock
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
+        self._thread = named_thread(self._serve, "control")
         self._thread.start()
 
     def _serve(self) -> None:
         while not self._closing.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except OSError as e:  # EINVAL after close()'s shutdown; else (EMFILE...) try again soon
                 if self._closing.is_set():
                     return
+                log.debug("control accept: %s", e)
+                self._closing.wait(0.1)  # not a busy loop while descriptors run out
                 continue
             with conn:
                 try:
@@ -159,6 +159,10 @@ class ControlServer:
     def close(self) -> None:
         """Stop serving (after a request in progress has been answered) and remove the socket."""
         self._closing.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept (EINVAL)
+        except OSError as e:
+            log.debug("control socket shutdown: %s", e)  # never listened, or closed already
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(SEAL_WAIT_S)
         self._sock.close()

@@ -35,6 +35,7 @@ import numpy as np
 from gpuprof.collector import environment as env
 from gpuprof.collector import schema
 from gpuprof.collector.errors import CollectorError
+from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.ring import Ring, split_capacity
 from gpuprof.collector.schema import Table
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
@@ -655,7 +656,7 @@ class Collector:
         )
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t = named_thread(target, name, args)
         t.start()
         self._threads.append(t)
         return t
@@ -738,9 +739,12 @@ MISSED = {
 
 
 def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of this process, by thread name: the Python
-    threads by their name (source-<name>, writer, tracker, ...), native ones (the C samplers, BCC's)
-    by their comm and id. For the benchmark's account of where the collector's time goes."""
+    """CPU seconds of each thread of this process, by thread name: the Python threads by their
+    name (source-<name>, writer, tracker, ...), the native samplers by their kernel name
+    (gp-host-tick, ...; collector/osthread.py), others (BCC's) by their comm and id. For the
+    benchmark's account of where the collector's time goes: the run time in ns from schedstat
+    where the kernel has it (stat's utime + stime come in 10 ms clock ticks, too coarse for
+    threads that use a few ms a second)."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -756,8 +760,14 @@ def thread_cpu_s() -> dict[str, float]:
             continue  # the thread ended
         comm = data[data.find(b"(") + 1:data.rfind(b")")].decode(errors="replace")
         rest = data[data.rfind(b")") + 2:].split()
-        name = names.get(int(tid)) or f"{comm}/{tid}"
-        out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / tick
+        cpu_s = (int(rest[11]) + int(rest[12])) / tick
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                cpu_s = int(f.read().split()[0]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass  # no schedstat (CONFIG_SCHED_INFO off), or the thread ended: stat's clock ticks
+        name = names.get(int(tid)) or (comm if comm.startswith("gp-") else f"{comm}/{tid}")
+        out[name] = out.get(name, 0.0) + cpu_s
     return out
 
 

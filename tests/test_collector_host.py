@@ -237,6 +237,68 @@ def test_cpu_time_is_the_threads_run_time_at_every_tick() -> None:
     assert 2 <= len(set(full)) <= 3, full
 
 
+IDLE_THEN_SPIN = """
+import sys, threading, time
+def spin(go):
+    go.wait()
+    t = time.thread_time()
+    while time.thread_time() - t < 3:
+        pass
+go = threading.Event()
+threading.Thread(target=spin, args=(go,), daemon=True).start()
+sys.stdin.readline()
+go.set()
+time.sleep(60)
+"""
+
+
+def test_an_idle_thread_is_read_with_the_full_reads_until_it_runs() -> None:
+    """A thread asleep for over a second is not read at every tick: when it starts to spin right
+    after a full read, the ticks until the next full read (a second) repeat its old run time; that
+    full read counts all it ran since, and from then on it is read at every tick again. The process
+    total stays within stat's clock ticks of utime + stime throughout the end."""
+    proc = subprocess.Popen([sys.executable, "-c", IDLE_THEN_SPIN], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        time.sleep(0.3)
+        src = HostSource()
+        src.start(ctx_for(frozenset({proc.pid})))
+        try:
+            assert src.proc_reader == "native"
+
+            def tick() -> tuple[int, int]:
+                cpu = int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0])
+                return cpu, int(src._fds["last_full_ns"][0])
+
+            ticks = [tick()]
+            while len(ticks) < 40 and (len(ticks) < 16 or ticks[-1][1] == ticks[-2][1]):
+                time.sleep(0.1)  # past a second asleep, up to the tick of a full read
+                ticks.append(tick())
+            assert ticks[-1][1] != ticks[-2][1], ticks  # the last tick was a full read
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            after = []
+            for _ in range(16):
+                time.sleep(0.1)
+                after.append(tick())
+        finally:
+            src.stop()
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    finally:
+        proc.kill()
+        proc.wait()
+    start_cpu, start_full = ticks[-1]
+    before_full = [c for c, f in after if f == start_full]
+    since_full = [c for c, f in after if f != start_full]
+    # spinning since the first of these ticks, but both threads idle: the old run times stand
+    assert len(before_full) >= 5 and set(before_full) == {start_cpu}, (ticks, after)
+    # the full read counts what the spinning thread ran (up to a second), then every tick grows
+    assert since_full and since_full[0] - start_cpu >= 300_000_000, (start_cpu, after)
+    assert all(b > a for a, b in itertools.pairwise(since_full)), after
+    assert abs(since_full[-1] - stat_ns) <= 50_000_000, (since_full[-1], stat_ns)
+
+
 EXITING_THREAD = """
 import sys, threading, time
 def spin(go, cpu_s):

@@ -25,8 +25,8 @@ PROC_FDS_KEPT = ("last_threads", "last_full_ns", "last_cpu_ns", "last_rss_pages"
                  "last_write_bytes", "unlisted_runtime_ns", "exited_vol", "exited_invol")
 THREAD_FDS_DTYPE = np.dtype([("tid", "<i4"), ("status_fd", "<i4"), ("schedstat_fd", "<i4"), ("gone", "<i4"),
                              ("last_runtime_ns", "<u8"), ("first_runtime_ns", "<u8"), ("status_runtime_ns", "<u8"),
-                             ("last_vol", "<u8"), ("last_invol", "<u8")])
-THREAD_FDS_KEPT = ("last_runtime_ns", "first_runtime_ns", "status_runtime_ns", "last_vol", "last_invol")
+                             ("last_vol", "<u8"), ("last_invol", "<u8"), ("moved_ns", "<u8")])
+THREAD_FDS_KEPT = ("last_runtime_ns", "first_runtime_ns", "status_runtime_ns", "last_vol", "last_invol", "moved_ns")
 NO_RUNTIME = np.iinfo(np.uint64).max  # a thread's run time not read yet (procsample.h)
 PROC_ROW_DTYPE = np.dtype([("cpu_ns", "<u8"), ("rss_pages", "<u8"), ("vol_ctxsw", "<u8"), ("invol_ctxsw", "<u8"),
                            ("read_bytes", "<u8"), ("write_bytes", "<u8"), ("threads", "<u4"), ("threads_read", "<u4"),
@@ -85,7 +85,7 @@ def sampler() -> ctypes.CDLL:
     if list(nv) != want_nv:
         raise NativeUnavailable(f"{LIBRARY}: NVML layout {list(nv)} differs from {want_nv}: rebuild it")
     vp, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
-    lib.gp_ticker_start.argtypes = [i64, vp, vp]
+    lib.gp_ticker_start.argtypes = [i64, vp, vp, ctypes.c_char_p]
     lib.gp_ticker_start.restype = vp
     lib.gp_ticker_stop.argtypes = [vp, i64]
     lib.gp_ticker_stop.restype = ctypes.c_int
@@ -166,10 +166,11 @@ class Ticker:
     """A native thread calling a C tick function of this library on the collector's tick grid
     (ticker.c): the 10 Hz loop of a source without Python wake-ups."""
 
-    def __init__(self, lib: ctypes.CDLL, tick: str, state: int, interval_s: float) -> None:
+    def __init__(self, lib: ctypes.CDLL, tick: str, state: int, interval_s: float, name: str) -> None:
+        """`name`: the thread's kernel name, as top -H and perf show it (collector/osthread.py)."""
         self._lib = lib
         fn = ctypes.cast(getattr(lib, tick), ctypes.c_void_p).value
-        ptr = lib.gp_ticker_start(round(interval_s * 1e9), fn, state)
+        ptr = lib.gp_ticker_start(round(interval_s * 1e9), fn, state, name.encode())
         if not ptr:
             err = ctypes.get_errno()
             raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")

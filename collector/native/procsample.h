@@ -33,6 +33,7 @@ struct gp_thread_fds {
     uint64_t first_runtime_ns;  /* at the first call that read it; UINT64_MAX: none yet */
     uint64_t status_runtime_ns; /* its run time when its status was last read; UINT64_MAX: never */
     uint64_t last_vol, last_invol;
+    uint64_t moved_ns; /* the call at which its run time last moved (or was first read); 0: not read yet */
 };
 
 struct gp_proc_row {

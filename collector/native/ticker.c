@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -37,6 +38,7 @@ struct gp_ticker {
     int64_t interval_ns;
     gp_tick_fn tick;
     void *state;
+    char name[16]; /* the thread's kernel name (comm), as top -H and perf show it */
 };
 
 static uint64_t mono_ns(void)
@@ -49,6 +51,7 @@ static uint64_t mono_ns(void)
 static void *ticker_loop(void *arg)
 {
     struct gp_ticker *t = arg;
+    pthread_setname_np(pthread_self(), t->name); /* fails only for a name too long: cut below */
     pthread_mutex_lock(&t->mu);
     while (!t->stop) {
         uint64_t now = mono_ns();
@@ -68,8 +71,9 @@ static void *ticker_loop(void *arg)
     return NULL;
 }
 
-/* Start calling tick(state, now) every interval_ns on the grid; NULL (errno set) on failure. */
-EXPORT struct gp_ticker *gp_ticker_start(int64_t interval_ns, gp_tick_fn tick, void *state)
+/* Start calling tick(state, now) every interval_ns on the grid, on a thread named `name` (cut to
+ * 15 characters); NULL (errno set) on failure. */
+EXPORT struct gp_ticker *gp_ticker_start(int64_t interval_ns, gp_tick_fn tick, void *state, const char *name)
 {
     if (interval_ns <= 0 || !tick) {
         errno = EINVAL;
@@ -87,6 +91,7 @@ EXPORT struct gp_ticker *gp_ticker_start(int64_t interval_ns, gp_tick_fn tick, v
     t->interval_ns = interval_ns;
     t->tick = tick;
     t->state = state;
+    snprintf(t->name, sizeof(t->name), "%s", name ? name : "gp-tick");
     /* created with every signal blocked (a thread inherits its creator's mask): signals are for
      * Python's main thread, never for a sampler */
     sigset_t all, old;

@@ -176,7 +176,7 @@ class HostSource(Source):
                 raise SourceUnavailable(f"/proc not readable: {os.strerror(ctypes.get_errno())}")
             self._native, self._host, self.proc_reader = lib, h, "native"
             if self.threaded:
-                self._ticker = native.Ticker(lib, "gp_host_tick", h, self.sample_interval_s)
+                self._ticker = native.Ticker(lib, "gp_host_tick", h, self.sample_interval_s, "gp-host-tick")
                 self.interval_s = DRAIN_INTERVAL_S
             return
         try:

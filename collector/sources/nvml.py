@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import environment, native, schema
+from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.sources import nvml_direct
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 
@@ -221,7 +222,7 @@ class _Watchdog:
             go.acquire()
             done.acquire()
             slot: list[Any] = [None, None]
-            t = threading.Thread(target=self._loop, args=(self.gen, go, done, slot), name="nvml-call", daemon=True)
+            t = named_thread(self._loop, "nvml-call", (self.gen, go, done, slot))
             t.start()
             self._worker = (t, go, done, slot)
         t, go, done, slot = self._worker
@@ -512,7 +513,7 @@ class NvmlSource(Source):
         lib.gp_nvml_capacities(state, caps)
         self._caps = tuple(caps)
         self._state = state
-        self._ticker = native.Ticker(lib, "gp_nvml_tick", state, self.sample_interval_s)
+        self._ticker = native.Ticker(lib, "gp_nvml_tick", state, self.sample_interval_s, "gp-nvml-tick")
 
     def drops(self) -> int:
         """Rows the native ticks could not keep because sample() did not drain them in time."""
