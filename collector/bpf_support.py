@@ -523,13 +523,17 @@ class BpfHub:
         return switch in self.switches
 
     def set_pids(self, pids: Iterable[int]) -> None:
-        """Add the job's pids to the kernel's set (children are added there at fork)."""
+        """Add the job's pids to the kernel's set (children are added there at fork). A pid is
+        written once while it stays in the job's set: the BPF program deletes a pid at its exit,
+        and one that left the set is forgotten here, so that a pid number used again by a new job
+        process is written again. (This used to look every known pid up in the map at every
+        call, two sources' drains a second: one syscall per job process each.)"""
         table = self.job_pids
         one = table.Leaf(1)
-        for pid in pids:
-            if pid not in self._known or table.get(table.Key(pid)) is None:
-                table[table.Key(pid)] = one
-                self._known.add(pid)
+        now = set(pids)
+        for pid in now - self._known:
+            table[table.Key(pid)] = one
+        self._known = now
 
 
 def release_freed_heap() -> bool:

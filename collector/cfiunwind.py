@@ -35,7 +35,6 @@ import numpy as np
 
 from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
 from gpuprof.collector.cfitables import (
-
     ROW_DTYPE,
     CfiTable,
     CompileCancelled,
@@ -621,7 +620,7 @@ class _StaleWatch:
             cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
             return None
         try:
-            ticker = native.Ticker(lib, "gp_mapwatch_tick", ptr, POLL_S, "gp-mapwatch")
+            ticker = native.SharedTicker(lib, "gp_mapwatch_tick", ptr, POLL_S)
         except native.NativeUnavailable as e:
             lib.gp_mapwatch_free(ptr)
             cls.why_not = str(e)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PR_SET_NAME = 15  # <linux/prctl.h>
 COMM_LEN = 15  # TASK_COMM_LEN less the NUL

@@ -40,6 +40,12 @@ class ProcInfo:
     cmdline: str
 
 
+# The job's cgroup directories, once found, are kept and checked with a stat a scan; globbed again
+# (ten patterns over the cgroup root, most of a scan's time) when one went away or every
+# CGROUP_REFIND_S, for a controller hierarchy the job was put in later than the first.
+CGROUP_REFIND_S = 10.0
+
+
 def find_job_cgroups(job_id: str, node: str | None, uid: int | None, root: str = CGROUP_ROOT) -> tuple[str, ...]:
     """Every cgroup directory of the job, one per controller hierarchy (v1) or the v2 one."""
     uid_part = f"uid_{uid}" if uid is not None else "uid_*"
@@ -236,6 +242,7 @@ class ProcessTracker:
         self.use_scontrol = use_scontrol
         self.method = "none"
         self._cgroups: tuple[str, ...] = ()
+        self._cgroups_refind_at = 0.0  # time.monotonic() after which the job's cgroups are globbed again
         self._lock = threading.Lock()
         self._pids: frozenset[int] = frozenset()
         self._info: dict[int, ProcInfo] = {}
@@ -252,7 +259,11 @@ class ProcessTracker:
     def _discover(self) -> set[int]:
         if self.job_id is not None:
             if self.method in ("none", "cgroup"):
-                self._cgroups = find_job_cgroups(self.job_id, self.node, self.uid, self.cgroup_root)
+                now = time.monotonic()
+                if (not self._cgroups or now >= self._cgroups_refind_at
+                        or not all(os.path.isdir(d) for d in self._cgroups)):
+                    self._cgroups = find_job_cgroups(self.job_id, self.node, self.uid, self.cgroup_root)
+                    self._cgroups_refind_at = now + CGROUP_REFIND_S
                 if self._cgroups:
                     self.method = "cgroup"
                     return pids_in_cgroups(self._cgroups)

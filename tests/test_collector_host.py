@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -458,6 +459,37 @@ def test_cgroup_v1_multiple_slurmd(tmp_path: Path) -> None:
     assert str(a) in dirs and all("slurm_node2" not in d for d in dirs)
     assert pids_in_cgroups(dirs) == {10, 11, 12}
     assert find_job_cgroups("42", "node1", 7, str(tmp_path)) == ()
+
+
+def test_tracker_keeps_the_found_cgroups_and_finds_them_again(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's cgroups are globbed once and then only checked; a hierarchy the job joins later is
+    found at the next refind (every CGROUP_REFIND_S), and one that went away makes the next scan
+    glob again."""
+    from gpuprof.collector import proctrack
+
+    globs: list[str] = []
+    real_glob = proctrack.glob.glob
+    monkeypatch.setattr(proctrack.glob, "glob", lambda p: globs.append(p) or real_glob(p))
+    monkeypatch.setattr(proctrack, "CGROUP_REFIND_S", 0.5)
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_0", [11])
+    tracker = ProcessTracker(job_id="42", node="node1", uid=1000, root_pid=None, cgroup_root=str(tmp_path),
+                             use_scontrol=False)
+    tracker.scan(0)
+    assert tracker.pids() == {11} and tracker.method == "cgroup"
+    n = len(globs)
+    tracker.scan(0)
+    assert len(globs) == n  # kept: no glob
+    make_cgroup(tmp_path, "cpuset/slurm_node1/uid_1000/job_42/step_1", [12])
+    tracker.scan(0)
+    assert tracker.pids() == {11}  # not before the refind
+    time.sleep(0.6)
+    tracker.scan(0)
+    assert tracker.pids() == {11, 12} and len(globs) > n
+    n = len(globs)
+    shutil.rmtree(tmp_path / "cpuset")
+    tracker.scan(0)
+    assert tracker.pids() == {11} and len(globs) > n  # a directory gone: globbed again at once
 
 
 def test_cgroup_v2(tmp_path: Path) -> None:

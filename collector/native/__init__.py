@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +45,8 @@ HOST_PROC_STALE, HOST_PROC_GONE = 1, 2  # hosttick.c's per-process flags
 RINGWATCH_DTYPE = np.dtype([("fd", "<i4"), ("pad", "<u4"), ("threshold", "<u8")])
 # ringwatch.c's and mapwatch.c's wake(): called on the ticker's thread (ctypes takes the GIL for it)
 WAKE_FN = ctypes.CFUNCTYPE(None)
+# ticker.c's gp_tick_fn: void tick(void *state, uint64_t now_ns)
+TICK_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64)
 # nvmltick.c's rows: /gpu/samples values in schema column order, GPM, events, failed calls
 NVML_COLS, NVML_GPM_COLS, NVML_FIELDS = 14, 4, 6
 NVML_SAMPLE_ROW_DTYPE = np.dtype([("t_ns", "<u8"), ("gpu", "<i4"), ("pad", "<i4"), ("v", "<f8", (NVML_COLS,))])
@@ -91,6 +95,18 @@ def sampler() -> ctypes.CDLL:
     lib.gp_ticker_stop.restype = ctypes.c_int
     lib.gp_ticker_reap.argtypes = [vp]
     lib.gp_ticker_reap.restype = ctypes.c_int
+    lib.gp_multi_new.argtypes = []
+    lib.gp_multi_new.restype = vp
+    lib.gp_multi_free.argtypes = [vp]
+    lib.gp_multi_free.restype = None
+    lib.gp_multi_add.argtypes = [vp, vp, vp]
+    lib.gp_multi_add.restype = vp
+    lib.gp_multi_remove.argtypes = [vp, vp, i64]
+    lib.gp_multi_remove.restype = ctypes.c_int
+    lib.gp_multi_reap.argtypes = [vp, vp]
+    lib.gp_multi_reap.restype = ctypes.c_int
+    lib.gp_multi_empty.argtypes = [vp]
+    lib.gp_multi_empty.restype = ctypes.c_int
     lib.gp_host_new.argtypes = [ctypes.c_int, u64]
     lib.gp_host_new.restype = vp
     lib.gp_host_tick.argtypes = [vp, u64]
@@ -197,3 +213,74 @@ class Ticker:
             return False
         self._detached = None
         return True
+
+
+# The shared rounds (SharedTicker): interval in ns -> [its gp_multi, the Ticker running it, entries]
+_rounds: dict[int, list[Any]] = {}
+_rounds_lock = threading.Lock()
+ROUND_STOP_TIMEOUT_S = 2.0
+
+
+class SharedTicker:
+    """A C tick function of this library run with the others of the same interval on one native
+    thread, `gp-tick-<ms>ms` (ticker.c, gp_multi_tick): the host tick, the fast path's ring watch
+    and the CFI map watch, all at 10 Hz, wake one thread instead of three (a native thread's
+    wake-up cost more than these watches' work, docs/collector.md). The same stop/reap contract
+    as Ticker. A tick that can wedge (an NVML call) gets a Ticker of its own instead, so that it
+    never holds the others back."""
+
+    def __init__(self, lib: ctypes.CDLL, tick: str | Any, state: int | None, interval_s: float) -> None:
+        """tick: the name of a C tick function of lib, or a ctypes function of the same type
+        (TICK_FN; the tests' ticks)."""
+        self._lib = lib
+        self._key = round(interval_s * 1e9)
+        fn = ctypes.cast(getattr(lib, tick) if isinstance(tick, str) else tick, ctypes.c_void_p).value
+        with _rounds_lock:
+            r = _rounds.get(self._key)
+            if r is None:
+                m = lib.gp_multi_new()
+                if not m:
+                    raise NativeUnavailable("cannot allocate the shared tick rounds")
+                try:
+                    ticker = Ticker(lib, "gp_multi_tick", m, interval_s, f"gp-tick-{self._key // 1_000_000}ms")
+                except NativeUnavailable:
+                    lib.gp_multi_free(m)
+                    raise
+                r = _rounds[self._key] = [m, ticker]
+            entry = lib.gp_multi_add(r[0], fn, state)
+            if not entry:
+                raise NativeUnavailable(f"cannot add {tick} to the shared tick thread")
+        self._m: int = r[0]
+        self._entry: int | None = entry
+        self._detached: int | None = None
+
+    def stop(self, timeout_s: float) -> bool:
+        """True once the tick is out of the rounds (its state is the caller's again); False when a
+        round did not end in time (the state must not be freed before reap() says so)."""
+        if self._entry is None:
+            return True
+        entry, self._entry = self._entry, None
+        if int(self._lib.gp_multi_remove(self._m, entry, int(timeout_s * 1e9))) != 0:
+            self._detached = entry
+            return False
+        self._close_round_if_empty()
+        return True
+
+    def reap(self) -> bool:
+        if self._detached is None:
+            return True
+        if int(self._lib.gp_multi_reap(self._m, self._detached)) != 0:
+            return False
+        self._detached = None
+        self._close_round_if_empty()
+        return True
+
+    def _close_round_if_empty(self) -> None:
+        with _rounds_lock:
+            r = _rounds.get(self._key)
+            if r is None or r[0] != self._m or not self._lib.gp_multi_empty(self._m):
+                return
+            del _rounds[self._key]
+            if r[1].stop(ROUND_STOP_TIMEOUT_S):
+                self._lib.gp_multi_free(self._m)
+            # else the thread is stuck in a round (never with entries: cannot happen) and keeps m

@@ -150,3 +150,117 @@ EXPORT int gp_ticker_reap(struct gp_ticker *t)
     free(t);
     return 0;
 }
+
+/* Ticks that share one thread (gp_multi_tick on a gp_ticker): the host tick, the fast path's ring
+ * watch and the CFI map watch all run at 10 Hz, and on the VMs measured a native thread's wake-up
+ * cost more than what these watches do when they wake (about 40 us against a few preads or one
+ * map lookup), so three threads waking ten times a second each were mostly wake-ups. The ticks
+ * of a round run in the order they were added, with the round's time.
+ *
+ * The mutex is held for the whole round, so gp_multi_remove returns only once its tick is no
+ * longer running (its state is then the caller's to free). A tick stuck in its call keeps the
+ * mutex: gp_multi_remove gives up after its timeout, marks the entry dead (skipped from then on)
+ * and leaves it linked; gp_multi_reap unlinks it once the round has ended. */
+struct gp_multi_entry {
+    gp_tick_fn tick;
+    void *state;
+    int dead; /* written by a remove that timed out, read by the rounds: atomics */
+    struct gp_multi_entry *next;
+};
+
+struct gp_multi {
+    pthread_mutex_t mu;
+    struct gp_multi_entry *head;
+};
+
+EXPORT void gp_multi_tick(void *arg, uint64_t now_ns)
+{
+    struct gp_multi *m = arg;
+    pthread_mutex_lock(&m->mu);
+    for (struct gp_multi_entry *e = m->head; e; e = e->next)
+        if (!__atomic_load_n(&e->dead, __ATOMIC_ACQUIRE))
+            e->tick(e->state, now_ns);
+    pthread_mutex_unlock(&m->mu);
+}
+
+EXPORT struct gp_multi *gp_multi_new(void)
+{
+    struct gp_multi *m = calloc(1, sizeof(*m));
+    if (m)
+        pthread_mutex_init(&m->mu, NULL);
+    return m;
+}
+
+/* Free a gp_multi without entries (its ticker stopped first). */
+EXPORT void gp_multi_free(struct gp_multi *m)
+{
+    pthread_mutex_destroy(&m->mu);
+    free(m);
+}
+
+/* Add tick(state, now) at the end of the rounds; NULL (errno set) on failure. */
+EXPORT struct gp_multi_entry *gp_multi_add(struct gp_multi *m, gp_tick_fn tick, void *state)
+{
+    struct gp_multi_entry *e = calloc(1, sizeof(*e));
+    if (!e)
+        return NULL;
+    e->tick = tick;
+    e->state = state;
+    pthread_mutex_lock(&m->mu);
+    struct gp_multi_entry **p = &m->head;
+    while (*p)
+        p = &(*p)->next;
+    *p = e;
+    pthread_mutex_unlock(&m->mu);
+    return e;
+}
+
+static void multi_unlink(struct gp_multi *m, struct gp_multi_entry *e)
+{
+    for (struct gp_multi_entry **p = &m->head; *p; p = &(*p)->next)
+        if (*p == e) {
+            *p = e->next;
+            break;
+        }
+    free(e);
+}
+
+/* Take the entry out of the rounds: 0 once it is out (no round is running it), -ETIMEDOUT when a
+ * round did not end within timeout_ns (the entry is dead, its state still in use by the round:
+ * gp_multi_reap tells when it is not). */
+EXPORT int gp_multi_remove(struct gp_multi *m, struct gp_multi_entry *e, int64_t timeout_ns)
+{
+    struct timespec at;
+    clock_gettime(CLOCK_REALTIME, &at); /* pthread_mutex_timedlock's clock */
+    uint64_t ns = (uint64_t)at.tv_nsec + (uint64_t)(timeout_ns > 0 ? timeout_ns : 0);
+    at.tv_sec += (time_t)(ns / 1000000000ull);
+    at.tv_nsec = (long)(ns % 1000000000ull);
+    if (pthread_mutex_timedlock(&m->mu, &at) != 0) {
+        __atomic_store_n(&e->dead, 1, __ATOMIC_RELEASE);
+        return -ETIMEDOUT;
+    }
+    multi_unlink(m, e);
+    pthread_mutex_unlock(&m->mu);
+    return 0;
+}
+
+/* After a gp_multi_remove that timed out: 0 once the entry is unlinked (its state is no longer
+ * used), -EBUSY while the round is still running. */
+EXPORT int gp_multi_reap(struct gp_multi *m, struct gp_multi_entry *e)
+{
+    if (pthread_mutex_trylock(&m->mu) != 0)
+        return -EBUSY;
+    multi_unlink(m, e);
+    pthread_mutex_unlock(&m->mu);
+    return 0;
+}
+
+/* Whether the rounds have no entry left; 0 while a round runs (the caller asks again later). */
+EXPORT int gp_multi_empty(struct gp_multi *m)
+{
+    if (pthread_mutex_trylock(&m->mu) != 0)
+        return 0;
+    int empty = m->head == NULL;
+    pthread_mutex_unlock(&m->mu);
+    return empty;
+}

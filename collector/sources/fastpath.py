@@ -423,7 +423,7 @@ class FastpathSource(Source):
         # the native watch (collector/native/ringwatch.c) and its thread; None: Python drains at 5 Hz
         self._watch: int | None = None
         self._watch_lib: Any = None
-        self._watch_ticker: native.Ticker | None = None
+        self._watch_ticker: native.SharedTicker | None = None
         self._watch_wake: Any = None  # the ctypes callback: kept alive as long as the watch
         self._watch_rings = np.zeros(0, native.RINGWATCH_DTYPE)
         self.drain_how = ""
@@ -481,7 +481,7 @@ class FastpathSource(Source):
             self.drain_how = f"{python} (ring watch: {os.strerror(ctypes.get_errno())})"
             return
         try:
-            ticker = native.Ticker(lib, "gp_ringwatch_tick", w, WATCH_INTERVAL_S, "gp-ringwatch")
+            ticker = native.SharedTicker(lib, "gp_ringwatch_tick", w, WATCH_INTERVAL_S)
         except native.NativeUnavailable as e:
             lib.gp_ringwatch_free(w)
             self.drain_how = f"{python} ({e})"

@@ -155,7 +155,7 @@ class HostSource(Source):
         # (hosttick.c) when native: node row included.
         self._native: Any = None
         self._host: int | None = None  # struct gp_host *
-        self._ticker: native.Ticker | None = None
+        self._ticker: native.SharedTicker | None = None
         self._stuck = False  # the thread did not stop: its state is never touched again
         self._ticks_cap = max(4, math.ceil(BUFFER_S / self.sample_interval_s))
         self._max_procs = 0  # the most processes ever handed to the C side: its row buffer's size
@@ -176,7 +176,7 @@ class HostSource(Source):
                 raise SourceUnavailable(f"/proc not readable: {os.strerror(ctypes.get_errno())}")
             self._native, self._host, self.proc_reader = lib, h, "native"
             if self.threaded:
-                self._ticker = native.Ticker(lib, "gp_host_tick", h, self.sample_interval_s, "gp-host-tick")
+                self._ticker = native.SharedTicker(lib, "gp_host_tick", h, self.sample_interval_s)
                 self.interval_s = DRAIN_INTERVAL_S
             return
         try:
