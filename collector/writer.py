@@ -77,7 +77,9 @@ class NodeTraceWriter:
         self.tables = {t.path: t for t in tables}
         self._rows = {p: 0 for p in self.tables}
         self._sealed = False
-        self._datasets: dict[str, h5py.Dataset] = {}
+        # per table: the dataset (low-level id) and its file type, used as the memory type of the
+        # writes (append)
+        self._datasets: dict[str, tuple[h5py.h5d.DatasetID, h5py.h5t.TypeID]] = {}
         filters = compression_kwargs(compression)
         f = h5py.File(self.path, "w", libver="latest")
         try:
@@ -126,15 +128,24 @@ class NodeTraceWriter:
             raise TraceFormatError(f"{self.path}: table {table_path} is not in this file's modes")
         if rows.dtype != t.dtype:
             rows = rows.astype(t.dtype)
-        ds = self._datasets.get(table_path)
-        if ds is None:
+        opened = self._datasets.get(table_path)
+        if opened is None:
             # kept open: closing a dataset writes its cached chunks, and an error there (ENOSPC) is
             # only printed by h5py's deallocator, never raised; flush() below raises it instead
-            ds = self._datasets[table_path] = self._file[table_path]
-        n = self._rows[table_path]
-        ds.resize((n + len(rows),))
-        ds[n:] = rows
-        self._rows[table_path] = n + len(rows)
+            ds_id = self._file[table_path].id
+            opened = self._datasets[table_path] = (ds_id, ds_id.get_type())
+        ds_id, file_type = opened
+        # Through h5py's low-level calls, with the file's own type as the memory type: the rows'
+        # dtype is the one the dataset was created from (packed, little-endian numbers and fixed
+        # bytes, no variable-length fields: tests/test_writer.py checks every table), so the bytes
+        # go as they are. The high-level `ds[n:] = rows` built the compound type from the dtype and
+        # a selection again at every append: 2/3 of the writer's append time (0.3 ms a table).
+        n, k = self._rows[table_path], len(rows)
+        ds_id.set_extent((n + k,))
+        file_space = ds_id.get_space()
+        file_space.select_hyperslab((n,), (k,))
+        ds_id.write(h5py.h5s.create_simple((k,)), file_space, np.ascontiguousarray(rows), mtype=file_type)
+        self._rows[table_path] = n + k
 
     def rows(self, table_path: str) -> int:
         return self._rows[table_path]
@@ -143,8 +154,8 @@ class NodeTraceWriter:
         """Write every table's cached chunks (H5Dflush raises a write error such as ENOSPC, which a
         plain file flush in SWMR mode may leave unreported), then the file's metadata."""
         if self._file is not None:
-            for ds in self._datasets.values():
-                ds.id.flush()
+            for ds_id, _ in self._datasets.values():
+                ds_id.flush()
             self._file.flush()
 
     def seal(
