@@ -227,6 +227,7 @@ class CfiUnwinder:
         progs = bpf[b"gp_cfi_progs"]
         progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
+        self._last_live: frozenset[int] = frozenset()  # the last set after_drain woke the thread for
         self._wake = threading.Event()  # something for the registration thread (with the native watch)
         self._watch: _StaleWatch | None = _StaleWatch.start(self.stale_map, self._wake.set)
         self._watch_wakes: int | None = None  # the watch's count when it stopped (None: never started)
@@ -254,8 +255,14 @@ class CfiUnwinder:
         become reusable). The registration thread acts on it; a drain never waits for a
         registration, which can take seconds when a process maps many files whose tables are
         compiled on the spot (a job's slurmstepd maps dozens of Slurm plugins)."""
-        self._posted_live = frozenset(live)  # one assignment: read whole by the registration thread
-        self._wake.set()
+        posted = frozenset(live)
+        self._posted_live = posted  # one assignment: read whole by the registration thread
+        if posted != self._last_live:
+            # processes came or went: forget the gone ones now. An unchanged set (the usual drain)
+            # waits for the thread's next wake-up (IDLE_POLL_S at most): two drains a second
+            # woke it for nothing to do.
+            self._last_live = posted
+            self._wake.set()
 
     def _poll(self) -> None:
         """The registration thread: every POLL_S, the registrations the BPF program asked for
