@@ -224,6 +224,8 @@ class Collector:
         self._fatal = ""
         self._abandoned_writer: NodeTraceWriter | None = None
         self._first_process_ns: int | None = None  # start of the job's first process seen (monotonic)
+        self._startup_cpu_s: float | None = None  # the CPU used until no source was starting (_note_started)
+        self._cpu_at_stop: dict[str, float] = {}  # thread_cpu_s() when the sources were told to stop
         self._no_process_since: float | None = None  # monotonic, while the job has no process here
         self._last_job_check: float | None = None
         self._slurm_live_at: float | None = None  # monotonic, Slurm's last 'the job runs'
@@ -323,6 +325,13 @@ class Collector:
                 out[n] = info
         return out
 
+    def _note_started(self) -> None:
+        """Once no source is starting any more: the collector's CPU so far is its start-up's
+        (imports, the BPF compile, the attaches), kept for collector_cpu_json at seal."""
+        with self._lock:
+            if self._startup_cpu_s is None and all(st.status != "starting" for st in self._states.values()):
+                self._startup_cpu_s = process_cpu_s()
+
     def _mark_attached(self, st: _SourceState) -> None:
         """The source's probes are in place now; a probe source that missed job processes is late."""
         st.attached_ns = monotonic_ns()
@@ -379,6 +388,8 @@ class Collector:
                                                  for st in running), timeout_s)
 
     def _stop_sources(self) -> None:
+        # the threads' CPU before the sources' threads (and their native ticks) end and leave /proc
+        self._cpu_at_stop = thread_cpu_s()
         self._sources_stop.set()
         for st in self._states.values():
             st.wake.set()
@@ -423,15 +434,18 @@ class Collector:
         except SourceUnavailable as e:
             st.status = f"unavailable: {e}"
             self.report_error(src.name, f"unavailable: {e}")
+            self._note_started()
             st.stopped.set()
             return
         except Exception as e:  # noqa: BLE001 - a broken source must not take the collector down
             st.status = f"failed: {type(e).__name__}: {e}"
             self.report_error(src.name, f"start failed: {type(e).__name__}: {e}")
+            self._note_started()
             st.stopped.set()
             return
         self._mark_attached(st)
         st.status = "running"
+        self._note_started()
         interval = max(0.001, float(src.interval_s))
         backoff = 0.0
         while not self._sources_stop.is_set():
@@ -609,6 +623,16 @@ class Collector:
         f.attrs["attach_json"] = json.dumps(attach, sort_keys=True)
         f.attrs["late_sources"] = json.dumps(sorted(n for n, a in attach.items()
                                                     if a["late"] or a.get("late_libraries")))
+        # what profiling cost this node: the collector's own CPU, for the report and the operator
+        total = process_cpu_s()
+        by_thread = dict(self._cpu_at_stop)  # the threads that ended since, as they were then
+        by_thread.update(thread_cpu_s())
+        f.attrs["collector_cpu_json"] = json.dumps({
+            "total_s": round(total, 3),
+            "startup_s": None if self._startup_cpu_s is None else round(self._startup_cpu_s, 3),
+            "after_startup_s": None if self._startup_cpu_s is None else round(total - self._startup_cpu_s, 3),
+            "by_thread_s": {n: round(v, 3) for n, v in sorted(by_thread.items()) if v >= 0.001},
+        }, sort_keys=True)
         for st in self._states.values():
             try:
                 st.source.at_seal(f)
@@ -738,10 +762,16 @@ MISSED = {
 }
 
 
+def process_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, every thread, so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def thread_cpu_s() -> dict[str, float]:
     """CPU seconds of each thread of this process, by thread name: the Python threads by their
     name (source-<name>, writer, tracker, ...), the native samplers by their kernel name
-    (gp-host-tick, ...; collector/osthread.py), others (BCC's) by their comm and id. For the
+    (gp-tick-100ms, gp-nvml-tick; collector/osthread.py), others (BCC's) by their comm and id. For the
     benchmark's account of where the collector's time goes: the run time in ns from schedstat
     where the kernel has it (stat's utime + stime come in 10 ms clock ticks, too coarse for
     threads that use a few ms a second)."""

@@ -104,6 +104,12 @@ def test_collect_duration_with_nvml_double_end_to_end(tmp_path: Path, job: subpr
         for table in ("/gpu/samples", "/host/node"):
             phase = f[table]["t_ns"][:-4].astype(np.int64) % 100_000_000
             assert np.median(phase) < 5_000_000, (table, phase)
+        # what the collector itself cost, start-up and recording apart, by thread (kernel names)
+        cpu = json.loads(f.attrs["collector_cpu_json"])
+        assert 0 < cpu["startup_s"] <= cpu["total_s"]
+        assert abs(cpu["after_startup_s"] - (cpu["total_s"] - cpu["startup_s"])) <= 0.002 and cpu["after_startup_s"] > 0
+        assert {"writer", "source-host", "gp-tick-100ms", "gp-nvml-tick"} <= set(cpu["by_thread_s"])
+        assert sum(cpu["by_thread_s"].values()) <= cpu["total_s"] + 0.05
     t = open_node_trace(out)
     pids = set(t.table("/host/procs")["pid"])
     assert job.pid in pids and len(pids) >= 3

@@ -215,7 +215,7 @@ class Ticker:
         return True
 
 
-# The shared rounds (SharedTicker): interval in ns -> [its gp_multi, the Ticker running it, entries]
+# The shared rounds (SharedTicker): interval in ns -> [its gp_multi, the Ticker running it]
 _rounds: dict[int, list[Any]] = {}
 _rounds_lock = threading.Lock()
 ROUND_STOP_TIMEOUT_S = 2.0
@@ -224,8 +224,8 @@ ROUND_STOP_TIMEOUT_S = 2.0
 class SharedTicker:
     """A C tick function of this library run with the others of the same interval on one native
     thread, `gp-tick-<ms>ms` (ticker.c, gp_multi_tick): the host tick, the fast path's ring watch
-    and the CFI map watch, all at 10 Hz, wake one thread instead of three (a native thread's
-    wake-up cost more than these watches' work, docs/collector.md). The same stop/reap contract
+    and the CFI map watch, all at 10 Hz, wake one thread instead of three (docs/collector.md,
+    "Wake-ups, idle threads and the writer's appends"). The same stop/reap contract
     as Ticker. A tick that can wedge (an NVML call) gets a Ticker of its own instead, so that it
     never holds the others back."""
 
