@@ -283,4 +283,5 @@ class SharedTicker:
             del _rounds[self._key]
             if r[1].stop(ROUND_STOP_TIMEOUT_S):
                 self._lib.gp_multi_free(self._m)
-            # else the thread is stuck in a round (never with entries: cannot happen) and keeps m
+            # else the thread did not stop in time (stuck in a round: not with no entries) and
+            # keeps m, never freed

@@ -24,8 +24,8 @@
  * The switches of a thread that lived between two listings are not counted.
  *
  * A thread whose run time has not moved for a full interval is idle: read with the full reads
- * only, until it has run again (gp_sample_procs). On the cost bench's ranks (4 threads, 3 of them
- * asleep) that is 1 schedstat read a tick instead of 4.
+ * only, until it has run again (gp_sample_procs). On the cost bench's ranks (3 threads, 2 of them
+ * Open MPI's sleeping progress threads) that is 1 schedstat read a tick instead of 3.
  *
  * Without schedstat files (a kernel built without CONFIG_SCHED_INFO) every call is a full read and
  * the CPU time is stat's.
@@ -219,8 +219,8 @@ EXPORT int gp_sample_procs(struct gp_proc_fds *procs, int n, struct gp_thread_fd
         /* the threads first: their run times are the CPU time, and tell who is alive. A thread
          * that has not run for a full interval is read with the full reads only, until it runs
          * again: most threads of a job (MPI progress threads, a runtime's pools) sleep for
-         * seconds, and their reads were most of a tick's (a rank of 4 threads: 1 read a tick
-         * instead of 4). What such a thread runs after it wakes is counted at the next full
+         * seconds, and their reads were most of a tick's (a rank of 3 threads, 2 asleep: 1 read a
+         * tick instead of 3). What such a thread runs after it wakes is counted at the next full
          * read, at most full_interval_ns late; the sums stay exact. */
         uint32_t live = 0;
         uint64_t grown_ns = 0;
