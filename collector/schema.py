@@ -44,6 +44,12 @@ ROOT_ATTRS: dict[str, str] = {
     "attach_json": "(at seal) JSON object: source -> {state, attached_ns, probe, late, first_process_ns, "
                    "late_by_s, pids_before, may_have_missed, late_libraries}: when each source was in place "
                    "and what a late probe cannot have seen (see 'Late probes' below)",
+    "collector_cpu_json": "(at seal) JSON object: `total_s` (the collector's CPU seconds, every thread, from its "
+                          "start in the prolog to the seal), `startup_s` (until no source was starting: imports, "
+                          "the BPF compile, the attaches; null when a source never finished starting), "
+                          "`after_startup_s` (the rest: what recording the job cost this node), `by_thread_s` (per "
+                          "thread, by the names of docs/collector.md, \"Inside\"; the threads that end before the "
+                          "seal, the sources' and the native ticks, as they were when the sources were told to stop)",
     "late_sources": "(at seal) JSON list of the sources that attached after the job's first process, or "
                     "probed a library only after job processes had mapped it",
     "fastpath_json": "(at seal, mode collectives with the fast path) JSON object: ring directory, rings "
