@@ -631,7 +631,7 @@ class Collector:
             "total_s": round(total, 3),
             "startup_s": None if self._startup_cpu_s is None else round(self._startup_cpu_s, 3),
             "after_startup_s": None if self._startup_cpu_s is None else round(total - self._startup_cpu_s, 3),
-            "by_thread_s": {n: round(v, 3) for n, v in sorted(by_thread.items()) if v >= 0.001},
+            "by_thread_s": {n: round(v, 4) for n, v in sorted(by_thread.items()) if v > 0},
         }, sort_keys=True)
         for st in self._states.values():
             try:
