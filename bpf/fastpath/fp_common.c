@@ -225,8 +225,8 @@ void gp_publish(struct gp_record *rec, u64 pos)
     __atomic_store_n(&rec->seq, pos + 1, __ATOMIC_RELEASE);
 }
 
-void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
-                  u8 flags)
+void gp_emit_call_span(u8 library, u16 op, u64 t0, u64 t1, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc,
+                       u64 aux, u8 flags)
 {
     u64 pos;
     struct gp_record *r = gp_claim(GP_REC_CALL, &pos);
@@ -234,7 +234,7 @@ void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s3
         return;
     struct gp_call *c = &r->u.call;
     c->t_enter_ns = t0;
-    c->t_exit_ns = gp_now();
+    c->t_exit_ns = t1;
     c->handle = handle;
     c->seq = seq;
     c->bytes = bytes;
@@ -248,6 +248,12 @@ void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s3
     c->library = library;
     c->flags = flags;
     gp_publish(r, pos);
+}
+
+void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
+                  u8 flags)
+{
+    gp_emit_call_span(library, op, t0, gp_now(), handle, seq, bytes, peer, tag, rc, aux, flags);
 }
 
 static u64 gp_mix(u32 kind, u64 handle, s32 peer, s32 tag)

@@ -27,6 +27,9 @@ void gp_count_drops(u64 n);
 /* One call record (claim, fill, publish); the exit time is taken here. Nothing if the ring is full. */
 void gp_emit_call(u8 library, u16 op, u64 t0, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc, u64 aux,
                   u8 flags);
+/* The same with the exit time given (t1). */
+void gp_emit_call_span(u8 library, u16 op, u64 t0, u64 t1, u64 handle, u64 seq, u64 bytes, s32 peer, s32 tag, int rc,
+                       u64 aux, u8 flags);
 /* The next number of a counter (GP_SEQ_NONE when the table is full). */
 u64 gp_next(u32 kind, u64 handle, s32 peer, s32 tag);
 void gp_reset(u32 kind, u64 handle);

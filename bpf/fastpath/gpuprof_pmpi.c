@@ -187,13 +187,17 @@ static void p2p(u16 op, u32 dir, u64 t0, int rc, H comm, u64 bytes, s32 peer, s3
     emit_call(op, t0, h, seq, bytes, peer, tag, rc, aux, flags);
 }
 
-static void completion(u16 op, u64 t0, int rc, u64 req)
+/* A request's completion row, from t0 to t1 (one exit time for all the requests a call completed).
+ * The MPI_Test family reads no clock before the call: a test returns at once, and most tests of a
+ * polling loop complete nothing (hpcc's RandomAccess polls MPI_Testany millions of times), so one
+ * that completed is recorded at its return, t0 = t1: a test never waits (docs/probes.md). */
+static void completion(u16 op, u64 t0, u64 t1, int rc, u64 req)
 {
     struct gp_req_info ri;
     if (gp_req_take(req, &ri))
-        emit_call(op, t0, ri.handle, ri.seq, ri.bytes, ri.peer, ri.tag, rc, req, 0);
+        gp_emit_call_span(GP_LIB_MPI, op, t0, t1, ri.handle, ri.seq, ri.bytes, ri.peer, ri.tag, rc, req, 0);
     else
-        emit_call(op, t0, 0, GP_SEQ_NONE, GP_BYTES_UNKNOWN, GP_NO_PEER, -1, rc, req, 0);
+        gp_emit_call_span(GP_LIB_MPI, op, t0, t1, 0, GP_SEQ_NONE, GP_BYTES_UNKNOWN, GP_NO_PEER, -1, rc, req, 0);
 }
 
 #define REAL(name, type) GP_REAL(LIB, P##name, type)
@@ -481,7 +485,7 @@ GP_EXPORT int MPI_Wait(H *req, void *status)
     u64 r = hread(req);
     u64 t0 = gp_now();
     int rc = real_PMPI_Wait(req, status);
-    completion(GP_OP_MPI_Wait, t0, rc, r);
+    completion(GP_OP_MPI_Wait, t0, gp_now(), rc, r);
     return rc;
 }
 
@@ -489,10 +493,11 @@ GP_EXPORT int MPI_Test(H *req, int *flag, void *status)
 {
     REAL(MPI_Test, int (*)(H *, int *, void *));
     u64 r = hread(req);
-    u64 t0 = gp_now();
     int rc = real_PMPI_Test(req, flag, status);
-    if (flag && *flag)
-        completion(GP_OP_MPI_Test, t0, rc, r);
+    if (flag && *flag) {
+        u64 t = gp_now();
+        completion(GP_OP_MPI_Test, t, t, rc, r);
+    }
     return rc;
 }
 
@@ -581,8 +586,9 @@ GP_EXPORT int MPI_Waitall(int n, H *reqs, void *statuses)
     read_reqs(n, reqs, saved);
     u64 t0 = gp_now();
     int rc = real_PMPI_Waitall(n, reqs, statuses);
+    u64 t1 = gp_now();
     for (int i = 0; i < n && i < GP_MAX_ALL; i++)
-        completion(GP_OP_MPI_Waitall, t0, rc, saved[i]);
+        completion(GP_OP_MPI_Waitall, t0, t1, rc, saved[i]);
     return rc;
 }
 
@@ -592,22 +598,32 @@ GP_EXPORT int MPI_Testall(int n, H *reqs, int *flag, void *statuses)
     u64 saved[GP_MAX_ALL];
     gp_flavor();
     read_reqs(n, reqs, saved);
-    u64 t0 = gp_now();
     int rc = real_PMPI_Testall(n, reqs, flag, statuses);
-    if (flag && *flag)
+    if (flag && *flag) {
+        u64 t = gp_now();
         for (int i = 0; i < n && i < GP_MAX_ALL; i++)
-            completion(GP_OP_MPI_Testall, t0, rc, saved[i]);
+            completion(GP_OP_MPI_Testall, t, t, rc, saved[i]);
+    }
     return rc;
 }
 
 /* Some of many: one completion row per request the call completed, named by the returned indices
  * (requests beyond GP_MAX_ALL are not saved, as for Waitall). MPI_UNDEFINED (no active request) is
  * negative in Open MPI and MPICH alike, so a count or index < 0 completes nothing. */
-static void completed_some(int op, u64 t0, int rc, int n, const u64 *saved, int count, const int *indices)
+static void completed_some(int op, u64 t0, u64 t1, int rc, int n, const u64 *saved, int count, const int *indices)
 {
     for (int i = 0; indices && i < count; i++)
         if (indices[i] >= 0 && indices[i] < n && indices[i] < GP_MAX_ALL)
-            completion(op, t0, rc, saved[indices[i]]);
+            completion(op, t0, t1, rc, saved[indices[i]]);
+}
+
+/* A test of some of many completed `count` (> 0) requests: recorded at its return. */
+static void tested_some(int op, int rc, int n, const u64 *saved, int count, const int *indices)
+{
+    if (count <= 0 || !indices)
+        return;
+    u64 t = gp_now();
+    completed_some(op, t, t, rc, n, saved, count, indices);
 }
 
 GP_EXPORT int MPI_Waitany(int n, H *reqs, int *index, void *status)
@@ -619,7 +635,7 @@ GP_EXPORT int MPI_Waitany(int n, H *reqs, int *index, void *status)
     u64 t0 = gp_now();
     int rc = real_PMPI_Waitany(n, reqs, index, status);
     if (index)
-        completed_some(GP_OP_MPI_Waitany, t0, rc, n, saved, 1, index);
+        completed_some(GP_OP_MPI_Waitany, t0, gp_now(), rc, n, saved, 1, index);
     return rc;
 }
 
@@ -629,10 +645,9 @@ GP_EXPORT int MPI_Testany(int n, H *reqs, int *index, int *flag, void *status)
     u64 saved[GP_MAX_ALL];
     gp_flavor();
     read_reqs(n, reqs, saved);
-    u64 t0 = gp_now();
     int rc = real_PMPI_Testany(n, reqs, index, flag, status);
-    if (flag && *flag && index)
-        completed_some(GP_OP_MPI_Testany, t0, rc, n, saved, 1, index);
+    if (flag && *flag)
+        tested_some(GP_OP_MPI_Testany, rc, n, saved, 1, index);
     return rc;
 }
 
@@ -645,7 +660,7 @@ GP_EXPORT int MPI_Waitsome(int n, H *reqs, int *outcount, int *indices, void *st
     u64 t0 = gp_now();
     int rc = real_PMPI_Waitsome(n, reqs, outcount, indices, statuses);
     if (outcount)
-        completed_some(GP_OP_MPI_Waitsome, t0, rc, n, saved, *outcount, indices);
+        completed_some(GP_OP_MPI_Waitsome, t0, gp_now(), rc, n, saved, *outcount, indices);
     return rc;
 }
 
@@ -655,10 +670,9 @@ GP_EXPORT int MPI_Testsome(int n, H *reqs, int *outcount, int *indices, void *st
     u64 saved[GP_MAX_ALL];
     gp_flavor();
     read_reqs(n, reqs, saved);
-    u64 t0 = gp_now();
     int rc = real_PMPI_Testsome(n, reqs, outcount, indices, statuses);
     if (outcount)
-        completed_some(GP_OP_MPI_Testsome, t0, rc, n, saved, *outcount, indices);
+        tested_some(GP_OP_MPI_Testsome, rc, n, saved, *outcount, indices);
     return rc;
 }
 
