@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -174,11 +174,11 @@ def test_switch_counts_move_once_a_second_in_c_and_at_every_tick_in_python(reade
 
 
 @contextmanager
-def native_source_on(script: str) -> Iterator[HostSource]:
-    """A HostSource (one tick per sample, C reader) following one Python process running script."""
-    proc = subprocess.Popen([sys.executable, "-c", script])
+def native_source_following(proc: subprocess.Popen[bytes], settle_s: float = 0.2) -> Iterator[HostSource]:
+    """A HostSource (one tick per sample, C reader) following process proc, started settle_s
+    after it; proc is killed and reaped at the end."""
     try:
-        time.sleep(0.2)
+        time.sleep(settle_s)
         src = HostSource()
         src.start(ctx_for(frozenset({proc.pid})))
         try:
@@ -189,6 +189,11 @@ def native_source_on(script: str) -> Iterator[HostSource]:
     finally:
         proc.kill()
         proc.wait()
+
+
+def native_source_on(script: str) -> AbstractContextManager[HostSource]:
+    """native_source_following a Python process running script."""
+    return native_source_following(subprocess.Popen([sys.executable, "-c", script]))
 
 
 def test_native_reader_follows_threads_that_come_later() -> None:
@@ -260,35 +265,25 @@ def test_an_idle_thread_is_read_with_the_full_reads_until_it_runs() -> None:
     total stays within stat's clock ticks of utime + stime throughout the end."""
     proc = subprocess.Popen([sys.executable, "-c", IDLE_THEN_SPIN], stdin=subprocess.PIPE)
     assert proc.stdin is not None
-    try:
-        time.sleep(0.3)
-        src = HostSource()
-        src.start(ctx_for(frozenset({proc.pid})))
-        try:
-            assert src.proc_reader == "native"
+    with native_source_following(proc, settle_s=0.3) as src:
 
-            def tick() -> tuple[int, int]:
-                cpu = int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0])
-                return cpu, int(src._fds["last_full_ns"][0])
+        def tick() -> tuple[int, int]:
+            cpu = int(table(src.sample(time.monotonic_ns()), schema.HOST_PROCS)["cpu_time_ns"][0])
+            return cpu, int(src._fds["last_full_ns"][0])
 
-            ticks = [tick()]
-            while len(ticks) < 40 and (len(ticks) < 16 or ticks[-1][1] == ticks[-2][1]):
-                time.sleep(0.1)  # past a second asleep, up to the tick of a full read
-                ticks.append(tick())
-            assert ticks[-1][1] != ticks[-2][1], ticks  # the last tick was a full read
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            after = []
-            for _ in range(16):
-                time.sleep(0.1)
-                after.append(tick())
-        finally:
-            src.stop()
+        ticks = [tick()]
+        while len(ticks) < 40 and (len(ticks) < 16 or ticks[-1][1] == ticks[-2][1]):
+            time.sleep(0.1)  # past a second asleep, up to the tick of a full read
+            ticks.append(tick())
+        assert ticks[-1][1] != ticks[-2][1], ticks  # the last tick was a full read
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        after = []
+        for _ in range(16):
+            time.sleep(0.1)
+            after.append(tick())
         fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         stat_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    finally:
-        proc.kill()
-        proc.wait()
     start_cpu, start_full = ticks[-1]
     before_full = [c for c, f in after if f == start_full]
     since_full = [c for c, f in after if f != start_full]

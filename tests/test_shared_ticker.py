@@ -5,17 +5,31 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gpuprof.collector import native
 
 
-def counting_tick(seen: list[int]) -> tuple[object, Callable[[], int]]:
-    def tick(state: int | None, now_ns: int) -> None:
-        seen.append(threading.get_native_id())
+@contextmanager
+def counting_tickers(*intervals_s: float) -> Iterator[tuple[list[native.SharedTicker], list[list[int]]]]:
+    """One SharedTicker per interval, each tick appending the id of the thread it ran on to its
+    list; all stopped (and their threads left) when the block ends."""
+    seen: list[list[int]] = [[] for _ in intervals_s]
 
-    fn = native.TICK_FN(tick)
-    return fn, lambda: len(seen)
+    def tick_into(out: list[int]) -> object:
+        def tick(state: int | None, now_ns: int) -> None:
+            out.append(threading.get_native_id())
+
+        return native.TICK_FN(tick)
+
+    fns = [tick_into(out) for out in seen]  # kept alive while the C thread may call them
+    tickers = [native.SharedTicker(native.sampler(), fn, None, s) for fn, s in zip(fns, intervals_s, strict=True)]
+    try:
+        yield tickers, seen
+    finally:
+        for t in tickers:
+            t.stop(2.0)
 
 
 def comm(tid: int) -> str | None:
@@ -26,30 +40,20 @@ def comm(tid: int) -> str | None:
 
 
 def test_ticks_of_one_interval_share_a_named_thread_and_leave_it_one_by_one() -> None:
-    lib = native.sampler()
-    a_seen: list[int] = []
-    b_seen: list[int] = []
-    a_fn, a_count = counting_tick(a_seen)
-    b_fn, b_count = counting_tick(b_seen)
-    a = native.SharedTicker(lib, a_fn, None, 0.05)
-    b = native.SharedTicker(lib, b_fn, None, 0.05)
-    try:
+    with counting_tickers(0.05, 0.05) as ((a, b), (a_seen, b_seen)):
         time.sleep(0.5)
-        assert a_count() >= 5 and b_count() >= 5, (a_count(), b_count())
+        assert len(a_seen) >= 5 and len(b_seen) >= 5, (len(a_seen), len(b_seen))
         tids = set(a_seen) | set(b_seen)
         assert len(tids) == 1, tids  # one thread runs both
         tid = tids.pop()
         assert tid != threading.get_native_id() and comm(tid) == "gp-tick-50ms"
         assert a.stop(2.0)
-        after_stop = a_count()
+        after_stop = len(a_seen)
         time.sleep(0.3)
-        assert a_count() == after_stop  # out of the rounds once stop returned
-        n = b_count()
+        assert len(a_seen) == after_stop  # out of the rounds once stop returned
+        n = len(b_seen)
         time.sleep(0.3)
-        assert b_count() > n  # the other tick goes on
-    finally:
-        a.stop(2.0)
-        b.stop(2.0)
+        assert len(b_seen) > n  # the other tick goes on
     deadline = time.monotonic() + 2
     while comm(tid) is not None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -84,16 +88,6 @@ def test_a_stuck_tick_is_given_up_and_reaped_once_it_returns() -> None:
 
 
 def test_ticks_of_another_interval_run_on_a_thread_of_their_own() -> None:
-    lib = native.sampler()
-    seen_a: list[int] = []
-    seen_b: list[int] = []
-    a_fn, _ = counting_tick(seen_a)
-    b_fn, _ = counting_tick(seen_b)
-    a = native.SharedTicker(lib, a_fn, None, 0.05)
-    b = native.SharedTicker(lib, b_fn, None, 0.07)
-    try:
+    with counting_tickers(0.05, 0.07) as (_, (seen_a, seen_b)):
         time.sleep(0.4)
-    finally:
-        a.stop(2.0)
-        b.stop(2.0)
     assert seen_a and seen_b and set(seen_a).isdisjoint(seen_b)

@@ -178,41 +178,70 @@ def check_ringwatch_layout(lib: ctypes.CDLL, head_offset: int, tail_offset: int)
                                 "rebuild it")
 
 
-class Ticker:
+class NativeTick:
+    """The stop/reap contract of a C tick function run by a native thread (Ticker, SharedTicker):
+    stop() takes the tick out within a timeout; when its thread is stuck inside the tick (a wedged
+    driver call), the tick is left detached, its state must not be freed, and reap() says when it
+    has left. Subclasses say how a handle is released and reaped."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int) -> None:
+        self._lib = lib
+        self._handle: int | None = handle
+        self._detached: int | None = None  # stopped while stuck in a tick: reaped once it left
+
+    def _release(self, handle: int, timeout_ns: int) -> bool:
+        """Take the tick out; False when its thread did not leave the tick within the timeout."""
+        raise NotImplementedError
+
+    def _reap(self, handle: int) -> bool:
+        """Whether a detached tick's thread has left it (then it is released)."""
+        raise NotImplementedError
+
+    def _released(self) -> None:
+        """After the tick is out for good (its state is the caller's again)."""
+
+    def stop(self, timeout_s: float) -> bool:
+        """True when the tick is out (its thread exited or left the rounds); False when it is stuck
+        in a tick (then detached: its state must not be freed before reap() says it has left)."""
+        if self._handle is None:
+            return True
+        handle, self._handle = self._handle, None
+        if not self._release(handle, int(timeout_s * 1e9)):
+            self._detached = handle
+            return False
+        self._released()
+        return True
+
+    def reap(self) -> bool:
+        """After a stop() that returned False: True once the stuck tick has been left (its state
+        may then be freed)."""
+        if self._detached is None:
+            return True
+        if not self._reap(self._detached):
+            return False
+        self._detached = None
+        self._released()
+        return True
+
+
+class Ticker(NativeTick):
     """A native thread calling a C tick function of this library on the collector's tick grid
     (ticker.c): the 10 Hz loop of a source without Python wake-ups."""
 
     def __init__(self, lib: ctypes.CDLL, tick: str, state: int, interval_s: float, name: str) -> None:
         """`name`: the thread's kernel name, as top -H and perf show it (collector/osthread.py)."""
-        self._lib = lib
         fn = ctypes.cast(getattr(lib, tick), ctypes.c_void_p).value
         ptr = lib.gp_ticker_start(round(interval_s * 1e9), fn, state, name.encode())
         if not ptr:
             err = ctypes.get_errno()
             raise NativeUnavailable(f"cannot start the {tick} thread: {os.strerror(err) if err else 'failed'}")
-        self._ptr: int | None = ptr
-        self._detached: int | None = None  # stopped while stuck in a tick: reaped once it left
+        super().__init__(lib, ptr)
 
-    def stop(self, timeout_s: float) -> bool:
-        """True when the thread has exited; False when it is stuck in a tick (then it is left
-        detached, and its tick state must not be freed before reap() says it has left)."""
-        if self._ptr is None:
-            return True
-        ptr, self._ptr = self._ptr, None
-        if int(self._lib.gp_ticker_stop(ptr, int(timeout_s * 1e9))) == 0:
-            return True
-        self._detached = ptr
-        return False
+    def _release(self, handle: int, timeout_ns: int) -> bool:
+        return int(self._lib.gp_ticker_stop(handle, timeout_ns)) == 0  # the thread exited
 
-    def reap(self) -> bool:
-        """After a stop() that returned False: True once the stuck thread has left (its tick
-        state may then be freed)."""
-        if self._detached is None:
-            return True
-        if int(self._lib.gp_ticker_reap(self._detached)) != 0:
-            return False
-        self._detached = None
-        return True
+    def _reap(self, handle: int) -> bool:
+        return int(self._lib.gp_ticker_reap(handle)) == 0
 
 
 # The shared rounds (SharedTicker): interval in ns -> [its gp_multi, the Ticker running it]
@@ -221,18 +250,17 @@ _rounds_lock = threading.Lock()
 ROUND_STOP_TIMEOUT_S = 2.0
 
 
-class SharedTicker:
+class SharedTicker(NativeTick):
     """A C tick function of this library run with the others of the same interval on one native
     thread, `gp-tick-<ms>ms` (ticker.c, gp_multi_tick): the host tick, the fast path's ring watch
     and the CFI map watch, all at 10 Hz, wake one thread instead of three (docs/collector.md,
-    "Wake-ups, idle threads and the writer's appends"). The same stop/reap contract
-    as Ticker. A tick that can wedge (an NVML call) gets a Ticker of its own instead, so that it
+    "Wake-ups, idle threads and the writer's appends"). The stop/reap contract of NativeTick:
+    out of the rounds, and the last tick out stops the thread. A tick that can wedge (an NVML call) gets a Ticker of its own instead, so that it
     never holds the others back."""
 
     def __init__(self, lib: ctypes.CDLL, tick: str | Any, state: int | None, interval_s: float) -> None:
         """tick: the name of a C tick function of lib, or a ctypes function of the same type
         (TICK_FN; the tests' ticks)."""
-        self._lib = lib
         self._key = round(interval_s * 1e9)
         fn = ctypes.cast(getattr(lib, tick) if isinstance(tick, str) else tick, ctypes.c_void_p).value
         with _rounds_lock:
@@ -251,31 +279,16 @@ class SharedTicker:
             if not entry:
                 raise NativeUnavailable(f"cannot add {tick} to the shared tick thread")
         self._m: int = r[0]
-        self._entry: int | None = entry
-        self._detached: int | None = None
+        super().__init__(lib, entry)
 
-    def stop(self, timeout_s: float) -> bool:
-        """True once the tick is out of the rounds (its state is the caller's again); False when a
-        round did not end in time (the state must not be freed before reap() says so)."""
-        if self._entry is None:
-            return True
-        entry, self._entry = self._entry, None
-        if int(self._lib.gp_multi_remove(self._m, entry, int(timeout_s * 1e9))) != 0:
-            self._detached = entry
-            return False
-        self._close_round_if_empty()
-        return True
+    def _release(self, handle: int, timeout_ns: int) -> bool:
+        return int(self._lib.gp_multi_remove(self._m, handle, timeout_ns)) == 0  # the round ended in time
 
-    def reap(self) -> bool:
-        if self._detached is None:
-            return True
-        if int(self._lib.gp_multi_reap(self._m, self._detached)) != 0:
-            return False
-        self._detached = None
-        self._close_round_if_empty()
-        return True
+    def _reap(self, handle: int) -> bool:
+        return int(self._lib.gp_multi_reap(self._m, handle)) == 0
 
-    def _close_round_if_empty(self) -> None:
+    def _released(self) -> None:
+        """The last tick out of a round stops its thread and frees the round."""
         with _rounds_lock:
             r = _rounds.get(self._key)
             if r is None or r[0] != self._m or not self._lib.gp_multi_empty(self._m):

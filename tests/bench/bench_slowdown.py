@@ -17,7 +17,10 @@ Three layouts, all printed by default (--layouts):
   bound.
 
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
-        [--layouts node,shared,nodes]
+        [--layouts node,shared,nodes] [--control]
+
+--control runs every pair plain twice (the same alternation, nothing profiled): the spread the
+bench itself has on this machine, the floor under which a `median_percent` says nothing.
 
 One line per application:
     {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
@@ -108,20 +111,31 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     return float(m.group(1))
 
 
-def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes") -> dict[str, Any]:
+def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
+              control: bool = False) -> dict[str, Any]:
+    """control: the second arm runs plain too (its runs in a work directory of their own)."""
     plain: list[float] = []
     prof: list[float] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
-        for profiled in order:
-            t = one_run(app, profiled, base, k, modes, layout)
-            (prof if profiled else plain).append(t)
-            print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout, "profiled": profiled,
-                              "seconds": t}),
+        for second_arm in order:
+            t = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
+                        modes, layout)
+            (prof if second_arm else plain).append(t)
+            print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
+                              "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
     per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
     nodes = app.nodes if layout == "nodes" else 1
     n = ranks(app, layout)
+    if control:
+        return {"bench": "job_slowdown_control", "app": app.name, "layout": layout, "modes": "none (plain vs plain)",
+                "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
+                "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
+                                 "max": round(max(per_pair), 2)},
+                "plain_s": plain, "second_plain_s": prof, "pairs": pairs, "interleaved": "alternating order",
+                "cores": os.cpu_count(),
+                "what": "two unprofiled arms: the bench's own spread on this machine"}
     return {"bench": "job_slowdown", "app": app.name, "layout": layout, "modes": modes or DEFAULT_MODES,
             "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
@@ -143,6 +157,7 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of node (one node, a rank per core), "
                     "shared (the application's 4 ranks on one node) and nodes (one rank per virtual node: four "
                     "collectors on this host); default all three")
+    ap.add_argument("--control", action="store_true", help="both arms plain: the bench's own spread (an A/A run)")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for layout in layouts:
@@ -161,7 +176,7 @@ def main() -> int:
             for layout in layouts:
                 try:
                     app.check()
-                    line = bench_app(app, pairs, base, a.modes, layout)
+                    line = bench_app(app, pairs, base, a.modes, layout, a.control)
                 except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
                     line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
                             "missing": str(e)[:500]}
