@@ -325,7 +325,7 @@ class CfiUnwinder:
         return out
 
     def _register(self, pid: int, exe: str, text: str) -> None:
-        maps = sorted((m for m in parse_maps(text) if "x" in m.perms), key=lambda m: m.start)
+        maps = sorted(parse_maps(text, executable_only=True), key=lambda m: m.start)
         if len(maps) > MAX_MAPPINGS_PER_PROC:
             maps = maps[:MAX_MAPPINGS_PER_PROC]
         entries = np.zeros(len(maps), MAPPING_DTYPE)

@@ -675,3 +675,51 @@ def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
     finally:
         watch.stop()
         b.cleanup()
+
+
+def test_build_id_read_from_the_note_sections_as_pyelftools_reads_it(tmp_path: Path) -> None:
+    """The registration looks each mapped library up by its build id, read with struct from the
+    section headers (_peek_build_id): the same id as pyelftools' parse on the system's libraries
+    and executables, None for a library without the note, a truncated file and a file not ELF."""
+    import glob
+    import os
+
+    from elftools.elf.elffile import ELFFile
+
+    files = sorted(p for p in glob.glob("/usr/lib/x86_64-linux-gnu/*.so*") + glob.glob("/usr/bin/*")
+                   if os.path.isfile(p) and not os.path.islink(p))[:400]
+    with_id = 0
+    for p in files:
+        with open(p, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                assert ct._peek_build_id(f) is None, p
+                continue
+            f.seek(0)
+            want = ct.build_id(ELFFile(f))
+            assert ct._peek_build_id(f) == want, p
+            with_id += want is not None
+    assert with_id >= 50, (with_id, len(files))
+    stripped = tmp_path / "libc-no-build-id.so"
+    subprocess.run(["objcopy", "--remove-section=.note.gnu.build-id", str(LIBC), str(stripped)], check=True)
+    cut = tmp_path / "libc-cut.so"
+    cut.write_bytes(LIBC.read_bytes()[:4096])  # the section headers are at the end: gone
+    for p in (stripped, cut):
+        with open(p, "rb") as f:
+            assert ct._peek_build_id(f) is None, p
+
+
+def test_executable_mappings_only_are_the_executable_ones_of_the_full_parse() -> None:
+    """parse_maps(executable_only=True), which the registration uses, skips the other lines before
+    parsing them: the same mappings as the full parse filtered by permission, for this process and
+    for a maps text with a mapping of every kind (a path with spaces, deleted, anonymous)."""
+    from gpuprof.collector.bpf_support import parse_maps
+
+    text = Path("/proc/self/maps").read_text() + (
+        "7f0000000000-7f0000001000 r-xp 00001000 08:01 1234   /opt/my app/lib x.so (deleted)\n"
+        "7f0000001000-7f0000002000 rw-p 00000000 00:00 0 \n"
+        "7f0000002000-7f0000003000 --xp 00000000 00:00 0\n"
+        "7f0000003000-7f0000004000 r--s 00000000 00:05 99  /dev/shm/ring\n")
+    full = [m for m in parse_maps(text) if "x" in m.perms]
+    fast = parse_maps(text, executable_only=True)
+    assert fast == full and len(fast) >= 5
+    assert {m.path for m in fast} >= {"/opt/my app/lib x.so (deleted)", ""}
