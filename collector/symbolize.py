@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_support import attach_path, parse_maps, pid_alive, read_maps_text
+from gpuprof.collector.bpf_support import attach_path, parse_maps, pid_alive, read_maps_text, same_file_view
 from gpuprof.collector.cfitables import own_vdso
 from gpuprof.collector.debuginfo import (
     DEFAULT_DEBUG_ROOTS,
@@ -194,20 +194,24 @@ class StackStore:
                 old.exe = _exe(pid)
                 self._refreshed.add(pid)
                 return old
-            maps = parse_maps(text or "")
+            maps = parse_maps(text or "", executable_only=True)
             self.maps_parses += bool(maps)
         if not maps:
             return self._maps.get(pid)
         pm = _ProcMaps(_exe(pid), text=text)
         uid: int | None = None
+        same_view: bool | None = None
         for m in sorted(maps, key=lambda m: m.start):
             if "x" not in m.perms:
                 continue
             if m.path.startswith("/") and not m.path.endswith(" (deleted)"):
                 if uid is None:
                     uid = _uid(pid)
+                if same_view is None:
+                    same_view = same_file_view(pid)
                 ident = f"{m.dev}:{m.inode}"
-                idx = self._module(Module("elf", attach_path(pid, m.path), 0, os.path.basename(m.path), uid, ident))
+                idx = self._module(Module("elf", attach_path(pid, m.path, same_view), 0, os.path.basename(m.path),
+                                          uid, ident))
                 self.bases.setdefault(idx, (pid, m.start - m.offset))
                 if ident not in self.held and ident not in self._hold_tried:
                     self._hold(pid, m.start, m.end, ident)

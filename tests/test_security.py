@@ -708,3 +708,31 @@ def test_slow_bpf_attach_marks_real_probes_late(tmp_path: Path, sleeper: subproc
         attach = json.loads(f.attrs["attach_json"])
     assert {"stacks", "offcpu"} <= set(late), attach
     assert attach["stacks"]["may_have_missed"].startswith("CPU samples")
+
+
+def test_a_process_in_another_mount_namespace_has_its_files_looked_up_through_its_root(tmp_path: Path) -> None:
+    """The stack store names a mapped library by its path only when the path means the same file
+    to the process as to the collector (same root, same mount namespace: same_file_view); a process
+    in a mount namespace of its own, where the same path can be another file, gets its files
+    through /proc/PID/root."""
+    from gpuprof.collector.bpf_support import attach_path, same_file_view
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1)")
+    here = subprocess.Popen(["sleep", "30"])
+    # its own mount namespace, with a file bind-mounted over /usr/bin/env: the path names another file there
+    other = tmp_path / "other"
+    other.write_text("not env\n")
+    ns = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           f"mount --bind {other} /usr/bin/env && exec sleep 30"])
+    try:
+        deadline = time.monotonic() + 5
+        while os.readlink(f"/proc/{ns.pid}/exe") != shutil.which("sleep") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert same_file_view(here.pid) and not same_file_view(ns.pid)
+        assert attach_path(here.pid, "/usr/bin/env", same_file_view(here.pid)) == "/usr/bin/env"
+        assert attach_path(ns.pid, "/usr/bin/env", same_file_view(ns.pid)) == f"/proc/{ns.pid}/root/usr/bin/env"
+    finally:
+        for p in (here, ns):
+            p.kill()
+            p.wait()

@@ -204,6 +204,9 @@ class BpfOffcpuSource(Source):
         self.run_queue = RunQueueTime()
         self.run_queue.read(ctx.pids())  # what the threads waited before the start is not counted
         self._said_unreadable = False
+        # BCC reads /proc/kallsyms at its first lookup (90 ms of CPU here): now, while the prolog
+        # waits for the sources, instead of in the first drain, on the job's cores
+        kernel_symbol(0)
 
     def _load_cfi_walk(self, ctx: SourceContext) -> None:
         """The continuation of the CFI walk at blocked switch-outs (gp_off_cfi_cont, bpf/offcpu.c)
