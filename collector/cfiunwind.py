@@ -178,6 +178,9 @@ class _Proc:
     first: int
     count: int
     keys: set[str]
+    # what each of its mappings got, by the maps line's (start, end, offset, device, inode, path):
+    # (table key, bias); a registration again (a dlopen since) reuses it for the lines unchanged
+    tabled: dict[tuple[int, int, int, str, int, str], tuple[str, int]] = field(default_factory=dict)
 
 
 class CfiUnwinder:
@@ -331,9 +334,20 @@ class CfiUnwinder:
         entries = np.zeros(len(maps), MAPPING_DTYPE)
         keys: set[str] = set()
         tables: list[tuple[int, CfiTable]] = []
+        before = self.procs.get(pid)
+        reused: list[tuple[int, str]] = []  # (mapping, table key) of lines unchanged since then
+        tabled: dict[tuple[int, int, int, str, int, str], tuple[str, int]] = {}
         missing = False
         for i, m in enumerate(maps):
             entries[i]["start"], entries[i]["end"] = m.start, m.end
+            line = (m.start, m.end, m.offset, m.dev, m.inode, m.path)
+            had = before.tabled.get(line) if before is not None and before.exe == exe else None
+            if had is not None and had[0] in self.loaded:
+                # the same file mapped at the same place: its table and bias stand (no open, no lookup)
+                entries[i]["bias"] = had[1]
+                reused.append((i, had[0]))
+                tabled[line] = had
+                continue
             if m.path == "[vdso]":
                 t = self._vdso(m.end - m.start)
                 d = t.vaddr_minus_offset(m.offset) if t is not None else None
@@ -369,16 +383,18 @@ class CfiUnwinder:
                 continue
             entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
             tables.append((i, t))
+            tabled[line] = (t.key, int(entries[i]["bias"]))
         if missing:  # registered with what is there (the rest: the frame-pointer rule), again later
             self.waiting.add(pid)
         else:
             self.waiting.discard(pid)
-        for i, t in tables:
-            lt = self._load(t)
+        loaded: list[tuple[int, str, _Loaded | None]] = [(i, t.key, self._load(t)) for i, t in tables]
+        loaded += [(i, key, self.loaded.get(key)) for i, key in reused]
+        for i, key, lt in loaded:
             if lt is None:
                 continue
             lt.users.add(pid)
-            keys.add(t.key)
+            keys.add(key)
             entries[i]["first"], entries[i]["count"] = lt.first, lt.count
         first = self.mappings.alloc(len(entries)) if len(entries) else None
         if first is None:
@@ -390,7 +406,7 @@ class CfiUnwinder:
         leaf = self.procs_map.Leaf()
         leaf.first, leaf.count = first, len(entries)
         self.procs_map[self.procs_map.Key(pid)] = leaf
-        self.procs[pid] = _Proc(exe, text, first, len(entries), keys)
+        self.procs[pid] = _Proc(exe, text, first, len(entries), keys, tabled)
         self.registrations += 1
         if old is not None:
             self.mappings.free(old.first, old.count)
