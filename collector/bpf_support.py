@@ -580,11 +580,19 @@ def task_run_queue_offsets() -> tuple[int, int] | str:
         return f"the kernel's task_struct.sched_info is not known: {e}"
 
 
+def kernel_at_least(major: int, minor: int) -> bool:
+    """Whether the running kernel's release is major.minor or later."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return m is not None and (int(m[1]), int(m[2])) >= (major, minor)
+
+
 def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:
     """Compile-time constants of every BPF source (the program is compiled once for all of them)."""
     out: dict[str, str] = {}
     if "GP_WITH_COLLECTIVES" in switches:
         out.update(collectives_defines())
+    if "GP_WITH_CFI" in switches and kernel_at_least(5, 5):
+        out["GP_CFI_ROWS_MMAPABLE"] = "1"  # BPF_F_MMAPABLE arrays came with 5.5
     offsets = task_run_queue_offsets()
     if "GP_WITH_OFFCPU" in switches and not isinstance(offsets, str):
         out["GP_TASK_RUN_DELAY"], out["GP_TASK_PCOUNT"] = str(offsets[0]), str(offsets[1])

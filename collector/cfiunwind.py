@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import itertools
+import mmap
 import os
 import queue
 import threading
@@ -206,6 +207,8 @@ class CfiUnwinder:
             raise ValueError(f"sources.stacks.cfi_max_rows = {max_rows} is more than the BPF map's {kernel_rows} "
                              f"(GP_CFI_ROWS)")
         self.rows = RangeAlloc(max_rows)
+        self._rows_mem, self._rows_view = map_rows(self.rows_map)
+        self.rows_written_by = "memory map" if self._rows_view is not None else "batch update"
         self.mappings = RangeAlloc(int(self.maps_map.max_entries))
         self.cache = compiler.cache
         self.compiler = compiler
@@ -439,7 +442,12 @@ class CfiUnwinder:
         if first is None:
             self.no_room += 1
             return None
-        self._update_batch(self.rows_map, first, t.rows)
+        if self._rows_view is not None:
+            # rows no mapping points at yet (a free range): the mappings' update that follows, a
+            # system call, publishes them to the BPF program
+            self._rows_view[first:first + len(t.rows)] = t.rows
+        else:
+            self._update_batch(self.rows_map, first, t.rows)
         lt = self.loaded[t.key] = _Loaded(first, len(t.rows))
         return lt
 
@@ -546,9 +554,14 @@ class CfiUnwinder:
         on = self.bpf[b"gp_cfi_on"]
         on[on.Key(0)] = on.Leaf(0)
         self.forget(set())
+        self._rows_view = None  # the view goes before the mapping it is a view of
+        if self._rows_mem is not None:
+            self._rows_mem.close()
+            self._rows_mem = None
 
     def status(self) -> dict[str, Any]:
         return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
+                "rows_written_by": self.rows_written_by,
                 "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
                 "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
@@ -565,6 +578,25 @@ ROW_BYTES = ROW_DTYPE.itemsize
 # compiled into the host's disk cache when a collector starts (start_compiler)
 PREWARM_SONAMES = ("libc.so.6", "ld-linux-x86-64.so.2", "libm.so.6", "libgcc_s.so.1", "libstdc++.so.6",
                    "libgfortran.so.5", "libmpi.so.40", "libopen-pal.so.40", "libopen-rte.so.40", "libmpich.so.12")
+
+
+def map_rows(rows_map: Any) -> tuple[mmap.mmap | None, np.ndarray | None]:
+    """The rows map's memory, mapped here, and a view of it as rows (the kernel lays an array map's
+    values out at 8-byte strides: 16 bytes a 12-byte row); (None, None) when the map cannot be
+    mapped (compiled without GP_CFI_ROWS_MMAPABLE: a kernel before 5.5): rows then go in by
+    BPF_MAP_UPDATE_BATCH."""
+    stride = -(-ctypes.sizeof(rows_map.Leaf) // 8) * 8
+    size = int(rows_map.max_entries) * stride
+    try:
+        mem = mmap.mmap(rows_map.map_fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.MAP_SHARED,
+                        mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None, None
+    names = list(ROW_DTYPE.names or ())
+    fields: dict[str, Any] = dict(ROW_DTYPE.fields or {})
+    dtype = np.dtype({"names": names, "formats": [fields[n][0] for n in names],
+                      "offsets": [fields[n][1] for n in names], "itemsize": stride})
+    return mem, np.ndarray((int(rows_map.max_entries),), dtype, buffer=mem)
 
 
 def prewarm_files() -> list[str]:

@@ -435,6 +435,10 @@ def test_c_tree_without_frame_pointers_unwinds_to_start(state_dir: Path, mode: s
     _skip()
     run = sampled(state_dir, [str(nofp_tree()), "2", *(["sys"] if mode == "sys" else [])])
     assert not run["errors"], run["errors"]
+    from gpuprof.collector.bpf_support import kernel_at_least
+
+    # the rows these walks read were written through the map's memory (kernel 5.5+), else by batch
+    assert run["status"]["rows_written_by"] == ("memory map" if kernel_at_least(5, 5) else "batch update")
     def ok(s: tuple[str, ...]) -> bool:
         return "leaf_spin" in s and tuple(s[s.index("leaf_spin"):][:5]) == NOFP_TREE and _to_start(s)
 
