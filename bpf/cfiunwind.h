@@ -24,7 +24,7 @@
 #include <uapi/linux/bpf_perf_event.h>
 
 #ifndef GP_CFI_ROWS
-#define GP_CFI_ROWS (1 << 20) /* x 12 bytes, preallocated: 12 MB of kernel memory */
+#define GP_CFI_ROWS (1 << 20) /* 12 bytes each, laid out 8-byte aligned (16), preallocated: 16 MB of kernel memory */
 #endif
 #ifndef GP_CFI_MAPPINGS
 #define GP_CFI_MAPPINGS 65536 /* x 32 bytes: 2 MB */
