@@ -216,8 +216,9 @@ int main(void) {
 @pytest.mark.parametrize("take_ids", [512, 3])
 def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """WindowedCounts' stack reads and frees in C (collector/native/stacktake.c, in calls of
-    take_ids ids) give the frames the ctypes lookups give, in the same order, and free exactly the
-    ids not kept."""
+    take_ids ids) give the frames the ctypes lookups give, in the same order; an id is freed one
+    drain after its window, when nothing used it since (a sample racing the drain reuses the id
+    of its stack), and exactly the ids not kept are."""
     import subprocess
 
     reason = bpf_skip_reason() or native_progs.cc_skip_reason()
@@ -251,6 +252,9 @@ def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monk
                 monkeypatch.setattr(wc, "_take", None)  # the ctypes path, on the same kind of window
             _k, _v, got = wc.drain(keep)
             assert list(got) == ids and got == want
+            assert all(wc.frames(sid) is not None for sid in ids)  # held until the next drain
+            _k, _v, got = wc.drain(keep)  # a window in which nothing ran
+            assert not got
             assert all((wc.frames(sid) is not None) == (sid in keep) for sid in ids)
             for sid in keep:
                 wc.free(sid)

@@ -82,6 +82,13 @@ class WindowedCounts:
     Freeing keeps the stack map small and its hash collisions rare; a stack seen again is stored
     again under the same id.
 
+    An id is freed one drain after its last use, not at once: a sample taken between the drain's
+    read of the map and the free reuses the id of its stack (the stack map keeps one entry per
+    stack and counts no users), and its key, in the new window, then pointed at a freed stack (an
+    off-CPU row of CI's with no kernel stack). Held one drain more, an id is freed only when
+    nothing used it for a whole window: a stack that recurs, the usual case, is never freed under
+    a sample.
+
     The map is read with one BPF_MAP_LOOKUP_BATCH into numpy buffers kept across drains and the
     finished keys deleted with one BPF_MAP_DELETE_BATCH; the stacks are read and freed by
     collector/native/stacktake.c, TAKE_IDS ids a call into buffers kept too (`reader` "native"), or
@@ -107,6 +114,7 @@ class WindowedCounts:
         self._stack_words = np.frombuffer(self._stack_leaf, np.uint64)[:STACK_MAX_DEPTH]
         self.build_ids = bool(int(getattr(self.stacks, "flags", 0)) & STACK_F_BUILD_ID)
         self.live_keys = self._keys[:0]
+        self._unused: set[int] = set()  # ids the last drain found unused: freed now unless used again
         self._take: Any = None
         self.reader = _stack_reader(self.build_ids, ctypes.sizeof(self._stack_leaf))
         if self.reader == "native":
@@ -162,13 +170,15 @@ class WindowedCounts:
         if len(done_k):
             self._delete(done_k)
         ids = np.unique(np.concatenate((done_k["user_stack"], done_k["kernel_stack"])))
+        ids = ids[ids >= 0]
+        used = keep_ids | set(ids.tolist())
         if self._take is not None:
-            return done_k, done_v, self._take_frames(ids[ids >= 0], keep_ids)
-        frames: dict[int, tuple[int, ...] | None] = {}
-        for sid in ids[ids >= 0].tolist():
-            frames[sid] = self.frames(sid)
-            if sid not in keep_ids:
-                self.free(sid)
+            frames = self._take_frames(ids, used)  # read, none freed: all are used
+        else:
+            frames = {sid: self.frames(sid) for sid in ids.tolist()}
+        for sid in self._unused - used:
+            self.free(sid)
+        self._unused = used - keep_ids
         return done_k, done_v, frames
 
     def _take_frames(self, ids: np.ndarray, keep_ids: set[int]) -> dict[int, tuple[int, ...] | None]:
