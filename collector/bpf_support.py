@@ -183,8 +183,9 @@ def parse_maps(text: str, executable_only: bool = False) -> list[Mapping]:
     of every new job process: hpcc's have about 400 lines, 80 of them executable)."""
     out = []
     for line in text.splitlines():
-        if executable_only and line[line.find(" ") + 3:line.find(" ") + 4] != "x":
-            continue  # "start-end rwxp ...": the x is the third letter of the permissions
+        perms = line.find(" ") + 1  # "start-end rwxp ...": the x is the third letter of the permissions
+        if executable_only and line[perms + 2:perms + 3] != "x":
+            continue
         m = _MAPS_RE.match(line)
         if m:
             out.append(Mapping(int(m[1], 16), int(m[2], 16), int(m[4], 16), m[5], int(m[6]), m[7], m[3]))

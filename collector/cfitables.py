@@ -28,6 +28,7 @@ import hashlib
 import io
 import os
 import stat
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -821,8 +822,6 @@ def _peek_build_id(f: BinaryIO) -> str | None:
     only: each library a job maps is looked up by it at registration (hpcc's ranks map 161), and
     pyelftools took about a millisecond a file to parse what this reads in tens of microseconds.
     None when f is not an ELF file, is malformed, or has no GNU build-id note."""
-    import struct
-
     try:
         f.seek(0)
         ident = f.read(64)
@@ -868,8 +867,6 @@ def _peek_build_id(f: BinaryIO) -> str | None:
 def _build_id_note(notes: bytes, end: str, align: int) -> str | None:
     """The hex descriptor of the first NT_GNU_BUILD_ID note of owner "GNU" in a note section's
     bytes (name and descriptor each padded to the section's alignment, as pyelftools reads them)."""
-    import struct
-
     pos = 0
     while pos + 12 <= len(notes):
         namesz, descsz, ntype = struct.unpack_from(end + "III", notes, pos)

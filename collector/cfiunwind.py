@@ -172,6 +172,10 @@ class _Loaded:
     users: set[int] = field(default_factory=set)  # pids
 
 
+# a maps line as the registration compares them: (start, end, offset, device, inode, path)
+MapsLine = tuple[int, int, int, str, int, str]
+
+
 @dataclass
 class _Proc:
     exe: str
@@ -181,7 +185,7 @@ class _Proc:
     keys: set[str]
     # what each of its mappings got, by the maps line's (start, end, offset, device, inode, path):
     # (table key, bias); a registration again (a dlopen since) reuses it for the lines unchanged
-    tabled: dict[tuple[int, int, int, str, int, str], tuple[str, int]] = field(default_factory=dict)
+    tabled: dict[MapsLine, tuple[str, int]] = field(default_factory=dict)
 
 
 class CfiUnwinder:
@@ -339,7 +343,7 @@ class CfiUnwinder:
         tables: list[tuple[int, CfiTable]] = []
         before = self.procs.get(pid)
         reused: list[tuple[int, str]] = []  # (mapping, table key) of lines unchanged since then
-        tabled: dict[tuple[int, int, int, str, int, str], tuple[str, int]] = {}
+        tabled: dict[MapsLine, tuple[str, int]] = {}
         missing = False
         for i, m in enumerate(maps):
             entries[i]["start"], entries[i]["end"] = m.start, m.end
