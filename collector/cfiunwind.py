@@ -504,7 +504,6 @@ class CfiUnwinder:
             for k in proc.keys:
                 self._unuse(k, pid)
         self.waiting &= live
-        self.counts()
 
     # --- stacks ----------------------------------------------------------------------------------
     def take(self, ids: set[int], keep: set[int]) -> dict[int, tuple[int, ...] | None]:
@@ -558,6 +557,7 @@ class CfiUnwinder:
         on = self.bpf[b"gp_cfi_on"]
         on[on.Key(0)] = on.Leaf(0)
         self.forget(set())
+        self.counts()  # the last figures, read while the map lives: status() after the close says them
         self._rows_view = None  # the view goes before the mapping it is a view of
         if self._rows_mem is not None:
             self._rows_mem.close()

@@ -160,7 +160,7 @@ HOST_NODE = Table(
         T_NS,
         C("cpu_busy", "<f4", "fraction", "all CPUs, busy time / elapsed since the previous sample"),
         C("cpu_iowait", "<f4", "fraction", "iowait share since the previous sample"),
-        C("mem_used_bytes", "<u8", "bytes", "MemTotal - MemAvailable"),
+        C("mem_used_bytes", "<u8", "bytes", "MemTotal - MemAvailable; this and the columns after it are read once a second, repeated between"),
         C("mem_total_bytes", "<u8", "bytes", "MemTotal"),
         C("net_rx_bytes", "<u8", "bytes", "sum over non-loopback interfaces, cumulative"),
         C("net_tx_bytes", "<u8", "bytes", "sum over non-loopback interfaces, cumulative"),

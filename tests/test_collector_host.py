@@ -173,6 +173,40 @@ def test_switch_counts_move_once_a_second_in_c_and_at_every_tick_in_python(reade
     assert all(ticks[b][1][waker.pid] - ticks[a][1][waker.pid] >= 25 for a, b in itertools.pairwise(reads)), ticks
 
 
+def reads_so_far() -> int:
+    """This process's read system calls so far (/proc/self/io syscr; this read counts too)."""
+    with open("/proc/self/io", "rb") as f:
+        return int(f.read().split(b"syscr:")[1].split()[0])
+
+
+def test_node_memory_network_and_load_are_read_once_a_second_in_c(reader: str) -> None:
+    """The node row reads /proc/stat's CPU line at every tick; meminfo, net/dev and loadavg, in
+    C, once a second (FULL_READ_INTERVAL_S; the ticks between repeat that read's figures), in
+    Python at every tick. Counted as the read calls of each tick (no process followed: the
+    node's files only), on the caller's thread."""
+    src = HostSource()
+    src.start(ctx_for(frozenset()))
+    ticks = []
+    try:
+        for _ in range(13):
+            before = reads_so_far()
+            node = table(src.sample(time.monotonic_ns()), schema.HOST_NODE)[0]
+            ticks.append((time.monotonic(), reads_so_far() - before - 1, int(node["mem_total_bytes"])))
+            time.sleep(0.15)
+    finally:
+        src.stop()
+    assert all(total > 0 for *_, total in ticks), ticks  # a figure in every row, repeated or read
+    fewest = min(n for _, n, _ in ticks)  # the CPU line, and what a sample reads besides the node's files
+    extra = [n - fewest for _, n, _ in ticks]
+    if reader == "python":
+        assert extra == [0] * len(ticks), ticks
+        return
+    assert set(extra) == {0, 3}, ticks  # meminfo, net/dev and loadavg, or none of them
+    full = [i for i, n in enumerate(extra) if n == 3]
+    assert full[0] == 0 and len(full) >= 2, ticks  # the first tick, then once a second (13 ticks: ~2 s)
+    assert all(0.99 <= ticks[b][0] - ticks[a][0] <= 1.5 for a, b in itertools.pairwise(full)), ticks
+
+
 @contextmanager
 def native_source_following(proc: subprocess.Popen[bytes], settle_s: float = 0.2) -> Iterator[HostSource]:
     """A HostSource (one tick per sample, C reader) following process proc, started settle_s

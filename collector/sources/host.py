@@ -124,7 +124,9 @@ DRAIN_INTERVAL_S = 1.0
 BUFFER_S = 8.0
 # The native reader reads each process's threads' run times at every tick (its CPU time) and
 # its stat, io and threads' statuses (resident set, threads, I/O bytes, context switches) this
-# often, repeating them in the ticks between (collector/native/procsample.c says why).
+# often, repeating them in the ticks between (collector/native/procsample.c says why); and the
+# node's memory, network bytes and load average as often (hosttick.c, node_row). The Python
+# path reads everything at every tick.
 FULL_READ_INTERVAL_S = 1.0
 
 
