@@ -29,7 +29,19 @@ from gpuprof.collector.schema import Table
 # not reuse the space of the replaced compressed chunk, so large chunks bloat the file (measured in
 # docs/trace-format.md: 4096 rows 3.2 MB/min, 256 rows 0.56, 64 rows 0.39 with gzip).
 CHUNK_ROWS = 64
+# ...except in the tables of one row per call or kernel, which reach thousands of rows a second:
+# there each chunk's deflate set-up (zlib's state, a few hundred kB, for 5 kB of rows) made most
+# of the writer's time (hpcc's 13 000 calls a second: 11 ms of CPU a second in 64-row chunks,
+# 4.9 in 512-row ones, and a file 25 % smaller); the price is ~32 kB a minute of rewritten
+# partial chunks when such a table stays slow (docs/trace-format.md, "Chunks of the busy tables").
+BUSY_CHUNK_ROWS = 512
+BUSY_TABLES = frozenset({schema.COLLECTIVE_CALLS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_LAUNCHES.path})
 GZIP_LEVEL = 2
+
+
+def chunk_rows(table_path: str) -> int:
+    """Rows per chunk of a node file's table."""
+    return BUSY_CHUNK_ROWS if table_path in BUSY_TABLES else CHUNK_ROWS
 
 
 @dataclass
@@ -107,7 +119,7 @@ class NodeTraceWriter:
             f.attrs["compression"] = compression
             for t in self.tables.values():
                 ds = f.create_dataset(
-                    t.path, shape=(0,), maxshape=(None,), dtype=t.dtype, chunks=(CHUNK_ROWS,), **filters
+                    t.path, shape=(0,), maxshape=(None,), dtype=t.dtype, chunks=(chunk_rows(t.path),), **filters
                 )
                 ds.attrs["doc"] = t.doc
                 for c in t.columns:

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
+from gpuprof.collector.writer import BUSY_CHUNK_ROWS, CHUNK_ROWS, NodeMeta, NodeTraceWriter
 
 
 def random_rows(t: schema.Table, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -28,8 +28,8 @@ def random_rows(t: schema.Table, n: int, rng: np.random.Generator) -> np.ndarray
 
 
 def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> None:
-    """Every table of the schema, appended in three pieces of different sizes (one crossing the 64
-    row chunks), then sealed: h5py reads back exactly the rows given, in order. The appends write
+    """Every table of the schema, appended in four pieces of different sizes (crossing the 64 row
+    chunks, and the busy tables' 512 row ones), then sealed: h5py reads back exactly the rows given, in order. The appends write
     the rows' bytes with the file's own type as the memory type, so a table whose dtype h5py would
     store in another layout would show here."""
     rng = np.random.default_rng(7)
@@ -39,7 +39,7 @@ def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> 
     path = tmp_path / "n1.h5"
     w = NodeTraceWriter(path, meta, tables)
     written: dict[str, list[np.ndarray]] = {}
-    for size in (1, 100, 37):
+    for size in (1, 100, 37, 600):
         for t in tables:
             rows = random_rows(t, size, rng)
             w.append(t.path, rows)
@@ -52,3 +52,16 @@ def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> 
             want = np.concatenate(written[t.path])
             assert got.dtype == t.dtype, t.path
             assert got.tobytes() == want.tobytes(), t.path
+
+
+def test_the_tables_of_one_row_per_call_or_kernel_have_larger_chunks(tmp_path: Path) -> None:
+    """The tables that reach thousands of rows a second (calls, CUDA kernels and launches) are
+    chunked at BUSY_CHUNK_ROWS, every other at CHUNK_ROWS (writer.py says why)."""
+    meta = NodeMeta(job_id="1", node="n1", modes=("metrics",), rates={}, config=None, job_nodelist="")
+    path = tmp_path / "n1.h5"
+    NodeTraceWriter(path, meta, schema.ALL_TABLES).seal(drops={})
+    busy = {schema.COLLECTIVE_CALLS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_LAUNCHES.path}
+    with h5py.File(path, "r") as f:
+        chunks = {t.path: f[t.path].chunks for t in schema.ALL_TABLES}
+    assert {p: c for p, c in chunks.items() if p in busy} == {p: (BUSY_CHUNK_ROWS,) for p in busy}
+    assert all(c == (CHUNK_ROWS,) for p, c in chunks.items() if p not in busy), chunks

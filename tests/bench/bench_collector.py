@@ -5,6 +5,8 @@ double (tests/nvml_double), so every line says "emulated": true: they are costs,
     .venv/bin/python tests/bench/bench_collector.py --quick    smoke run (one short run per mode)
     .venv/bin/python tests/bench/bench_collector.py --filters  also compare gzip/lzf/none on a
                                                                10-minute default-rate file
+    .venv/bin/python tests/bench/bench_collector.py --chunks   also the calls table's chunk rows
+                                                               at call rates of 1 to 13 000 a second
 
 collector_cpu: `gpuprof collect` as the prolog starts it (--job --node --uid, the config's nice
 value, a control socket; 8 emulated GPUs) on a busy job of 16 processes: `mpirun -n 16
@@ -380,6 +382,63 @@ def bench_filters(tmp: Path, minutes: float) -> None:
                           "writer_cpu_s": round(cpu, 3), "flush_interval_s": every, "synthetic": True}), flush=True)
 
 
+HPCC_CALLS = Path(__file__).resolve().parents[1] / "recordings" / "hpcc-4nodes" / "node1.h5"
+
+
+def bench_chunks(tmp: Path) -> None:
+    """/collectives/calls in 64-row chunks (every other table's) against BUSY_CHUNK_ROWS (the
+    busy tables'): hpcc's recorded calls (tests/recordings/hpcc-4nodes, real rows, taken in turn)
+    appended at a steady rate in collector.flush_interval_s flushes for 10 minutes (1 minute at
+    the highest rate), with the writer's filter; file growth and writer CPU a minute, median of 3
+    interleaved runs with min and max. Only the chunking differs between the two."""
+    import statistics
+
+    import h5py
+
+    from gpuprof.collector.config import defaults
+    from gpuprof.collector.writer import BUSY_CHUNK_ROWS, CHUNK_ROWS, GZIP_LEVEL, compression_kwargs
+
+    every = float(defaults()["collector"]["flush_interval_s"])
+    with h5py.File(HPCC_CALLS, "r") as f:
+        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+
+    def one(chunk: int, rate: int, minutes: float) -> tuple[float, float]:
+        path = tmp / f"chunks-{chunk}-{rate}.h5"
+        per, pos = max(1, round(rate * every)), 0
+        with h5py.File(path, "w", libver="latest") as f:
+            d = f.create_dataset("calls", shape=(0,), maxshape=(None,), dtype=real.dtype, chunks=(chunk,),
+                                 **compression_kwargs("gzip"))
+            f.swmr_mode = True
+            c0 = time.process_time()
+            for _ in range(int(minutes * 60 / every)):
+                n = d.shape[0]
+                d.resize((n + per,))
+                d[n:] = np.take(real, np.arange(pos, pos + per) % len(real))
+                pos += per
+                d.flush()
+                f.flush()
+            cpu = time.process_time() - c0
+        size = path.stat().st_size
+        path.unlink()
+        return size / 1e3 / minutes, 1e3 * cpu / minutes
+
+    def spread(xs: list[float]) -> dict[str, float]:
+        return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
+
+    for rate in (1, 10, 100, 1000, 13000):
+        minutes = 1.0 if rate > 5000 else 10.0
+        got: dict[int, list[tuple[float, float]]] = {CHUNK_ROWS: [], BUSY_CHUNK_ROWS: []}
+        for _ in range(3):
+            for chunk, runs in got.items():
+                runs.append(one(chunk, rate, minutes))
+        print(json.dumps({"bench": "trace_chunks", "table": schema.COLLECTIVE_CALLS.path, "calls_per_s": rate,
+                          "filter": f"gzip {GZIP_LEVEL} + shuffle", "flush_interval_s": every, "minutes": minutes,
+                          "data": f"real rows of {HPCC_CALLS.parent.name}, repeated",
+                          **{f"kb_per_min_{c}_rows": spread([k for k, _ in r]) for c, r in got.items()},
+                          **{f"writer_ms_per_min_{c}_rows": spread([m for _, m in r]) for c, r in got.items()}}),
+              flush=True)
+
+
 def bench_writer(tmp: Path, seconds: float) -> None:
     """Records per second the writer thread's drain+append+flush path absorbs (host/procs rows)."""
     meta = NodeMeta(job_id="bench", node="n", modes=("metrics",), synthetic=True)
@@ -403,7 +462,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=None, help="measured seconds per run (default 40, quick 8)")
     ap.add_argument("--runs", type=int, default=None, help="runs per mode, interleaved (default 3, quick 1)")
     ap.add_argument("--filters", action="store_true", help="compare HDF5 filters on a 10-minute file")
+    ap.add_argument("--chunks", action="store_true", help="only the calls table's chunk rows, by call rate")
     a = ap.parse_args()
+    if a.chunks:  # no root, no MPI: the writer's files only
+        with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
+            bench_chunks(Path(d))
+        return
     if os.geteuid() != 0 or shutil.which("mpirun") is None:
         print(json.dumps({"bench": "collector_cpu", "modes": DEFAULT_MODES, "busy_processes": BUSY,
                           "cpu_percent_of_core": None, "missing": "needs root (BPF, cgroups) and mpirun"}), flush=True)
