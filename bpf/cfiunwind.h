@@ -69,11 +69,15 @@ struct gp_cfi_row {
     u8 rbp_type;
 };
 
+/* gp_cfi_mapping.first of a mapping whose file has a table that is not loaded yet (count 0): a
+ * walk through it takes the frame-pointer rule and asks for the table (gp_cfi_wanted) */
+#define GP_CFI_LAZY 0xFFFFFFFFu
+
 struct gp_cfi_mapping {
     u64 start;
     u64 end;
     u64 bias;  /* runtime address - ELF virtual address */
-    u32 first; /* rows of its table in gp_cfi_rows */
+    u32 first; /* rows of its table in gp_cfi_rows; GP_CFI_LAZY: not loaded yet */
     u32 count; /* 0: no table (the frame-pointer rule) */
 };
 
@@ -118,6 +122,12 @@ BPF_PERCPU_ARRAY(gp_cfi_counters, u64, GP_CFI_NCOUNTERS);
 /* pid -> 1: a walk of it met a pc outside its registered mappings (a dlopen since): the collector
  * reads its mappings again at the next drain and deletes the entry */
 BPF_HASH(gp_cfi_stale, u32, u8, 4096);
+/* mapping index in gp_cfi_mappings -> 1: a walk met a pc in a mapping whose table is not loaded
+ * (GP_CFI_LAZY); the collector loads it, points every mapping of that file at it and deletes the
+ * entry. Why not load every table at registration: a job maps far more code than it runs (hpcc's
+ * ranks map 179 files, 715 000 rows, mostly Open MPI's plugins; its samples walk through a few),
+ * and loading them all cost the job's cores 0.1-0.15 s at its start and most of the rows map. */
+BPF_HASH(gp_cfi_wanted, u32, u8, 4096);
 /* [0] = 1 while the collector's CFI unwinder runs: a job process without tables is then marked
  * stale too (a fork, an exec, a new rank), so that it is registered within 0.1 s */
 BPF_ARRAY(gp_cfi_on, u32, 1);
@@ -142,8 +152,8 @@ static __always_inline void gp_cfi_count(int i)
         (*c)++;
 }
 
-/* The mapping holding pc among the process's (index in gp_cfi_mappings), or -1. */
-static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_walk *w, u64 pc)
+/* The mapping holding pc among the process's, its index in gp_cfi_mappings into *at; or 0. */
+static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_walk *w, u64 pc, u32 *at)
 {
     u32 lo = 0, hi = w->pcount;
     for (int k = 0; k < GP_CFI_MAP_STEPS; k++) {
@@ -165,6 +175,7 @@ static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_
     struct gp_cfi_mapping *m = gp_cfi_mappings.lookup(&idx);
     if (!m || pc >= m->end)
         return 0;
+    *at = idx;
     return m;
 }
 
@@ -201,7 +212,8 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
     u32 i = w->n;
     u64 pc = w->pc;
     u64 look = i ? pc - 1 : pc; /* a return address points past its call */
-    struct gp_cfi_mapping *m = gp_cfi_find_mapping(w, look);
+    u32 at = 0;
+    struct gp_cfi_mapping *m = gp_cfi_find_mapping(w, look, &at);
     if (!m && i > 0) {
         /* a caller in no executable mapping (anonymous code is registered too): the guess of a
          * frame-pointer step through code without CFI, or a library mapped since the registration
@@ -226,6 +238,10 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
     u32 guessed = 0;
     s32 cfa_off = 0;
     s16 rbp_off = 0;
+    if (m->count == 0 && m->first == GP_CFI_LAZY) {
+        u8 one = 1;
+        gp_cfi_wanted.update(&at, &one); /* this frame by the frame-pointer rule, the next walks by CFI */
+    }
     if (m->count) {
         struct gp_cfi_row *r = gp_cfi_find_row(m, look);
         if (r) {

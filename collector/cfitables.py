@@ -74,22 +74,30 @@ class NoTable(ValueError):
     """A file that gets no table; the message says why (not ELF, not x86-64, no CFI, too big)."""
 
 
+Segments = list[tuple[int, int, int]]  # CfiTable.segments
+
+
 @dataclass
 class CfiTable:
     key: str  # build id (hex) when the file has one, else "file:<dev>:<ino>:<size>:<mtime_ns>"
     rows: np.ndarray  # ROW_DTYPE, sorted by pc, one row per change of rule
     # executable PT_LOAD segments: (p_vaddr, p_offset, p_filesz), for the load bias of a mapping
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    segments: Segments = field(default_factory=list)
     fdes: int = 0
     stats: dict[str, int] = field(default_factory=dict)  # rows by kind: plt, stop, end
 
     def vaddr_minus_offset(self, file_offset: int) -> int | None:
         """p_vaddr - p_offset of the executable segment holding file_offset (None: none does)."""
-        for vaddr, off, size in self.segments:
-            # a mapping starts at the page holding the segment's first byte
-            if off - (off & 0xFFF) <= file_offset < off + size:
-                return vaddr - off
-        return None
+        return vaddr_minus_offset(self.segments, file_offset)
+
+
+def vaddr_minus_offset(segments: Segments, file_offset: int) -> int | None:
+    """p_vaddr - p_offset of the executable segment holding file_offset (None: none does)."""
+    for vaddr, off, size in segments:
+        # a mapping starts at the page holding the segment's first byte
+        if off - (off & 0xFFF) <= file_offset < off + size:
+            return vaddr - off
+    return None
 
 
 @dataclass
@@ -361,6 +369,8 @@ def file_key(st: os.stat_result) -> str:
 # --- cache -------------------------------------------------------------------------------------
 
 
+MAX_FILES_REMEMBERED = 65536  # file identities (by_file) and located tables' segments kept in memory
+SEGMENTS_MAX_BYTES = 1 << 16  # a table's .seg file: 24 bytes an executable segment, one or two a file
 COMPILE_LOCK_WAIT_S = 120.0  # longest wait for another collector's compile of the same file
 CANCEL_POLL_S = 0.1  # how soon a stopping collector stops waiting for its compile child
 
@@ -379,6 +389,8 @@ class TableCache:
         self.mem_rows = 0
         self.no_table: OrderedDict[str, str] = OrderedDict()  # key -> why
         self.by_file: OrderedDict[str, str] = OrderedDict()  # file identity -> key (build id)
+        self.segments: OrderedDict[str, Segments] = OrderedDict()  # key -> its table's segments (locate)
+        self._hot: dict[str, bool] = {}  # key -> whether hot() (its .hot file), as first asked
         self.lock = threading.Lock()
         self.compiled = 0
         self.compile_s = 0.0
@@ -470,6 +482,91 @@ class TableCache:
                     os.close(lock_fd)  # releases the flock
         return t
 
+    def locate(self, fd: int, st: os.stat_result) -> tuple[str, Segments] | None:
+        """The key and segments of the open file's table, without reading its rows when they are
+        only on disk (the registration loads a table's rows only once a walk needs them:
+        CfiUnwinder; load() then reads them); None and NoTable as get(compile=False)."""
+        fkey = file_key(st)
+        with self.lock:
+            key = self.by_file.get(fkey)
+            if key is not None and key in self.segments:
+                # located before (another process maps the same file): no read at all
+                self.segments.move_to_end(key)
+                return key, self.segments[key]
+        t = self.peek(st)
+        if t is not None:
+            return t.key, t.segments
+        with os.fdopen(os.dup(fd), "rb") as f:
+            bid = _peek_build_id(f)
+        if bid is not None:
+            with self.lock:
+                t = self.mem.get(bid)
+            segments = t.segments if t is not None else self._disk_segments(bid)
+            if segments is not None:
+                with self.lock:
+                    self.by_file[fkey] = bid
+                    self._trim_files()
+                    self._keep_segments(bid, segments)
+                return bid, segments
+        # no build id (keyed by content), or not compiled yet: as before, rows and all
+        t = self.get(fd, st, compile=False)
+        if t is None:
+            return None
+        with self.lock:
+            self._keep_segments(t.key, t.segments)
+        return t.key, t.segments
+
+    def _keep_segments(self, key: str, segments: Segments) -> None:
+        """locate()'s answers by key (the lock held): a few bytes a file, bounded as by_file."""
+        self.segments[key] = segments
+        self.segments.move_to_end(key)
+        while len(self.segments) > MAX_FILES_REMEMBERED:
+            self.segments.popitem(last=False)
+
+    def load(self, key: str) -> CfiTable | None:
+        """The table of a key locate() gave, rows and all: from memory, else the disk cache (None:
+        in neither any more, e.g. removed from the disk cache since)."""
+        with self.lock:
+            t = self.mem.get(key)
+            if t is not None:
+                self.mem.move_to_end(key)
+                return t
+        t = self._disk_load(key)
+        if t is not None:
+            with self.lock:
+                self._keep(t)
+        return t
+
+    def hot(self, key: str) -> bool:
+        """Whether a walk of some job of this host needed the table of key (mark_hot): then a
+        registration loads it at once instead of waiting for a walk to ask (what the first
+        walks through it would lose). Remembered for the collector's life."""
+        with self.lock:
+            known = self._hot.get(key)
+        if known is not None:
+            return known
+        paths = self._disk_paths(key)
+        found = paths is not None and os.path.lexists(paths[0].with_suffix(".hot"))
+        with self.lock:
+            self._hot[key] = found
+            while len(self._hot) > MAX_FILES_REMEMBERED:
+                self._hot.pop(next(iter(self._hot)))
+        return found
+
+    def mark_hot(self, key: str) -> None:
+        """A walk needed the table of key: the next registrations on this host load it at once
+        (hot()); an empty <key>.hot beside its rows in the disk cache, removed with them."""
+        with self.lock:
+            self._hot[key] = True
+        paths = self._disk_paths(key)
+        if paths is None or not self._disk_ok():
+            return
+        hot_p = paths[0].with_suffix(".hot")
+        try:
+            os.close(os.open(hot_p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except OSError as e:
+            self._disk_error(f"{hot_p}: {e}")
+
     def warm(self, fd: int, st: os.stat_result) -> bool:
         """Compile the open file's table into the disk cache only (a library the node's jobs are
         likely to map: the next registration of it is a disk hit); not kept in memory. True when
@@ -538,15 +635,19 @@ class TableCache:
         with self.lock:
             self.by_file[fkey] = t.key
             self._trim_files()
-            if t.key not in self.mem:
-                self.mem[t.key] = t
-                self.mem_rows += len(t.rows)
-            while self.mem_rows > self.max_rows and len(self.mem) > 1:
-                _, old = self.mem.popitem(last=False)
-                self.mem_rows -= len(old.rows)
+            self._keep(t)
+
+    def _keep(self, t: CfiTable) -> None:
+        """In memory (the lock held), the least recently used dropped beyond max_rows."""
+        if t.key not in self.mem:
+            self.mem[t.key] = t
+            self.mem_rows += len(t.rows)
+        while self.mem_rows > self.max_rows and len(self.mem) > 1:
+            _, old = self.mem.popitem(last=False)
+            self.mem_rows -= len(old.rows)
 
     def _trim_files(self) -> None:
-        while len(self.by_file) > 65536:
+        while len(self.by_file) > MAX_FILES_REMEMBERED:
             self.by_file.popitem(last=False)
 
     # on-disk copies: <dir>/<build id>.npy (rows) + .seg (segments), written by root only
@@ -572,6 +673,32 @@ class TableCache:
     def _disk_error(self, msg: str) -> None:
         if len(self.disk_errors) < 16:
             self.disk_errors.append(msg)
+
+    def _disk_segments(self, bid: str) -> Segments | None:
+        """The segments of a table in the disk cache, without its rows (None: not there, or not a
+        file of ours: _disk_load says why when the rows are read)."""
+        paths = self._disk_paths(bid)
+        if paths is None or not self._disk_ok():
+            return None
+        rows_p, seg_p = paths
+        try:
+            st = os.lstat(rows_p)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                return None
+            fd = os.open(seg_p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(SEGMENTS_MAX_BYTES + 1)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if len(raw) > SEGMENTS_MAX_BYTES or len(raw) % 24:
+            return None
+        segs = np.frombuffer(raw, dtype="<u8")
+        return [(int(a), int(b), int(c)) for a, b, c in segs.reshape(-1, 3)]
 
     def _disk_load(self, bid: str) -> CfiTable | None:
         paths = self._disk_paths(bid)
@@ -641,6 +768,7 @@ class TableCache:
             p.unlink(missing_ok=True)
             p.with_suffix(".seg").unlink(missing_ok=True)
             p.with_suffix(".lock").unlink(missing_ok=True)
+            p.with_suffix(".hot").unlink(missing_ok=True)
             total -= size
 
 

@@ -5,10 +5,17 @@ At each drain (`register`) the job's pids not registered yet, those that exec'd,
 walk met a pc outside their registered mappings (gp_cfi_stale: a dlopen) get their executable
 mappings read from /proc/PID/maps; each mapped file is opened through /proc/PID/map_files (the
 exact object mapped, never a path the job controls) and its table compiled once per build id
-(collector/cfitables.py, `TableCache`). A table's rows are written once into a range of
-gp_cfi_rows shared by every process that maps the file; a process's mappings (start, end, load
-bias, row range) go into a range of gp_cfi_mappings and the range into gp_cfi_procs[pid]. A process
-is registered only when every table it needs is ready: tables not in the cache are compiled by one
+(collector/cfitables.py, `TableCache`). A process's mappings (start, end, load bias, row range) go
+into a range of gp_cfi_mappings and the range into gp_cfi_procs[pid]. A table's rows are written
+once into a range of gp_cfi_rows shared by every process that maps the file, when a walk first
+needs them: a mapping whose table is not loaded is registered LAZY (its key and segments only,
+for the bias), the BPF walk through it takes the frame-pointer rule and asks (gp_cfi_wanted), and
+the registration thread loads the table and points every mapping of the file at it within
+POLL_S. Loaded at once: the program's and the C library's tables, in every stack
+(in_every_stack), and those a walk of an earlier job of the host needed (TableCache.hot): a
+walk through a LAZY mapping is cut short or guessed, so a table is waited for once per host. A
+job maps far more than it runs: hpcc's job maps 161 files with tables, its walks needed 25. A process is registered only when every table it needs is ready:
+tables not in the cache are compiled by one
 background thread (`Compiler`; the descriptor is opened at the drain, while the process lives), so
 a drain never waits for a compile, and the process's samples keep their frame-pointer stacks until
 its tables are there (about 0.6 s of CPU for Debian's libc the first time, 1.5 s for python3.11;
@@ -44,12 +51,15 @@ from gpuprof.collector.cfitables import (
     file_key,
     open_mapped_file,
     own_vdso,
+    vaddr_minus_offset,
     vdso_table,
 )
 from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
+LAZY = 0xFFFFFFFF  # a mapping's `first` while its table is not loaded (GP_CFI_LAZY, bpf/cfiunwind.h)
+MAX_KEYS_COUNTED = 65536  # the tables_deferred figure stops counting there
 MAX_MAPPINGS_PER_PROC = 4096  # GP_CFI_MAP_STEPS = 12 binary search steps
 END_REASONS = ("complete", "no_mapping", "stop_rule", "read_failed", "bad_cfa", "truncated", "no_frame_pointer")
 COMPILE_QUEUE_MAX = 256  # files waiting for the compile thread (more wait for a later drain)
@@ -186,6 +196,16 @@ class _Proc:
     # what each of its mappings got, by the maps line's (start, end, offset, device, inode, path):
     # (table key, bias); a registration again (a dlopen since) reuses it for the lines unchanged
     tabled: dict[MapsLine, tuple[str, int]] = field(default_factory=dict)
+    # its mappings (index in gp_cfi_mappings) whose file's table is not loaded yet: table key
+    lazy: dict[int, str] = field(default_factory=dict)
+
+
+def in_every_stack(path: str, exe: str) -> bool:
+    """Whether a mapped file is in (almost) every stack of the process: its program and the C
+    library (main, __libc_start_main, _start: the outer frames). Their tables are loaded at the
+    registration, so that a process's first walks reach _start; the other files' when a walk
+    needs them."""
+    return path == exe or os.path.basename(path).startswith("libc.so.")
 
 
 class CfiUnwinder:
@@ -204,6 +224,7 @@ class CfiUnwinder:
         self.procs_map = bpf[b"gp_cfi_procs"]
         self.stacks_map = bpf[b"gp_cfi_stacks"]
         self.stale_map = bpf[b"gp_cfi_stale"]
+        self.wanted_map = bpf[b"gp_cfi_wanted"]
         self.counters = bpf[b"gp_cfi_counters"]
         kernel_rows = int(self.rows_map.max_entries)
         max_rows = compiler.cache.max_rows
@@ -220,7 +241,7 @@ class CfiUnwinder:
         self._done_seen = 0
         self._stop = threading.Event()
         # a BPF object shared with an earlier source (the bench's) may hold its registrations
-        for m in (self.procs_map, self.stacks_map, self.stale_map):
+        for m in (self.procs_map, self.stacks_map, self.stale_map, self.wanted_map):
             m.clear()
         on = bpf[b"gp_cfi_on"]
         on[on.Key(0)] = on.Leaf(1)  # unregistered job processes are marked stale from now on
@@ -230,6 +251,11 @@ class CfiUnwinder:
         self.waiting: set[int] = set()  # pids whose tables are not all compiled yet
         self.no_table: dict[str, str] = {}  # file identity -> why (reported; bounded below)
         self.no_room = 0  # tables that did not fit in what was left of max_rows
+        # mappings registered with their table not loaded (LAZY): index in gp_cfi_mappings -> (pid, key);
+        # loaded when a walk asks (gp_cfi_wanted), for every mapping of the file at once
+        self.lazy: dict[int, tuple[int, str]] = {}
+        self.loaded_on_demand = 0  # tables loaded because a walk asked for them
+        self.deferred: set[str] = set()  # the tables ever registered LAZY (status: how many waited)
         self._vdso_table: CfiTable | None | Literal[False] = None  # False: none (the reason in no_table)
         self.registrations = 0
         self.last_counts = [0] * 13
@@ -239,11 +265,14 @@ class CfiUnwinder:
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
         self._last_live: frozenset[int] = frozenset()  # the last set after_drain woke the thread for
         self._wake = threading.Event()  # something for the registration thread (with the native watch)
-        self._watch: _StaleWatch | None = _StaleWatch.start(self.stale_map, self._wake.set)
+        self._watch: _RequestWatch | None = _RequestWatch.start((self.stale_map, self.wanted_map), self._wake.set)
         self._watch_wakes: int | None = None  # the watch's count when it stopped (None: never started)
         self.poll_how = (f"native watch every {POLL_S} s, python when asked or every {IDLE_POLL_S} s"
-                         if self._watch is not None else f"python every {POLL_S} s ({_StaleWatch.why_not})")
+                         if self._watch is not None else f"python every {POLL_S} s ({_RequestWatch.why_not})")
         compiler.on_done = self._wake.set
+        # the vDSO's table (a compile, 37 ms of CPU) now, while the prolog waits, not at the job's
+        # first registration, on its cores
+        self._vdso(len(own_vdso()))
         self.poller = named_thread(self._poll, "gpuprof-cfi-register")
         self.poller.start()
 
@@ -294,6 +323,7 @@ class CfiUnwinder:
                         self.rows.new_drain()
                         self.mappings.new_drain()
                         self._forget(set(live))
+                self._serve_wanted()
                 pending = next(iter(self.stale_map.keys()), None) is not None
                 if pending or (self.waiting and self.compiler.done != self._done_seen):
                     self.register(())
@@ -335,32 +365,38 @@ class CfiUnwinder:
         return out
 
     def _register(self, pid: int, exe: str, text: str) -> None:
+        """The process's executable mappings into gp_cfi_mappings, each with its file's table when
+        that is loaded already (another process maps the file), in every stack (the program and
+        its C library: in_every_stack) or needed by an earlier job's walks (hot), else LAZY: the
+        table's rows are loaded when a walk first goes through the mapping (_serve_wanted). Here only the table's key and segments
+        (for the load bias) are looked up: the rows of a job's many mapped files are read only
+        for the few its samples walk."""
         maps = sorted(parse_maps(text, executable_only=True), key=lambda m: m.start)
         if len(maps) > MAX_MAPPINGS_PER_PROC:
             maps = maps[:MAX_MAPPINGS_PER_PROC]
         entries = np.zeros(len(maps), MAPPING_DTYPE)
         keys: set[str] = set()
-        tables: list[tuple[int, CfiTable]] = []
+        eager: list[tuple[int, CfiTable]] = []  # the vDSO's: its table is in memory already
+        tabled: dict[MapsLine, tuple[str, int]] = {}  # line -> (table key, bias)
+        by_index: dict[int, str] = {}  # mapping -> table key, of the mappings that have a table
         before = self.procs.get(pid)
-        reused: list[tuple[int, str]] = []  # (mapping, table key) of lines unchanged since then
-        tabled: dict[MapsLine, tuple[str, int]] = {}
         missing = False
         for i, m in enumerate(maps):
             entries[i]["start"], entries[i]["end"] = m.start, m.end
             line = (m.start, m.end, m.offset, m.dev, m.inode, m.path)
             had = before.tabled.get(line) if before is not None and before.exe == exe else None
-            if had is not None and had[0] in self.loaded:
-                # the same file mapped at the same place: its table and bias stand (no open, no lookup)
+            if had is not None:
+                # the same file mapped at the same place: its table key and bias stand (no open, no lookup)
                 entries[i]["bias"] = had[1]
-                reused.append((i, had[0]))
                 tabled[line] = had
+                by_index[i] = had[0]
                 continue
             if m.path == "[vdso]":
                 t = self._vdso(m.end - m.start)
                 d = t.vaddr_minus_offset(m.offset) if t is not None else None
                 if t is not None and d is not None:
                     entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
-                    tables.append((i, t))
+                    eager.append((i, t))
                 continue
             if not m.path.startswith("/"):
                 continue  # anonymous code: the frame-pointer rule
@@ -375,30 +411,42 @@ class CfiUnwinder:
                 self._no_table(m.path, str(e))
                 continue
             try:
-                t = self.cache.peek(st) or self.cache.get(fd, st, compile=False)  # memory, else the disk cache
+                found = self.cache.locate(fd, st)  # memory, else the disk cache (no rows read)
             except (NoTable, OSError) as e:
                 os.close(fd)
                 self._no_table(m.path, str(e))
                 continue
-            if t is None:  # not compiled yet: by the compile thread, then at a later drain
+            if found is None:  # not compiled yet: by the compile thread, then at a later drain
                 self.compiler.submit(fd, st)
                 missing = True
                 continue
             os.close(fd)
-            d = t.vaddr_minus_offset(m.offset)
+            key, segments = found
+            d = vaddr_minus_offset(segments, m.offset)
             if d is None:
                 continue
             entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
-            tables.append((i, t))
-            tabled[line] = (t.key, int(entries[i]["bias"]))
+            tabled[line] = (key, int(entries[i]["bias"]))
+            by_index[i] = key
+            if key not in self.loaded and (in_every_stack(m.path, exe) or self.cache.hot(key)):
+                t = self.cache.load(key)
+                if t is not None:
+                    eager.append((i, t))
         if missing:  # registered with what is there (the rest: the frame-pointer rule), again later
             self.waiting.add(pid)
         else:
             self.waiting.discard(pid)
-        loaded: list[tuple[int, str, _Loaded | None]] = [(i, t.key, self._load(t)) for i, t in tables]
-        loaded += [(i, key, self.loaded.get(key)) for i, key in reused]
-        for i, key, lt in loaded:
+        attached: list[tuple[int, str, _Loaded | None]] = [(i, t.key, self._load(t)) for i, t in eager]
+        eager_at = {i for i, _ in eager}
+        attached += [(i, key, self.loaded.get(key)) for i, key in by_index.items() if i not in eager_at]
+        lazy: dict[int, str] = {}  # mapping -> key, of those whose table is not loaded
+        for i, key, lt in attached:
             if lt is None:
+                if i in by_index:
+                    entries[i]["first"], entries[i]["count"] = LAZY, 0
+                    lazy[i] = key
+                    if len(self.deferred) < MAX_KEYS_COUNTED:
+                        self.deferred.add(key)
                 continue
             lt.users.add(pid)
             keys.add(key)
@@ -413,12 +461,53 @@ class CfiUnwinder:
         leaf = self.procs_map.Leaf()
         leaf.first, leaf.count = first, len(entries)
         self.procs_map[self.procs_map.Key(pid)] = leaf
-        self.procs[pid] = _Proc(exe, text, first, len(entries), keys, tabled)
+        proc = self.procs[pid] = _Proc(exe, text, first, len(entries), keys, tabled,
+                                       {first + i: key for i, key in lazy.items()})
+        self.lazy.update((at, (pid, key)) for at, key in proc.lazy.items())
         self.registrations += 1
         if old is not None:
+            self._drop_lazy(old)
             self.mappings.free(old.first, old.count)
             for k in old.keys - keys:
                 self._unuse(k, pid)
+
+    def _drop_lazy(self, proc: _Proc) -> None:
+        for at in proc.lazy:
+            self.lazy.pop(at, None)
+        proc.lazy.clear()
+
+    def _serve_wanted(self) -> None:
+        """Load the tables the BPF walks asked for (gp_cfi_wanted: a pc in a LAZY mapping) and point
+        every mapping of their files at them, of every process (the rows first: the mappings'
+        updates, system calls, publish them)."""
+        asked = [int(k.value) for k in self.wanted_map]  # its keys
+        if not asked:
+            return
+        with self.lock:
+            for at in asked:
+                try:
+                    del self.wanted_map[self.wanted_map.Key(at)]
+                except KeyError:
+                    pass
+            for key in {self.lazy[at][1] for at in asked if at in self.lazy}:
+                t = self.cache.load(key)
+                lt = self._load(t) if t is not None else None
+                if t is None:
+                    self._no_table(key, "its table left the disk cache before a walk needed it")
+                elif lt is not None:
+                    self.loaded_on_demand += 1
+                    self.cache.mark_hot(key)  # the host's next registrations load it at once
+                for at in [at for at, (_, k) in self.lazy.items() if k == key]:
+                    pid, _ = self.lazy.pop(at)
+                    proc = self.procs[pid]
+                    del proc.lazy[at]
+                    leaf = self.maps_map[self.maps_map.Key(at)]
+                    # no table (gone, or no room): the frame-pointer rule from now on, no more asking
+                    leaf.first, leaf.count = (lt.first, lt.count) if lt is not None else (0, 0)
+                    self.maps_map[self.maps_map.Key(at)] = leaf
+                    if lt is not None:
+                        lt.users.add(pid)
+                        proc.keys.add(key)
 
     def _vdso(self, size: int) -> CfiTable | None:
         """The host's vDSO table (cfitables.vdso_table), for a [vdso] mapping of the collector's
@@ -500,6 +589,7 @@ class CfiUnwinder:
                 del self.procs_map[self.procs_map.Key(pid)]
             except KeyError:
                 pass
+            self._drop_lazy(proc)
             self.mappings.free(proc.first, proc.count)
             for k in proc.keys:
                 self._unuse(k, pid)
@@ -565,6 +655,8 @@ class CfiUnwinder:
 
     def status(self) -> dict[str, Any]:
         return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
+                "tables_deferred": len(self.deferred), "tables_loaded_on_demand": self.loaded_on_demand,
+                "tables_not_loaded_yet": len({key for _, key in self.lazy.values()}),
                 "rows_written_by": self.rows_written_by,
                 "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
@@ -655,17 +747,18 @@ def start_compiler(ctx: Any, unwinder: str | None) -> Compiler | None:
     return compiler
 
 
-class _StaleWatch:
-    """The native watch over gp_cfi_stale (collector/native/mapwatch.c on ticker.c): calls wake()
-    from its thread when the BPF program asked for a registration."""
+class _RequestWatch:
+    """The native watches over the maps of the BPF program's requests (gp_cfi_stale: register a
+    process; gp_cfi_wanted: load a table), collector/native/mapwatch.c on ticker.c, one a map on
+    the same shared tick: each calls wake() from its thread when its map holds an entry."""
 
     why_not = ""  # why the last start() returned None
 
-    def __init__(self, lib: Any, ptr: int, ticker: Any, wake_fn: Any) -> None:
-        self.lib, self.ptr, self.ticker, self.wake_fn = lib, ptr, ticker, wake_fn
+    def __init__(self, lib: Any, watches: list[tuple[int, Any]], wake_fn: Any) -> None:
+        self.lib, self.watches, self.wake_fn = lib, watches, wake_fn  # watches: (gp_mapwatch *, its ticker)
 
     @classmethod
-    def start(cls, stale_map: Any, wake: Any) -> _StaleWatch | None:
+    def start(cls, maps: Iterable[Any], wake: Any) -> _RequestWatch | None:
         from gpuprof.collector import native
 
         try:
@@ -674,32 +767,41 @@ class _StaleWatch:
             cls.why_not = str(e)
             return None
         wake_fn = native.WAKE_FN(wake)
-        ptr = lib.gp_mapwatch_new(stale_map.map_fd, ctypes.sizeof(stale_map.Key), wake_fn)
-        if not ptr:
-            cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
+        watches: list[tuple[int, Any]] = []
+        for m in maps:
+            ptr = lib.gp_mapwatch_new(m.map_fd, ctypes.sizeof(m.Key), wake_fn)
+            if not ptr:
+                cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
+            else:
+                try:
+                    watches.append((ptr, native.SharedTicker(lib, "gp_mapwatch_tick", ptr, POLL_S)))
+                    continue
+                except native.NativeUnavailable as e:
+                    lib.gp_mapwatch_free(ptr)
+                    cls.why_not = str(e)
+            cls(lib, watches, wake_fn).stop()
             return None
-        try:
-            ticker = native.SharedTicker(lib, "gp_mapwatch_tick", ptr, POLL_S)
-        except native.NativeUnavailable as e:
-            lib.gp_mapwatch_free(ptr)
-            cls.why_not = str(e)
-            return None
-        return cls(lib, ptr, ticker, wake_fn)
+        return cls(lib, watches, wake_fn)
 
     def ack(self) -> None:
-        self.lib.gp_mapwatch_ack(self.ptr)
+        for ptr, _ in self.watches:
+            self.lib.gp_mapwatch_ack(ptr)
 
     def wakes(self) -> int:
-        return int(self.lib.gp_mapwatch_wakes(self.ptr))
+        return sum(int(self.lib.gp_mapwatch_wakes(ptr)) for ptr, _ in self.watches)
 
     def stop(self) -> None:
-        if self.ticker.stop(2.0):
-            self.lib.gp_mapwatch_free(self.ptr)
-        else:  # stuck in a wake-up: its thread may still use the watch and the callback, kept for good
+        stuck = False
+        for ptr, ticker in self.watches:
+            if ticker.stop(2.0):
+                self.lib.gp_mapwatch_free(ptr)
+            else:  # stuck in a wake-up: its thread may still use the watch and the callback, kept for good
+                stuck = True
+        if stuck:
             _STUCK_WATCHES.append(self)
 
 
-_STUCK_WATCHES: list[_StaleWatch] = []
+_STUCK_WATCHES: list[_RequestWatch] = []
 
 
 def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None, compiler: Compiler | None = None) -> CfiUnwinder | None:

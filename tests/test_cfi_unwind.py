@@ -5,6 +5,8 @@ without CFI, and short-lived processes; and the table compiler against readelf."
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import shutil
 import subprocess
@@ -138,6 +140,35 @@ def test_cache_by_build_id_on_disk(tmp_path: Path) -> None:
     assert a.compiled == 1 and b.compiled == 0 and b.disk_hits == 1
     assert ct.digest(t1.rows) == ct.digest(t2.rows) and t1.segments == t2.segments
     assert (os.stat(tmp_path / "cfi").st_mode & 0o777) == 0o700
+
+
+def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> None:
+    """locate() (what a registration asks) gives a table's key and segments from the disk cache
+    without reading its rows (disk_hits counts the rows' reads); load() reads them, identical to the
+    compiled table. A second locate of the same file reads nothing: it answers with both cache
+    files gone."""
+    a = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        compiled = a.get(fd, os.fstat(fd))
+        b = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        found = b.locate(fd, os.fstat(fd))
+        assert found == (compiled.key, compiled.segments) and b.disk_hits == 0
+        loaded = b.load(compiled.key)
+        assert loaded is not None and b.disk_hits == 1
+        assert ct.digest(loaded.rows) == ct.digest(compiled.rows)
+        c = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        assert c.locate(fd, os.fstat(fd)) == found
+        for p in (tmp_path / "cfi").glob(f"{compiled.key}.*"):
+            p.unlink()
+        assert c.locate(fd, os.fstat(fd)) == found and c.load(compiled.key) is None
+    finally:
+        os.close(fd)
+    # a table a walk needed (mark_hot) is loaded at once by the host's next collectors
+    assert not a.hot(compiled.key)
+    a.mark_hot(compiled.key)
+    assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot(compiled.key)
+    assert not ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot("0" * 40)
 
 
 def test_a_library_without_build_id_is_cached_by_its_content(tmp_path: Path) -> None:
@@ -505,6 +536,32 @@ def test_library_opened_after_start(state_dir: Path) -> None:
     mods = {m for sid, names in run["names"].items() if names[:1] == ["plugin_leaf"] for m in run["modules"][sid][:1]}
     assert mods == {lib.name}
     assert run["status"]["registrations"] >= 2  # at the exec, and again after the dlopen
+    assert run["status"]["tables_loaded_on_demand"] >= 1  # the plugin's, when its first walk asked
+    # a second run on the host: the tables the first run's walks asked for are loaded at once
+    again = sampled(state_dir, [str(prog), str(lib), "2"])
+    assert again["status"]["tables_loaded_on_demand"] < run["status"]["tables_loaded_on_demand"], again["status"]
+
+
+@pytest.mark.bpf
+def test_tables_of_libraries_never_walked_are_not_loaded(state_dir: Path) -> None:
+    """A process that maps libraries it never runs (four preloaded): their tables are found and
+    registered LAZY, never loaded (no walk asks for them), while the program's and the C
+    library's are loaded at the registration: its samples unwind to _start from the first
+    window as before."""
+    _skip()
+    preload = [os.path.realpath(min(glob.glob(f"/lib/x86_64-linux-gnu/{n}")))
+               for n in ("libstdc++.so.6", "libm.so.6", "libgfortran.so.5", "libquadmath.so.0")]
+    run = sampled(state_dir, ["env", f"LD_PRELOAD={':'.join(preload)}", str(nofp_tree()), "2"])
+    assert not run["errors"], run["errors"]
+
+    def ok(s: tuple[str, ...]) -> bool:
+        return "leaf_spin" in s and tuple(s[s.index("leaf_spin"):][:5]) == NOFP_TREE and _to_start(s)
+
+    c = _stacks(run, ok)
+    assert sum(c.values()) > 50 and _share(c, ok) >= 0.95, c.most_common(4)
+    st = run["status"]
+    assert st["tables_deferred"] >= len(preload), st
+    assert st["tables_loaded_on_demand"] <= st["tables_deferred"] - len(preload), st
 
 
 @pytest.mark.bpf
@@ -659,8 +716,8 @@ def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
 
     b = BPF(text=b"BPF_HASH(stale, u32, u8, 16);")
     woke = threading.Event()
-    watch = cfiunwind._StaleWatch.start(b[b"stale"], woke.set)
-    assert watch is not None, cfiunwind._StaleWatch.why_not
+    watch = cfiunwind._RequestWatch.start([b[b"stale"]], woke.set)
+    assert watch is not None, cfiunwind._RequestWatch.why_not
     stale = b[b"stale"]
     try:
         assert not woke.wait(5 * cfiunwind.POLL_S)
