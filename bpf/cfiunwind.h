@@ -125,8 +125,8 @@ BPF_HASH(gp_cfi_stale, u32, u8, 4096);
 /* mapping index in gp_cfi_mappings -> 1: a walk met a pc in a mapping whose table is not loaded
  * (GP_CFI_LAZY); the collector loads it, points every mapping of that file at it and deletes the
  * entry. Why not load every table at registration: a job maps far more code than it runs (hpcc's
- * ranks map 179 files, 715 000 rows, mostly Open MPI's plugins; its samples walk through a few),
- * and loading them all cost the job's cores 0.1-0.15 s at its start and most of the rows map. */
+ * job maps 161 files with tables, 673 000 rows, mostly Open MPI's plugins; its walks needed 25),
+ * and loading them all cost the job's cores about 0.25 s at its start and most of the rows map. */
 BPF_HASH(gp_cfi_wanted, u32, u8, 4096);
 /* [0] = 1 while the collector's CFI unwinder runs: a job process without tables is then marked
  * stale too (a fork, an exec, a new rank), so that it is registered within 0.1 s */

@@ -14,12 +14,12 @@ the registration thread loads the table and points every mapping of the file at 
 POLL_S. Loaded at once: the program's and the C library's tables, in every stack
 (in_every_stack), and those a walk of an earlier job of the host needed (TableCache.hot): a
 walk through a LAZY mapping is cut short or guessed, so a table is waited for once per host. A
-job maps far more than it runs: hpcc's job maps 161 files with tables, its walks needed 25. A process is registered only when every table it needs is ready:
-tables not in the cache are compiled by one
-background thread (`Compiler`; the descriptor is opened at the drain, while the process lives), so
-a drain never waits for a compile, and the process's samples keep their frame-pointer stacks until
-its tables are there (about 0.6 s of CPU for Debian's libc the first time, 1.5 s for python3.11;
-then from the disk cache, milliseconds).
+job maps far more than it runs: hpcc's job maps 161 files with tables, its walks needed 25. A
+process is registered only when every table it needs is compiled: tables not in the cache are
+compiled by one background thread (`Compiler`; the descriptor is opened at the drain, while the
+process lives), so a drain never waits for a compile, and the process's samples keep their
+frame-pointer stacks until its tables are there (about 0.6 s of CPU for Debian's libc the first
+time, 1.5 s for python3.11; then from the disk cache, milliseconds).
 
 Kernel memory is bounded by the compile-time sizes of the maps (GP_CFI_ROWS, GP_CFI_MAPPINGS) and
 user memory by `max_rows` (config sources.stacks.cfi_max_rows): a file whose table does not fit in
@@ -368,9 +368,9 @@ class CfiUnwinder:
         """The process's executable mappings into gp_cfi_mappings, each with its file's table when
         that is loaded already (another process maps the file), in every stack (the program and
         its C library: in_every_stack) or needed by an earlier job's walks (hot), else LAZY: the
-        table's rows are loaded when a walk first goes through the mapping (_serve_wanted). Here only the table's key and segments
-        (for the load bias) are looked up: the rows of a job's many mapped files are read only
-        for the few its samples walk."""
+        table's rows are loaded when a walk first goes through the mapping (_serve_wanted). Here
+        only the table's key and segments (for the load bias) are looked up: the rows of a job's
+        many mapped files are read only for the few its samples walk."""
         maps = sorted(parse_maps(text, executable_only=True), key=lambda m: m.start)
         if len(maps) > MAX_MAPPINGS_PER_PROC:
             maps = maps[:MAX_MAPPINGS_PER_PROC]
