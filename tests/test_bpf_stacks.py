@@ -178,7 +178,7 @@ def test_frame_pointer_walk_cannot_unwind_the_same_program(tmp_path: Path) -> No
 
 WINDOW_PROG = r"""
 struct key_t { u32 gen; int user_stack; int kernel_stack; };
-BPF_STACK_TRACE(st, 1024);
+BPF_STACK_TRACE(st, 4096);
 BPF_HASH(counts, struct key_t, u64, 1024);
 BPF_ARRAY(gen, u32, 1);
 TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
@@ -244,7 +244,11 @@ def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monk
             assert prog.stdout.readline() == "done\n"
             keys = np.array([(int(k.user_stack), int(k.kernel_stack)) for k in b[b"counts"]])
             ids = sorted({int(i) for i in keys.ravel() if i >= 0})
-            assert len(ids) >= 12, ids
+            # Two stacks whose hashes share a bucket of the stack map: the second one's samples
+            # get -EEXIST instead of an id (one run of CI in about ten, with 1024 buckets); the
+            # window then has fewer ids, and those it has must still read the same.
+            collided = int((keys < 0).sum())
+            assert len(ids) >= 12 or (collided and len(ids) >= 6), (ids, collided)
             want = {sid: wc.frames(sid) for sid in ids}  # read, not freed
             assert all(want.values())
             keep = set(ids[::3])
