@@ -683,22 +683,14 @@ class TableCache:
         rows_p, seg_p = paths
         try:
             st = os.lstat(rows_p)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                return None
-            fd = os.open(seg_p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
         try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read(SEGMENTS_MAX_BYTES + 1)
-        except OSError:
+            return _read_segments(seg_p)
+        except (OSError, ValueError):
             return None
-        finally:
-            os.close(fd)
-        if len(raw) > SEGMENTS_MAX_BYTES or len(raw) % 24:
-            return None
-        segs = np.frombuffer(raw, dtype="<u8")
-        return [(int(a), int(b), int(c)) for a, b, c in segs.reshape(-1, 3)]
 
     def _disk_load(self, bid: str) -> CfiTable | None:
         paths = self._disk_paths(bid)
@@ -718,19 +710,21 @@ class TableCache:
                 return None
             with os.fdopen(os.dup(fd), "rb") as f:
                 rows = np.load(f, allow_pickle=False)
-            segs = np.fromfile(seg_p, dtype="<u8") if seg_p.exists() and not seg_p.is_symlink() else None
+            segments = _read_segments(seg_p)
+        except FileNotFoundError:
+            self._disk_error(f"{seg_p}: missing beside {rows_p.name}")
+            return None
         except (OSError, ValueError) as e:
             self._disk_error(f"{rows_p}: {e}")
             return None
         finally:
             os.close(fd)
-        if rows.dtype != ROW_DTYPE or segs is None or len(segs) % 3:
+        if rows.dtype != ROW_DTYPE:
             self._disk_error(f"{rows_p}: not a table of this version")
             return None
         self.disk_hits += 1
         os.utime(rows_p)  # recently used: kept longest
-        seg_list = [(int(a), int(b), int(c)) for a, b, c in segs.reshape(-1, 3)]
-        return CfiTable(bid, rows, seg_list, 0, {})
+        return CfiTable(bid, rows, segments, 0, {})
 
     def _disk_store(self, t: CfiTable) -> None:
         paths = self._disk_paths(t.key)
@@ -770,6 +764,19 @@ class TableCache:
             p.with_suffix(".lock").unlink(missing_ok=True)
             p.with_suffix(".hot").unlink(missing_ok=True)
             total -= size
+
+
+def _read_segments(seg_p: Path) -> Segments:
+    """A disk-cache .seg file: (vaddr, file offset, size) of each loaded segment, three
+    little-endian u64 each. Opened without following a link; ValueError when it is not such a
+    file (too big, or not whole triples)."""
+    fd = os.open(seg_p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(SEGMENTS_MAX_BYTES + 1)
+    if len(raw) > SEGMENTS_MAX_BYTES or len(raw) % 24:
+        raise ValueError(f"{seg_p}: {len(raw)} bytes, not segments of this version")
+    segs = np.frombuffer(raw, dtype="<u8").reshape(-1, 3)
+    return [(int(a), int(b), int(c)) for a, b, c in segs]
 
 
 SMALL_CFI_BYTES = 32 << 10  # .eh_frame + .debug_frame compiled at once (tens of ms at most)

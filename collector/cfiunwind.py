@@ -254,6 +254,7 @@ class CfiUnwinder:
         # mappings registered with their table not loaded (LAZY): index in gp_cfi_mappings -> (pid, key);
         # loaded when a walk asks (gp_cfi_wanted), for every mapping of the file at once
         self.lazy: dict[int, tuple[int, str]] = {}
+        self.lazy_by_key: dict[str, set[int]] = {}  # key -> its LAZY mappings' indices (the same entries)
         self.loaded_on_demand = 0  # tables loaded because a walk asked for them
         self.deferred: set[str] = set()  # the tables ever registered LAZY (status: how many waited)
         self._vdso_table: CfiTable | None | Literal[False] = None  # False: none (the reason in no_table)
@@ -463,7 +464,9 @@ class CfiUnwinder:
         self.procs_map[self.procs_map.Key(pid)] = leaf
         proc = self.procs[pid] = _Proc(exe, text, first, len(entries), keys, tabled,
                                        {first + i: key for i, key in lazy.items()})
-        self.lazy.update((at, (pid, key)) for at, key in proc.lazy.items())
+        for at, key in proc.lazy.items():
+            self.lazy[at] = (pid, key)
+            self.lazy_by_key.setdefault(key, set()).add(at)
         self.registrations += 1
         if old is not None:
             self._drop_lazy(old)
@@ -472,9 +475,17 @@ class CfiUnwinder:
                 self._unuse(k, pid)
 
     def _drop_lazy(self, proc: _Proc) -> None:
-        for at in proc.lazy:
-            self.lazy.pop(at, None)
+        for at, key in proc.lazy.items():
+            self._forget_lazy(at, key)
         proc.lazy.clear()
+
+    def _forget_lazy(self, at: int, key: str) -> None:
+        self.lazy.pop(at, None)
+        ats = self.lazy_by_key.get(key)
+        if ats is not None:
+            ats.discard(at)
+            if not ats:
+                del self.lazy_by_key[key]
 
     def _serve_wanted(self) -> None:
         """Load the tables the BPF walks asked for (gp_cfi_wanted: a pc in a LAZY mapping) and point
@@ -497,8 +508,9 @@ class CfiUnwinder:
                 elif lt is not None:
                     self.loaded_on_demand += 1
                     self.cache.mark_hot(key)  # the host's next registrations load it at once
-                for at in [at for at, (_, k) in self.lazy.items() if k == key]:
-                    pid, _ = self.lazy.pop(at)
+                for at in sorted(self.lazy_by_key.get(key, ())):
+                    pid, _ = self.lazy[at]
+                    self._forget_lazy(at, key)
                     proc = self.procs[pid]
                     del proc.lazy[at]
                     leaf = self.maps_map[self.maps_map.Key(at)]
@@ -656,7 +668,7 @@ class CfiUnwinder:
     def status(self) -> dict[str, Any]:
         return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
                 "tables_deferred": len(self.deferred), "tables_loaded_on_demand": self.loaded_on_demand,
-                "tables_not_loaded_yet": len({key for _, key in self.lazy.values()}),
+                "tables_not_loaded_yet": len(self.lazy_by_key),
                 "rows_written_by": self.rows_written_by,
                 "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,

@@ -171,6 +171,31 @@ def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> No
     assert not ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot("0" * 40)
 
 
+def test_cache_files_are_not_read_through_links(tmp_path: Path) -> None:
+    """A .seg file that became a link (to a file of the right shape) is read neither by locate()
+    nor by load(), and load() names it in disk_errors; a .seg missing beside its rows is named too."""
+    a = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        t = a.get(fd, os.fstat(fd))
+        assert t is not None
+        seg = tmp_path / "cfi" / f"{t.key}.seg"
+        decoy = tmp_path / "decoy.seg"
+        decoy.write_bytes(seg.read_bytes())
+        seg.unlink()
+        seg.symlink_to(decoy)
+        b = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        assert b.locate(fd, os.fstat(fd)) is None
+        assert b.load(t.key) is None and b.disk_hits == 0
+        assert any(f"{t.key}.seg" in e for e in b.disk_errors), b.disk_errors
+        seg.unlink()
+        c = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+        assert c.load(t.key) is None
+        assert any("missing beside" in e for e in c.disk_errors), c.disk_errors
+    finally:
+        os.close(fd)
+
+
 def test_a_library_without_build_id_is_cached_by_its_content(tmp_path: Path) -> None:
     """pip's wheels ship libraries without a build id (numpy's OpenBLAS): their tables go to the
     disk cache under the SHA-256 of the file, so that the next collector loads them instead of
