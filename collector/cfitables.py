@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from gpuprof.collector.debuginfo import NOTE_SECTION_MAX_BYTES, build_id_note
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 # struct gp_cfi_row of bpf/cfiunwind.h (12 bytes)
@@ -239,16 +240,6 @@ def _iter_fdes(entries: Any) -> Any:
             yield e
 
 
-def build_id(elf: Any) -> str | None:
-    """The GNU build id (hex) of an ELFFile, from its notes."""
-    for sec in elf.iter_sections():
-        if sec["sh_type"] == "SHT_NOTE":
-            for note in sec.iter_notes():
-                if note["n_type"] == "NT_GNU_BUILD_ID":
-                    return str(note["n_desc"])
-    return None
-
-
 def compile_table(f: BinaryIO, fallback_key: str, max_rows: int) -> CfiTable:
     """The table of an ELF file open in f. Raises NoTable when it has none (not x86-64 ELF, no CFI,
     addresses past 4 GB, more than max_rows rows)."""
@@ -259,7 +250,7 @@ def compile_table(f: BinaryIO, fallback_key: str, max_rows: int) -> CfiTable:
         elf = ELFFile(f)
         if elf["e_machine"] != "EM_X86_64":
             raise NoTable(f"not x86-64 ({elf['e_machine']})")
-        key = build_id(elf) or fallback_key
+        key = _peek_build_id(f) or fallback_key
         segments = [(int(s["p_vaddr"]), int(s["p_offset"]), int(s["p_filesz"])) for s in elf.iter_segments()
                     if s["p_type"] == "PT_LOAD" and int(s["p_flags"]) & 1]
         has_eh = elf.get_section_by_name(".eh_frame") is not None
@@ -948,12 +939,10 @@ def cache_id(f: BinaryIO) -> str | None:
 
 
 SHT_NOTE = 7
-NT_GNU_BUILD_ID = 3
-NOTE_SECTION_MAX_BYTES = 1 << 16  # a build-id note is 36 bytes; other note sections stay small too
 
 
 def _peek_build_id(f: BinaryIO) -> str | None:
-    """build_id() of the ELF file in f, read with struct from its section headers and note sections
+    """The GNU build id (hex) of the ELF file in f, read with struct from its section headers and note sections
     only: each library a job maps is looked up by it at registration (hpcc's ranks map 161), and
     pyelftools took about a millisecond a file to parse what this reads in tens of microseconds.
     None when f is not an ELF file, is malformed, or has no GNU build-id note."""
@@ -991,29 +980,12 @@ def _peek_build_id(f: BinaryIO) -> str | None:
             if size > NOTE_SECTION_MAX_BYTES:
                 continue
             f.seek(offset)
-            bid = _build_id_note(f.read(size), end, 8 if align == 8 else 4)
+            bid = build_id_note(f.read(size), end, align)
             if bid is not None:
                 return bid
         return None
     except (OSError, ValueError, struct.error):
         return None
-
-
-def _build_id_note(notes: bytes, end: str, align: int) -> str | None:
-    """The hex descriptor of the first NT_GNU_BUILD_ID note of owner "GNU" in a note section's
-    bytes (name and descriptor each padded to the section's alignment, as pyelftools reads them)."""
-    pos = 0
-    while pos + 12 <= len(notes):
-        namesz, descsz, ntype = struct.unpack_from(end + "III", notes, pos)
-        name_at = pos + 12
-        desc_at = name_at + -(-namesz // align) * align
-        nxt = desc_at + -(-descsz // align) * align
-        if desc_at + descsz > len(notes):
-            return None
-        if ntype == NT_GNU_BUILD_ID and notes[name_at:name_at + namesz].rstrip(b"\0") == b"GNU":
-            return notes[desc_at:desc_at + descsz].hex()
-        pos = nxt
-    return None
 
 
 def digest(rows: np.ndarray) -> str:

@@ -53,6 +53,7 @@ STB_LOCAL, STB_GLOBAL, STB_WEAK = 0, 1, 2
 SHT_SYMTAB, SHT_NOTE, SHT_NOBITS, SHT_DYNSYM = 2, 7, 8, 11
 PT_LOAD = 1
 NT_GNU_BUILD_ID = 3
+NOTE_SECTION_MAX_BYTES = 1 << 16  # a build-id note is 36 bytes; other note sections stay small too
 
 
 
@@ -152,6 +153,7 @@ class Section:
     offset: int
     size: int
     link: int
+    align: int = 0
 
 
 class FuncTable:
@@ -277,18 +279,18 @@ def read_elf(read: Reader, size: int, label: str) -> ElfFile:
     sections: list[Section] = []
     if e_shnum and e_shentsize >= 64 and e_shnum < 65536:
         sh = read(e_shoff, e_shentsize * e_shnum)
-        raw = [struct.unpack_from("<IIQQQQII", sh, i * e_shentsize) for i in range(e_shnum)]
+        raw = [struct.unpack_from("<IIQQQQIIQ", sh, i * e_shentsize) for i in range(e_shnum)]
         names = b""
         if e_shstrndx < len(raw) and raw[e_shstrndx][5] <= (1 << 20):
             names = read(raw[e_shstrndx][4], raw[e_shstrndx][5])
-        for name_off, typ, _, addr, off, sz, link, _ in raw:
+        for name_off, typ, _, addr, off, sz, link, _, align in raw:
             end = names.find(b"\0", name_off)
             name = names[name_off: end].decode(errors="replace") if 0 <= name_off < len(names) and end >= 0 else ""
-            sections.append(Section(name, typ, addr, off, sz, link))
+            sections.append(Section(name, typ, addr, off, sz, link, align))
     bid: str | None = None
     for sec in sections:
-        if sec.type == SHT_NOTE and sec.size <= (1 << 16) and bid is None:
-            bid = _build_id_note(read(sec.offset, sec.size))
+        if sec.type == SHT_NOTE and sec.size <= NOTE_SECTION_MAX_BYTES and bid is None:
+            bid = build_id_note(read(sec.offset, sec.size), "<", sec.align)
     debuglink = None
     for sec in sections:
         if sec.name == ".gnu_debuglink" and 8 <= sec.size <= 4096 and sec.type != SHT_NOBITS:
@@ -301,17 +303,23 @@ def read_elf(read: Reader, size: int, label: str) -> ElfFile:
     return ElfFile(label, size, sections, loads, bid, debuglink, read)
 
 
-def _build_id_note(data: bytes) -> str | None:
-    off = 0
-    while off + 12 <= len(data):
-        namesz, descsz, typ = struct.unpack_from("<III", data, off)
-        name_end = off + 12 + ((namesz + 3) & ~3)
-        desc_end = name_end + ((descsz + 3) & ~3)
-        if desc_end > len(data):
+def build_id_note(notes: bytes, end: str, align: int) -> str | None:
+    """The hex descriptor of the first NT_GNU_BUILD_ID note of owner "GNU" in a note section's
+    bytes (end: struct's byte order; name and descriptor each padded to the section's alignment,
+    8 when it says 8, else 4, as pyelftools reads them). None when there is none or the notes
+    are cut short."""
+    align = 8 if align == 8 else 4
+    pos = 0
+    while pos + 12 <= len(notes):
+        namesz, descsz, ntype = struct.unpack_from(end + "III", notes, pos)
+        name_at = pos + 12
+        desc_at = name_at + -(-namesz // align) * align
+        nxt = desc_at + -(-descsz // align) * align
+        if desc_at + descsz > len(notes):
             return None
-        if typ == NT_GNU_BUILD_ID and data[off + 12: off + 12 + namesz].rstrip(b"\0") == b"GNU" and descsz:
-            return data[name_end: name_end + descsz].hex()
-        off = desc_end
+        if ntype == NT_GNU_BUILD_ID and descsz and notes[name_at:name_at + namesz].rstrip(b"\0") == b"GNU":
+            return notes[desc_at:desc_at + descsz].hex()
+        pos = nxt
     return None
 
 
