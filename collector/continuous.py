@@ -557,6 +557,11 @@ class NodeJobsTracker:
         with self._lock:
             return self._pids
 
+    def recent_pids(self) -> frozenset[int]:
+        """Every pid of the jobs seen within the history (the ProcessTracker's interface)."""
+        with self._lock:
+            return frozenset(self._job_of_pid)
+
     def cgroup_dirs(self) -> tuple[str, ...]:
         return self._job_dirs
 

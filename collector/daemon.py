@@ -408,6 +408,7 @@ class Collector:
             modes=self.opts.modes,
             config=self.opts.config,
             pids=self.tracker.pids,
+            recent_pids=self.tracker.recent_pids,
             cgroup_dirs=self.tracker.cgroup_dirs,
             report_error=self.report_error,
             report_missing=self.report_missing,

@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,11 @@ class ProcInfo:
 # (ten patterns over the cgroup root, most of a scan's time) when one went away or every
 # CGROUP_REFIND_S, for a controller hierarchy the job was put in later than the first.
 CGROUP_REFIND_S = 10.0
+# Pids gone from the job are still answered by `recent_pids` this long (and at most this many):
+# a fast-path ring outlives its writer, and a process that lived between two of the fast path's
+# drains (2 s apart) was seen only by the tracker (1 s scans).
+RECENTLY_GONE_S = 60.0
+RECENTLY_GONE_MAX = 65536
 
 
 def find_job_cgroups(job_id: str, node: str | None, uid: int | None, root: str = CGROUP_ROOT) -> tuple[str, ...]:
@@ -245,6 +251,8 @@ class ProcessTracker:
         self._cgroups_refind_at = 0.0  # time.monotonic() after which the job's cgroups are globbed again
         self._lock = threading.Lock()
         self._pids: frozenset[int] = frozenset()
+        self._gone_at: dict[int, float] = {}  # pid -> time.monotonic() of the scan that found it gone
+        self._recent: frozenset[int] = frozenset()
         self._info: dict[int, ProcInfo] = {}
         self._children_files = ChildrenFiles()  # tree mode's descriptors, kept between scans
         self._scan_lock = threading.Lock()
@@ -252,6 +260,11 @@ class ProcessTracker:
     def pids(self) -> frozenset[int]:
         with self._lock:
             return self._pids
+
+    def recent_pids(self) -> frozenset[int]:
+        """The job's pids now and those gone within RECENTLY_GONE_S."""
+        with self._lock:
+            return self._recent
 
     def cgroup_dirs(self) -> tuple[str, ...]:
         return self._cgroups
@@ -290,6 +303,7 @@ class ProcessTracker:
                 # a new object only when the set changes: the sources compare by identity to
                 # skip their own re-sync (HostSource._sync_procs)
                 self._pids = frozenset(current)
+            self._remember_gone(before - current)
         appeared = sorted(current - before)
         gone = sorted(before - current)
         rows = schema.PROCESS_EVENTS.empty(len(appeared) + len(gone))
@@ -307,6 +321,24 @@ class ProcessTracker:
             rows[i] = (now_ns, pid, ppid, 1, comm.encode()[:16], b"")
             i += 1
         return rows[:i]
+
+    def _remember_gone(self, gone: AbstractSet[int]) -> None:
+        """Keep gone pids for RECENTLY_GONE_S (the oldest dropped first past RECENTLY_GONE_MAX) and
+        renew recent_pids' answer; called under _lock."""
+        now = time.monotonic()
+        for pid in gone:
+            self._gone_at.pop(pid, None)
+            self._gone_at[pid] = now  # insertion order: the order they went
+        for pid in self._pids & self._gone_at.keys():  # a pid number back in the job (reused)
+            del self._gone_at[pid]
+        while self._gone_at:
+            pid, at = next(iter(self._gone_at.items()))
+            if now - at < RECENTLY_GONE_S and len(self._gone_at) <= RECENTLY_GONE_MAX:
+                break
+            del self._gone_at[pid]
+        recent = self._pids | self._gone_at.keys()
+        if recent != self._recent:
+            self._recent = frozenset(recent)
 
     def close(self) -> None:
         """Release the tree mode's descriptors (after the last scan)."""

@@ -56,7 +56,8 @@ def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 def ctx_for(pids: frozenset[int], missing: list[tuple[str, int, str, str]] | None = None) -> SourceContext:
     return SourceContext(
-        job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids, cgroup_dirs=lambda: (),
+        job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids, recent_pids=lambda: pids,
+        cgroup_dirs=lambda: (),
         report_error=lambda s, m: None,
         report_missing=lambda *a: (missing.append(a) if missing is not None else None),
     )
@@ -396,7 +397,8 @@ def test_threaded_ticks_on_the_grid_and_follows_the_pid_set(family: tuple[subpro
     _, busy, sleeper = family
     pids = [frozenset({busy.pid})]
     ctx = SourceContext(job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: pids[0],
-                        cgroup_dirs=lambda: (), report_error=lambda s, m: None, report_missing=lambda *a: None)
+                        recent_pids=lambda: pids[0], cgroup_dirs=lambda: (), report_error=lambda s, m: None,
+                        report_missing=lambda *a: None)
     src = HostSource(rate_hz=20, threaded=True)
     src.start(ctx)
     try:
@@ -529,6 +531,29 @@ def test_cgroup_v2(tmp_path: Path) -> None:
                         use_scontrol=False)
     tr.scan(1)
     assert tr.method == "cgroup" and tr.pids() == frozenset({5})
+
+
+def test_gone_pids_are_recent_for_a_while_and_not_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recent_pids keeps a pid that left the job for RECENTLY_GONE_S, at most RECENTLY_GONE_MAX of
+    them, oldest out first; pids() is the job's pids now."""
+    from gpuprof.collector import proctrack
+
+    procs = make_cgroup(tmp_path, "freezer/slurm_n1/uid_0/job_7/step_0", []) / "cgroup.procs"
+
+    def job_has(*pids: int) -> None:
+        procs.write_text("".join(f"{p}\n" for p in pids))
+        tr.scan(0)
+
+    tr = ProcessTracker(job_id="7", node="n1", uid=0, root_pid=None, cgroup_root=str(tmp_path), use_scontrol=False)
+    job_has(1, 2, 3)
+    job_has(3)
+    assert tr.pids() == {3} and tr.recent_pids() == {1, 2, 3}
+    monkeypatch.setattr(proctrack, "RECENTLY_GONE_MAX", 1)
+    job_has(4)  # 3 goes too: of 1, 2, 3 only the last to go stays
+    assert tr.recent_pids() == {3, 4}
+    monkeypatch.setattr(proctrack, "RECENTLY_GONE_S", 0.0)
+    job_has(4)
+    assert tr.recent_pids() == tr.pids() == {4}
 
 
 def test_scontrol_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

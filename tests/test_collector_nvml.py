@@ -42,7 +42,8 @@ class Recorder:
     def ctx(self) -> SourceContext:
         return SourceContext(
             job_id="1", node="n", modes=("metrics",), config={}, pids=lambda: self.pids,
-            cgroup_dirs=lambda: (), report_error=lambda s, m: self.errors.append((s, m)),
+            recent_pids=lambda: self.pids, cgroup_dirs=lambda: (),
+            report_error=lambda s, m: self.errors.append((s, m)),
             report_missing=lambda *a: self.missing.append(a),
         )
 

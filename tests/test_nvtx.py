@@ -8,6 +8,7 @@ the test, then on the local cluster under `sbatch --profile-gpu=collectives`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -189,7 +190,8 @@ def test_nvtx_jobs_on_the_cluster(built: Path, cluster: Any, test_user: str, use
     job_bin = work / "nvtx_job"
     shutil.copy(built, job_bin)
     script = work / "job.sh"
-    # each lingers 1.5 s: the collector reads a ring only of a process its tracker saw (1 s scans)
+    # each lingers 1.5 s: the collector reads a ring only of a process its tracker saw (1 s scans);
+    # it may have ended before the next drain, 2 s apart: the fast path asks the tracker for recent pids
     script.write_text(f"#!/bin/sh\nexport GPUPROF_NVTX=1\nsrun -n1 {job_bin} 4 1500\nsrun -n1 {python()} "
                       f"{PROGS / 'nvtx_train.py'} 3 1.5\n")
     for f in (job_bin, script):
@@ -207,9 +209,12 @@ def test_nvtx_jobs_on_the_cluster(built: Path, cluster: Any, test_user: str, use
     ranges = trace.table(schema.NVTX_RANGES.path)
     strings = strings_of(trace.table(schema.NVTX_STRINGS.path))
     pids = sorted(set(ranges["pid"].tolist()))
-    why = (pids, (work / f"slurm-{job}.out").read_text(), trace.attrs.get("fastpath_json"),
+    fastpath = json.loads(trace.attrs["fastpath_json"])
+    # what a failure needs first (CI prints only the start): refused rings, then the errors
+    why = (pids, fastpath["rings"], fastpath["refused_detail"],
            [bytes(m).decode() for m in trace.table(schema.DIAG_ERRORS.path)["message"]],
-           trace.table(schema.PROCESS_EVENTS.path)[["pid", "event", "comm"]])
+           trace.table(schema.PROCESS_EVENTS.path)[["pid", "event", "comm"]].tolist(),
+           (work / f"slurm-{job}.out").read_text())
     assert len(pids) == 2, why
     by_pid = {pid: {text for (p, _), (text, _) in strings.items() if p == pid} for pid in pids}
     c_pid = next(p for p in pids if "worker_step" in by_pid[p])

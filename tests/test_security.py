@@ -110,8 +110,11 @@ def as_user(user: pwd.struct_passwd, fn: Any, *args: Any) -> None:
 
 
 def source_over(ring_dir: Path, pids: set[int], job: str = "99", uid: int | None = 0,
-                errors: list[str] | None = None, grace_s: float = 0.0) -> fp.FastpathSource:
+                errors: list[str] | None = None, grace_s: float = 0.0,
+                gone: set[int] | None = None) -> fp.FastpathSource:
+    """gone: pids the tracker saw in the job and that have ended since (its recent_pids)."""
     ctx = make_ctx(lambda: frozenset(pids), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
+    ctx.recent_pids = lambda: frozenset(pids | (gone or set()))
     ctx.uid = uid
     src = fp.FastpathSource(ring_dir=str(ring_dir))
     src.pid_grace_s = grace_s
@@ -200,6 +203,21 @@ def test_foreign_pid_gets_a_grace_period_then_is_refused(built: dict[str, Path],
         time.sleep(0.6)
         src.sample(0)
         assert not src.pending and len(src.refused) == 1
+    finally:
+        src.stop()
+
+
+def test_ring_of_a_writer_gone_before_the_drain_saw_it_is_read(built: dict[str, Path], ring_dir: Path) -> None:
+    """A process that came and went between two drains was seen by the tracker only: its ring is
+    read after it ended (checked against the tracker's recent pids, not its current ones)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    name = f"gpuprof-99-{gone.pid}"
+    (ring_dir / name).write_bytes(ring_bytes(gone.pid))
+    src = source_over(ring_dir, set(), gone={gone.pid})
+    try:
+        src.sample(0)
+        assert list(src.rings) == [name] and not src.refused, src.summary()["refused_detail"]
     finally:
         src.stop()
 

@@ -32,6 +32,9 @@ class SourceContext:
     config: dict[str, dict[str, Any]]
     # The job's current process ids (kept up to date by the process tracker).
     pids: Callable[[], frozenset[int]]
+    # Those and the job's pids gone within the last minute (proctrack.RECENTLY_GONE_S): what the
+    # fast path checks a ring's writer against, since a ring outlives its writer.
+    recent_pids: Callable[[], frozenset[int]]
     # The job's cgroup directories (one per controller that has one), empty when none is known.
     cgroup_dirs: Callable[[], tuple[str, ...]]
     # Record an error row for this source in /diagnostics/errors (never raises).

@@ -55,7 +55,8 @@ NVTX_INJECTION64_PATH = env.NVTX_INJECTION64_PATH
 GPUPROF_NVTX = env.GPUPROF_NVTX
 RING_DIR = "/dev/shm"
 # A ring whose writer pid is not (yet) a job process is retried this long before it is refused:
-# the process tracker picks up new processes once a second, the drain runs every DRAIN_INTERVAL_S.
+# the process tracker picks up new processes once a second (and remembers gone ones for a minute:
+# ProcessTracker.recent_pids), the drain runs every DRAIN_INTERVAL_S.
 PID_GRACE_S = 5.0
 # The drain's rate. Python drains every DRAIN_INTERVAL_S while the native watch
 # (collector/native/ringwatch.c) looks at every ring each WATCH_INTERVAL_S and asks for a drain at
@@ -609,7 +610,9 @@ class FastpathSource(Source):
                                       "stepped aside, nothing is recorded through it"[:240])
 
     def _scan(self, final: bool = False) -> None:
-        for pid in self.ctx.pids() - self.job_pids:
+        # recent, not current: a process may have come and gone between two drains (2 s apart)
+        # while the tracker (1 s scans) saw it, and its ring is read after it ended
+        for pid in self.ctx.recent_pids() - self.job_pids:
             self.job_pids.add(pid)
             uid = _uid_of(pid)
             if uid is not None:

@@ -65,7 +65,8 @@ def make_ctx(pids: Callable[[], frozenset[int]], modes: tuple[str, ...], *,
         cfg[sec].update(vals)
     errs = errors if errors is not None else []
     return SourceContext(
-        job_id=job_id, node="node1", modes=modes, config=cfg, pids=pids, cgroup_dirs=lambda: (),
+        job_id=job_id, node="node1", modes=modes, config=cfg, pids=pids, recent_pids=pids,
+        cgroup_dirs=lambda: (),
         report_error=lambda src, msg: errs.append(f"{src}: {msg}"),
         report_missing=lambda *a: errs.append(f"missing {a}"),
     )
