@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpuprof.collector.debuginfo import NOTE_SECTION_MAX_BYTES, build_id_note
+from gpuprof.collector.debuginfo import NOTE_SECTION_MAX_BYTES, SHT_NOTE, build_id_note
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
 # struct gp_cfi_row of bpf/cfiunwind.h (12 bytes)
@@ -936,9 +936,6 @@ def cache_id(f: BinaryIO) -> str | None:
     while chunk := f.read(1 << 20):
         h.update(chunk)
     return h.hexdigest()
-
-
-SHT_NOTE = 7
 
 
 def _peek_build_id(f: BinaryIO) -> str | None:

@@ -153,7 +153,7 @@ class Section:
     offset: int
     size: int
     link: int
-    align: int = 0
+    align: int
 
 
 class FuncTable:
