@@ -87,6 +87,26 @@ def pids_in_cgroups(dirs: tuple[str, ...]) -> set[int]:
     return pids
 
 
+def in_cgroups(pid: int, dirs: tuple[str, ...]) -> bool:
+    """Whether live process pid is in one of the cgroup directories dirs (or below one), read
+    from /proc/PID/cgroup: one read, where pids_in_cgroups walks every step's directory. A line
+    names the cgroup below its hierarchy's mount (v1 `N:freezer:/slurm_n1/uid_0/job_7/step_0`, v2
+    `0::/system.slice/n1_slurmstepd.scope/job_7/step_0`), so a directory matches when it ends with
+    that path cut after the directory's own last component. False when pid is gone."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        parts = line.split(":", 2)[-1].strip("/").split("/")
+        for d in dirs:
+            leaf = os.path.basename(d)
+            if leaf in parts and d.endswith("/" + "/".join(parts[:parts.index(leaf) + 1])):
+                return True
+    return False
+
+
 def scontrol_listpids(job_id: str, node: str | None, timeout_s: float = 5.0) -> set[int] | None:
     """pids Slurm's slurmd knows for the job on this node; None when scontrol is absent or fails."""
     exe = shutil.which("scontrol")

@@ -16,8 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
+
+from harness import own_cgroup_dir
+
 from gpuprof.collector import native, schema
-from gpuprof.collector.proctrack import ProcessTracker, find_job_cgroups, pids_in_cgroups, process_tree
+from gpuprof.collector.proctrack import (
+    ProcessTracker,
+    find_job_cgroups,
+    in_cgroups,
+    pids_in_cgroups,
+    process_tree,
+)
 from gpuprof.collector.sources.base import SourceContext
 from gpuprof.collector.sources.host import HostSource
 
@@ -554,6 +564,23 @@ def test_gone_pids_are_recent_for_a_while_and_not_forever(tmp_path: Path, monkey
     monkeypatch.setattr(proctrack, "RECENTLY_GONE_S", 0.0)
     job_has(4)
     assert tr.recent_pids() == tr.pids() == {4}
+
+
+def test_a_process_is_found_in_its_cgroup_by_its_own_line() -> None:
+    mine = own_cgroup_dir()
+    if mine is None:
+        pytest.skip("this process is in no cgroup but the roots")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert in_cgroups(child.pid, (mine,))  # a child is in its parent's cgroup
+        assert in_cgroups(child.pid, ("/elsewhere", mine))
+        assert not in_cgroups(child.pid, (mine + "x",))  # a sibling whose name starts the same
+        assert not in_cgroups(child.pid, (os.path.dirname(mine) + "/job_0",))
+        assert not in_cgroups(child.pid, ())
+    finally:
+        child.kill()
+        child.wait()
+    assert not in_cgroups(child.pid, (mine,))  # gone
 
 
 def test_scontrol_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -45,6 +45,7 @@ from harness import (
     collect,
     make_ctx,
     mpi_skip_reason,
+    own_cgroup_dir,
     python,
     ring_bytes,
 )
@@ -111,9 +112,11 @@ def as_user(user: pwd.struct_passwd, fn: Any, *args: Any) -> None:
 
 def source_over(ring_dir: Path, pids: set[int], job: str = "99", uid: int | None = 0,
                 errors: list[str] | None = None, grace_s: float = 0.0,
-                gone: set[int] | None = None) -> fp.FastpathSource:
-    """gone: pids the tracker saw in the job and that have ended since (its recent_pids)."""
+                gone: set[int] | None = None, cgroups: tuple[str, ...] = ()) -> fp.FastpathSource:
+    """gone: pids the tracker saw in the job and that have ended since (its recent_pids);
+    cgroups: the job's cgroup directories."""
     ctx = make_ctx(lambda: frozenset(pids), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
+    ctx.cgroup_dirs = lambda: cgroups
     ctx.recent_pids = lambda: frozenset(pids | (gone or set()))
     ctx.uid = uid
     src = fp.FastpathSource(ring_dir=str(ring_dir))
@@ -215,6 +218,23 @@ def test_ring_of_a_writer_gone_before_the_drain_saw_it_is_read(built: dict[str, 
     name = f"gpuprof-99-{gone.pid}"
     (ring_dir / name).write_bytes(ring_bytes(gone.pid))
     src = source_over(ring_dir, set(), gone={gone.pid})
+    try:
+        src.sample(0)
+        assert list(src.rings) == [name] and not src.refused, src.summary()["refused_detail"]
+    finally:
+        src.stop()
+
+
+def test_ring_of_a_writer_in_the_job_cgroup_is_read_before_the_tracker_saw_it(
+        built: dict[str, Path], ring_dir: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    """A process shorter than the tracker's scan interval is in no pid set; it is in the job's
+    cgroup while it lives, and the ring watch drains as soon as its ring appears."""
+    name = f"gpuprof-99-{sleeper.pid}"
+    (ring_dir / name).write_bytes(ring_bytes(sleeper.pid))
+    mine = own_cgroup_dir()
+    if mine is None:
+        pytest.skip("this process is in no cgroup but the roots")
+    src = source_over(ring_dir, set(), cgroups=(mine,))  # the sleeper is in ours: our child
     try:
         src.sample(0)
         assert list(src.rings) == [name] and not src.refused, src.summary()["refused_detail"]

@@ -37,6 +37,7 @@ import numpy as np
 from gpuprof.collector import environment as env
 from gpuprof.collector import native, schema
 from gpuprof.collector.bpf_support import BPF_DIR, read_environ
+from gpuprof.collector.proctrack import in_cgroups
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import CALL_DTYPE, CommRegistry, stable_id
 from gpuprof.collector.sources.probe_table import GP_BYTES_UNKNOWN, LIB_CODES, PATH_CODES
@@ -661,8 +662,11 @@ class FastpathSource(Source):
                 if ring.pid != int(m[1]):
                     self._refuse(name, f"header names pid {ring.pid}, the file name pid {m[1]}", ring)
                     continue
-            if ring.pid not in self.job_pids and _descends_from(ring.pid, self.job_pids):
-                self.job_pids.add(ring.pid)  # a child the tracker has not scanned yet (mpirun's ranks)
+            if ring.pid not in self.job_pids and (_descends_from(ring.pid, self.job_pids)
+                                                  or in_cgroups(ring.pid, self.ctx.cgroup_dirs())):
+                # a child the tracker has not scanned yet (mpirun's ranks), or a process in the
+                # job's cgroup the tracker has not scanned yet (it may end before the next scan)
+                self.job_pids.add(ring.pid)
             if ring.pid not in self.job_pids:
                 if not final and now - first_seen < self.pid_grace_s:
                     self.pending[name] = (ring, first_seen)  # the tracker may not have seen it yet

@@ -289,3 +289,14 @@ def check_nccl(calls: Any, raw: Any, comm_events: list[dict[str, Any]], expected
     # ncclCommInitAll reports one communicator per device (rank i of ndev).
     initall = [e for e in comm_events if cc.comm_op_name(int(e["op"])) == "ncclCommInitAll"]
     assert [(e["rank"], e["size"]) for e in initall] == [(i, 2) for i in range(expected["initall"]["ndev"])]
+
+
+def own_cgroup_dir() -> str | None:
+    """A cgroup directory this process is in, named as find_job_cgroups names the job's (under
+    /sys/fs/cgroup); None when it is in none but the roots."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if path.strip("/"):
+            hierarchy = controllers.removeprefix("name=")
+            return f"/sys/fs/cgroup/{hierarchy}{path}" if hierarchy else f"/sys/fs/cgroup{path}"
+    return None
