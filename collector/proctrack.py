@@ -349,8 +349,6 @@ class ProcessTracker:
         for pid in gone:
             self._gone_at.pop(pid, None)
             self._gone_at[pid] = now  # insertion order: the order they went
-        for pid in self._pids & self._gone_at.keys():  # a pid number back in the job (reused)
-            del self._gone_at[pid]
         while self._gone_at:
             pid, at = next(iter(self._gone_at.items()))
             if now - at < RECENTLY_GONE_S and len(self._gone_at) <= RECENTLY_GONE_MAX:
