@@ -544,6 +544,30 @@ class TableCache:
                 self._hot.pop(next(iter(self._hot)))
         return found
 
+    def hot_keys(self) -> list[str]:
+        """The keys of every table a walk of some job of this host needed (mark_hot's marks in the
+        disk cache), the newest marks first; [] without a disk cache. What CfiUnwinder loads at
+        its start, before the job's processes run."""
+        if self.disk_dir is None or not self._disk_ok():
+            return []
+        marks: list[tuple[int, str]] = []
+        try:
+            with os.scandir(self.disk_dir) as entries:
+                for e in entries:
+                    key = e.name.removesuffix(".hot")
+                    if key == e.name or self._disk_paths(key) is None or not e.is_file(follow_symlinks=False):
+                        continue
+                    marks.append((e.stat(follow_symlinks=False).st_mtime_ns, key))
+        except OSError as e:  # the directory, or a mark removed with its table meanwhile
+            self._disk_error(f"{self.disk_dir}: {e}")
+        keys = [key for _, key in sorted(marks, reverse=True)]
+        with self.lock:
+            for key in keys[:MAX_FILES_REMEMBERED]:
+                self._hot[key] = True
+            while len(self._hot) > MAX_FILES_REMEMBERED:
+                self._hot.pop(next(iter(self._hot)))
+        return keys
+
     def mark_hot(self, key: str) -> None:
         """A walk needed the table of key: the next registrations on this host load it at once
         (hot()); an empty <key>.hot beside its rows in the disk cache, removed with them."""

@@ -169,6 +169,13 @@ def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> No
     a.mark_hot(compiled.key)
     assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot(compiled.key)
     assert not ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot("0" * 40)
+    # ...listed by hot_keys(), which a new unwinder loads before the job runs: no mark of another
+    # name's shape, and no mark that is a link
+    (tmp_path / "cfi" / "not-a-key.hot").touch()
+    (tmp_path / "cfi" / f"{'ab' * 20}.hot").symlink_to(tmp_path / "cfi" / f"{compiled.key}.hot")
+    fresh = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
+    assert fresh.hot_keys() == [compiled.key]
+    assert ct.TableCache(1 << 20, None, 0).hot_keys() == []
 
 
 def test_cache_files_are_not_read_through_links(tmp_path: Path) -> None:
@@ -562,9 +569,11 @@ def test_library_opened_after_start(state_dir: Path) -> None:
     assert mods == {lib.name}
     assert run["status"]["registrations"] >= 2  # at the exec, and again after the dlopen
     assert run["status"]["tables_loaded_on_demand"] >= 1  # the plugin's, when its first walk asked
-    # a second run on the host: the tables the first run's walks asked for are loaded at once
+    # a second run on the host: the tables the first run's walks asked for are loaded at once,
+    # when the unwinder starts (the plugin's among them)
     again = sampled(state_dir, [str(prog), str(lib), "2"])
     assert again["status"]["tables_loaded_on_demand"] < run["status"]["tables_loaded_on_demand"], again["status"]
+    assert again["status"]["tables_preloaded"] >= run["status"]["tables_loaded_on_demand"], again["status"]
 
 
 @pytest.mark.bpf
