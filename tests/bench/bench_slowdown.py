@@ -17,7 +17,11 @@ Three layouts, all printed by default (--layouts):
   bound.
 
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
-        [--layouts node,shared,nodes] [--control]
+        [--layouts node,shared,nodes] [--control] [--hpcc-n 2400]
+
+--hpcc-n sets HPL's N (1200 by default, about 6 s in the node layout; 2400 about 25 s): what a job
+pays once, when it starts (the collector registers its processes, the interposer loads), weighs
+less in a longer run, so two sizes tell the cost per job from the cost per second.
 
 --control runs every pair plain twice (the same alternation, nothing profiled): the spread the
 bench itself has on this machine, the floor under which a `median_percent` says nothing.
@@ -84,13 +88,16 @@ def placement(app: apps_mod.App, layout: str) -> list[str]:
     raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
-def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes") -> float:
+def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
+            hpcc_n: int | None = None) -> float:
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
     app.prepare(work)
     if app.name == "hpcc" and ranks(app, layout) != app.nodes:
         apps_mod.hpcc_grid(work, 1, ranks(app, layout))
+    if app.name == "hpcc" and hpcc_n is not None:
+        apps_mod.hpcc_size(work, hpcc_n)
     (work / "job.sh").write_text(timed_script(app, layout))
     for p in [work, *work.iterdir()]:
         os.chown(p, pw.pw_uid, pw.pw_gid)
@@ -112,7 +119,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
-              control: bool = False) -> dict[str, Any]:
+              control: bool = False, hpcc_n: int | None = None) -> dict[str, Any]:
     """control: the second arm runs plain too (its runs in a work directory of their own)."""
     plain: list[float] = []
     prof: list[float] = []
@@ -120,7 +127,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
             t = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
-                        modes, layout)
+                        modes, layout, hpcc_n)
             (prof if second_arm else plain).append(t)
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
@@ -128,15 +135,17 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
     nodes = app.nodes if layout == "nodes" else 1
     n = ranks(app, layout)
+    size = {"hpl_n": hpcc_n or 1200} if app.name == "hpcc" else {}
     if control:
-        return {"bench": "job_slowdown_control", "app": app.name, "layout": layout, "modes": "none (plain vs plain)",
+        return {"bench": "job_slowdown_control", "app": app.name, **size, "layout": layout,
+                "modes": "none (plain vs plain)",
                 "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
                 "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                                  "max": round(max(per_pair), 2)},
                 "plain_s": plain, "second_plain_s": prof, "pairs": pairs, "interleaved": "alternating order",
                 "cores": os.cpu_count(),
                 "what": "two unprofiled arms: the bench's own spread on this machine"}
-    return {"bench": "job_slowdown", "app": app.name, "layout": layout, "modes": modes or DEFAULT_MODES,
+    return {"bench": "job_slowdown", "app": app.name, **size, "layout": layout, "modes": modes or DEFAULT_MODES,
             "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
@@ -158,6 +167,8 @@ def main() -> int:
                     "shared (the application's 4 ranks on one node) and nodes (one rank per virtual node: four "
                     "collectors on this host); default all three")
     ap.add_argument("--control", action="store_true", help="both arms plain: the bench's own spread (an A/A run)")
+    ap.add_argument("--hpcc-n", type=int, default=None, help="HPL's N for hpcc (default 1200, about 6 s in the "
+                    "node layout): a longer run tells what a job pays once from what it pays a second")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for layout in layouts:
@@ -176,7 +187,7 @@ def main() -> int:
             for layout in layouts:
                 try:
                     app.check()
-                    line = bench_app(app, pairs, base, a.modes, layout, a.control)
+                    line = bench_app(app, pairs, base, a.modes, layout, a.control, a.hpcc_n)
                 except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
                     line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
                             "missing": str(e)[:500]}

@@ -60,6 +60,16 @@ def _hpcc_input(work: Path) -> None:
     (work / "hpccinf.txt").write_text(text.replace("1000         Ns", "1200         Ns"))
 
 
+def hpcc_size(work: Path, n: int) -> None:
+    """HPL's N in work/hpccinf.txt (_hpcc_input's is 1200): every other part of HPCC sizes itself
+    from the memory HPL's matrix takes, so the whole run grows with it (HPL as N^3)."""
+    path = work / "hpccinf.txt"
+    text = path.read_text()
+    if "1200         Ns" not in text:
+        raise AppUnavailable(f"hpcc: {path} has no '1200         Ns' line to resize")
+    path.write_text(text.replace("1200         Ns", f"{n:<13}Ns"))
+
+
 def hpcc_grid(work: Path, p: int, q: int) -> None:
     """HPL's process grid in work/hpccinf.txt (_hpcc_input's is 2x2, for 4 ranks): P x Q must be
     the job's rank count, else HPL is skipped."""
