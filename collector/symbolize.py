@@ -5,9 +5,9 @@ The BPF programs store stacks in kernel stack-trace maps; every drain reads the 
 that its rows reference, turns each address into (module, file offset) with the process's mappings
 as last read from /proc/PID/maps (read when a pid is first seen, again when an address falls outside
 them or the pid exec'd), and gives the whole stack an id of its own. So a process that exited before
-seal still symbolizes: each mapped file is opened once, at first sight, through
-/proc/PID/map_files/START-END (the object the process maps, whatever its path names later) and the
-descriptor kept until seal, where its symbols are read (collector/debuginfo.py: .symtab, else
+seal still symbolizes: each mapped file is opened once, when a stack first goes through it (in the
+drain that read the stack), through /proc/PID/map_files/START-END (the object the process maps,
+whatever its path names later) and the descriptor kept until seal, where its symbols are read (collector/debuginfo.py: .symtab, else
 .dynsym; the separate debug file found by build id under the debug roots; inlined frames from
 DWARF). A file not held so (the process was gone before it could be opened) is opened by its path
 only through safeio's opener: no symlink anywhere on the path, the same device and inode as the
@@ -119,6 +119,10 @@ class _ProcMaps:
     deltas: list[int | None] = field(default_factory=list)  # ELF: offset - start (frame = addr + delta); else None
     text: str | None = None  # the /proc/PID/maps text these were parsed from (None: given parsed)
     perfmap_uid: int | None = None  # the process's uid as its perf map module names it (if any)
+    # module index -> (start, end) of one of its executable mappings, for the files not held yet:
+    # held when a stack first goes through them (StackStore._hold_used), not when the maps are
+    # read: a job maps far more than it runs (hpcc's: 161 files, its stacks went through 25)
+    unheld: dict[int, tuple[int, int]] = field(default_factory=dict)
     # user stack (addresses, innermost first) -> (stack id, the addresses of its frames that lay
     # outside these mappings): the same addresses under the same mappings give the same frames, as
     # long as none of those outside has come into an executable mapping since (ProcmapQuery)
@@ -214,7 +218,7 @@ class StackStore:
                                           uid, ident))
                 self.bases.setdefault(idx, (pid, m.start - m.offset))
                 if ident not in self.held and ident not in self._hold_tried:
-                    self._hold(pid, m.start, m.end, ident)
+                    pm.unheld.setdefault(idx, (m.start, m.end))
                 off = m.offset
             elif m.path == "[vdso]" and m.end - m.start == len(own_vdso()):
                 # the host's vDSO, named from the collector's own copy (_load)
@@ -236,6 +240,18 @@ class StackStore:
         self._maps[pid] = pm
         self._refreshed.add(pid)
         return pm
+
+    def _hold_used(self, pid: int, frames: Iterable[Frame]) -> None:
+        """Hold the files of the frames' modules that are not held yet (the lock held)."""
+        pm = self._maps.get(pid)
+        if pm is None or not pm.unheld:
+            return
+        for idx, _ in frames:
+            span = pm.unheld.pop(idx, None)
+            if span is not None:
+                ident = self.modules[idx].ident
+                if ident and ident not in self.held and ident not in self._hold_tried:
+                    self._hold(pid, span[0], span[1], ident)
 
     def _hold(self, pid: int, start: int, end: int, ident: str) -> None:
         """Open the file mapped at [start, end) through /proc/PID/map_files (the object itself: no
@@ -331,6 +347,7 @@ class StackStore:
                 if not inside:
                     outside.add(a)
             sid = self._intern(tuple(frames))
+            self._hold_used(pid, frames)
             if pm is not None and self._maps.get(pid) is pm:  # all frames from the same mappings
                 self._cache_room(len(key))
                 pm.cache[key] = (sid, tuple(outside))
@@ -351,6 +368,7 @@ class StackStore:
         (ELF path, file offset ranges) of the loop's function, whose frames the chunks replace."""
         with self.lock:
             native = [self._user_frame(pid, a if d == 0 else a - 1) for d, a in enumerate(addrs)]
+            self._hold_used(pid, native)
             py = [[self._python_frame(frame_label(*f), f[1]) for f in chunk] for chunk in chunks]
 
             def is_eval(fr: Frame) -> bool:
@@ -388,6 +406,7 @@ class StackStore:
         """(ELF path, file offset) of an address in a process (kernel function pointers at seal)."""
         with self.lock:
             idx, off = self._user_frame(pid, addr)
+            self._hold_used(pid, [(idx, off)])
             m = self.modules[idx]
             return (m.path, off) if m.kind == "elf" else None
 

@@ -436,6 +436,27 @@ def test_broken_files_give_unknown_frames_never_an_error(tmp_path: Path) -> None
         r.close()
 
 
+@needs_root
+def test_store_holds_only_the_files_a_stack_goes_through() -> None:
+    """This very process maps dozens of files: reading its maps holds none of them; a stack through
+    the C library holds that file alone (a job maps far more than it runs)."""
+    store = StackStore(debug_roots=())
+    pid = os.getpid()
+    store.watch([pid])
+    assert not store.held and not store.held_refused
+    import ctypes
+
+    addr = ctypes.cast(ctypes.CDLL(None).getpid, ctypes.c_void_p).value
+    assert addr is not None
+    sid = store.intern_user(pid, [addr + 1])
+    libc = store.modules[store.stacks[sid][0][0]]
+    assert libc.kind == "elf" and "libc" in libc.name, libc
+    assert set(store.held) == {libc.ident}, (store.held, store.held_refused)
+    store.intern_user(pid, [addr + 2])  # the same file again: nothing more held
+    assert set(store.held) == {libc.ident}
+    store.close()
+
+
 def test_store_names_a_live_process_through_its_held_descriptor() -> None:
     """This very process: its maps read, its python executable held through map_files (as root),
     one of its exported functions named from an address in it."""
