@@ -514,16 +514,17 @@ class TableCache:
         while len(self.segments) > MAX_FILES_REMEMBERED:
             self.segments.popitem(last=False)
 
-    def load(self, key: str) -> CfiTable | None:
+    def load(self, key: str, keep: bool = True) -> CfiTable | None:
         """The table of a key locate() gave, rows and all: from memory, else the disk cache (None:
-        in neither any more, e.g. removed from the disk cache since)."""
+        in neither any more, e.g. removed from the disk cache since). keep=False: a table read
+        from disk is not kept in memory (its rows go into the BPF map at once and stay there)."""
         with self.lock:
             t = self.mem.get(key)
             if t is not None:
                 self.mem.move_to_end(key)
                 return t
         t = self._disk_load(key)
-        if t is not None:
+        if t is not None and keep:
             with self.lock:
                 self._keep(t)
         return t

@@ -162,11 +162,20 @@ class RangeAlloc:
             self.pending.append((start, n))
             self.used -= n
 
+    def free_now(self, start: int, n: int) -> None:
+        """Free a range no walk can be reading (nothing ever pointed at it): reusable at once."""
+        if n:
+            self.used -= n
+            self._merge([(start, n)])
+
     def new_drain(self) -> None:
         if not self.pending:
             return
-        ranges = sorted(self.free_list + self.pending)
-        self.pending = []
+        pending, self.pending = self.pending, []
+        self._merge(pending)
+
+    def _merge(self, freed: list[tuple[int, int]]) -> None:
+        ranges = sorted(self.free_list + freed)
         merged: list[tuple[int, int]] = []
         for start, size in ranges:
             if merged and merged[-1][0] + merged[-1][1] == start:
@@ -275,6 +284,7 @@ class CfiUnwinder:
         # the vDSO's table (a compile, 37 ms of CPU) now, while the prolog waits, not at the job's
         # first registration, on its cores
         self._vdso(len(own_vdso()))
+        self._preloaded: set[str] = set()  # preloaded tables no process has mapped yet (evictable)
         self.preloaded = self._preload_hot()
         self.poller = named_thread(self._poll, "gpuprof-cfi-register")
         self.poller.start()
@@ -528,19 +538,19 @@ class CfiUnwinder:
         while the prolog waits, up to PRELOAD_ROWS_SHARE of max_rows: a registration then only
         points the job's mappings at them, where it loaded them on the job's cores as its processes
         started (hpcc's: 27 of the 69 ms of its registrations). A preloaded table no process maps
-        stays until the collector stops; one that a process maps is freed with its last user, as
-        any. Returns how many were loaded."""
+        stays until the collector stops or a table the job needs finds no room (it is then freed:
+        _evict_unused_preloads); one that a process maps is freed with its last user, as any.
+        Returns how many were loaded."""
         budget = int(self.rows.capacity * PRELOAD_ROWS_SHARE)
-        n = 0
         for key in self.cache.hot_keys():
             if key in self.loaded:
                 continue
-            t = self.cache.load(key)
+            t = self.cache.load(key, keep=False)  # its rows live in the BPF map: no second copy here
             if t is None or self.rows.used + len(t.rows) > budget:
                 continue  # gone from the disk cache since, or too large for what is left: a later walk asks
             if self._load(t) is not None:
-                n += 1
-        return n
+                self._preloaded.add(key)
+        return len(self._preloaded)
 
     def _vdso(self, size: int) -> CfiTable | None:
         """The host's vDSO table (cfitables.vdso_table), for a [vdso] mapping of the collector's
@@ -565,6 +575,8 @@ class CfiUnwinder:
         if lt is not None:
             return lt
         first = self.rows.alloc(len(t.rows))
+        if first is None and self._evict_unused_preloads():
+            first = self.rows.alloc(len(t.rows))
         if first is None:
             self.no_room += 1
             return None
@@ -577,6 +589,20 @@ class CfiUnwinder:
         lt = self.loaded[t.key] = _Loaded(first, len(t.rows))
         return lt
 
+    def _evict_unused_preloads(self) -> bool:
+        """Free the preloaded tables no process maps (_preload_hot's guesses), to make room for
+        one this job needs; whether any was freed. No mapping ever pointed at their rows (a table
+        that had users left `loaded` with its last one), so no walk reads them: reusable at once."""
+        freed = False
+        for key in list(self._preloaded):
+            lt = self.loaded[key]
+            if not lt.users:
+                del self.loaded[key]
+                self._preloaded.discard(key)
+                self.rows.free_now(lt.first, lt.count)
+                freed = True
+        return freed
+
     def _unuse(self, key: str, pid: int) -> None:
         lt = self.loaded.get(key)
         if lt is None:
@@ -584,6 +610,7 @@ class CfiUnwinder:
         lt.users.discard(pid)
         if not lt.users:
             del self.loaded[key]
+            self._preloaded.discard(key)
             self.rows.free(lt.first, lt.count)
 
     def _update_batch(self, table: Any, first: int, values: np.ndarray) -> None:

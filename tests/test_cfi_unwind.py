@@ -28,7 +28,7 @@ from stackcopy_run import NOFP_TREE, nofp_tree
 from gpuprof.collector import cfitables as ct
 from gpuprof.collector import debuginfo, schema
 from gpuprof.collector.bpf_support import BpfHub, defines_for_all
-from gpuprof.collector.cfiunwind import Compiler, RangeAlloc, prewarm_files, start_unwinder
+from gpuprof.collector.cfiunwind import CfiUnwinder, Compiler, RangeAlloc, prewarm_files, start_unwinder
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
@@ -415,6 +415,28 @@ def test_range_alloc_frees_at_next_drain() -> None:
     assert r.alloc(10) is None  # a sample in flight may still read it
     r.new_drain()
     assert r.alloc(60) == 0
+    r.free_now(0, 60)  # a range nothing ever pointed at: at once
+    assert r.alloc(100) is None and r.alloc(60) == 0 and r.used == 100
+
+
+def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
+    """The tables loaded at the unwinder's start (earlier jobs' walks) never take the room of one
+    this job needs: those no process maps are freed for it, at once; one a process maps stays."""
+    u = object.__new__(CfiUnwinder)  # the rows' bookkeeping only: no BPF object
+    u.rows, u.loaded, u._preloaded, u.no_room = RangeAlloc(100), {}, set(), 0
+    u._rows_view = np.zeros(100, ct.ROW_DTYPE)
+
+    def table(key: str, n: int) -> ct.CfiTable:
+        return ct.CfiTable(key=key, rows=np.ones(n, ct.ROW_DTYPE))
+
+    for key in ("a", "b"):
+        assert u._load(table(key, 40)) is not None
+        u._preloaded.add(key)
+    u.loaded["a"].users.add(1234)  # mapped by a process of this job
+    needed = u._load(table("c", 50))
+    assert needed is not None and u.no_room == 0
+    assert set(u.loaded) == {"a", "c"} and u._preloaded == {"a"}
+    assert u._load(table("d", 50)) is None and u.no_room == 1  # nothing left to give
 
 
 # --- real programs through the stacks source --------------------------------------------------------
@@ -732,7 +754,9 @@ def test_processes_exiting_mid_sample(state_dir: Path) -> None:
     rows = collect(batches, schema.STACK_SAMPLES)
     assert int(rows["count"].sum()) > 0
     assert src.cfi is not None and not src.cfi.errors, src.cfi.errors
-    assert all(lt.users for lt in src.cfi.loaded.values()), "a table kept without a process using it"
+    # none kept without a process using it, but the preloaded ones (earlier jobs' walks) no process mapped
+    kept = [key for key, lt in src.cfi.loaded.items() if not lt.users and key not in src.cfi._preloaded]
+    assert not kept, f"tables kept without a process using them: {kept}"
 
 
 def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
