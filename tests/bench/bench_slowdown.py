@@ -28,7 +28,15 @@ bench itself has on this machine, the floor under which a `median_percent` says 
 
 One line per application:
     {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
-     "pair_percent": {"median", "min", "max"}, "plain_s": [...], "profiled_s": [...], ...}
+     "pair_percent": {"median", "min", "max"}, "plain_s": [...], "profiled_s": [...],
+     "collector_cpu_ms_in_run": {"median", "min", "max"}, "collector_cpu_percent_of_run": ..., ...}
+
+collector_cpu_ms_in_run: the CPU the job's collectors on this host used inside the timed mpirun
+line (sampled from here every 0.1 s: CollectorCpu), and collector_cpu_percent_of_run its median
+over the median profiled run, in % of one core. On a node whose every core runs a rank, that is
+about what the collector takes from the job directly; the rest of median_percent is the
+interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
+points here; this figure does not).
 Needs root, the local cluster and the applications (apt packages named in tests/realapps/apps.py).
 """
 
@@ -43,6 +51,8 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +67,70 @@ from gpuprof.collector import schema
 
 DEFAULT_MODES = ",".join(schema.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
+WINDOW = re.compile(r"^bench_app_window (\d+\.\d+) (\d+\.\d+)$", re.MULTILINE)
+SAMPLE_S = 0.1
+
+
+class CollectorCpu:
+    """The CPU the collectors of one job on this host used, sampled from here every SAMPLE_S while
+    the job runs (the job cannot see them: its PID namespace is the virtual node's): the run time
+    of each of their threads (/proc/PID/task/TID/schedstat, ns), a thread that ends keeping its
+    last figure. Both arms sample alike (a plain job has none to find), so the sampler's own
+    small cost does not tilt the slowdown. Compile children are not counted."""
+
+    def __init__(self, job: str) -> None:
+        self.needle = b"\0collect\0--job\0" + job.encode() + b"\0"
+        self.samples: list[tuple[float, int]] = []  # (time.time(), total ns so far)
+        self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
+        self._pids: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _find(self) -> list[int]:
+        found = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/cmdline", "rb") as f:
+                        if self.needle in f.read():
+                            found.append(int(name))
+                except OSError:
+                    continue
+        return found
+
+    def _run(self) -> None:
+        k = 0
+        while not self._stop.is_set():
+            if k % 10 == 0:  # new collectors are looked for once a second, their threads at every sample
+                self._pids = self._find()
+            k += 1
+            for pid in self._pids:
+                try:
+                    tids = os.listdir(f"/proc/{pid}/task")
+                except OSError:
+                    continue
+                for tid in tids:
+                    try:
+                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                            self._last[(pid, int(tid))] = int(f.read().split()[0])
+                    except (OSError, ValueError, IndexError):
+                        continue
+            self.samples.append((time.time(), sum(self._last.values())))
+            self._stop.wait(SAMPLE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float:
+        """The total (ns) at time t, linear between the samples around it."""
+        before = [(ts, v) for ts, v in self.samples if ts <= t]
+        after = [(ts, v) for ts, v in self.samples if ts > t]
+        if not before or not after:
+            raise RuntimeError(f"collector CPU not sampled around {t} ({len(self.samples)} samples)")
+        (t0, v0), (t1, v1) = before[-1], after[0]
+        return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
 
 
 def timed_script(app: apps_mod.App, layout: str) -> str:
@@ -68,7 +142,8 @@ def timed_script(app: apps_mod.App, layout: str) -> str:
              if not (layout != "nodes" and line.startswith("#SBATCH --ntasks-per-node="))]
     i = next(k for k, line in enumerate(lines) if line.startswith("mpirun "))
     lines[i:i + 1] = ["t0=$(date +%s.%N)", lines[i], "t1=$(date +%s.%N)",
-                      'awk -v a="$t0" -v b="$t1" \'BEGIN { printf "bench_app_seconds %.3f\\n", b - a }\'']
+                      'awk -v a="$t0" -v b="$t1" \'BEGIN { printf "bench_app_seconds %.3f\\n", b - a }\'',
+                      'echo "bench_app_window $t0 $t1"']
     return "\n".join(lines) + "\n"
 
 
@@ -89,7 +164,8 @@ def placement(app: apps_mod.App, layout: str) -> list[str]:
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
-            hpcc_n: int | None = None) -> float:
+            hpcc_n: int | None = None) -> tuple[float, float]:
+    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it)"""
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
@@ -104,7 +180,11 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
     args = [*placement(app, layout), f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
-    info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
+    cpu = CollectorCpu(job)
+    try:
+        info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
+    finally:
+        cpu.stop()
     out = work / f"slurm-{job}.out"
     text = out.read_text(errors="replace") if out.is_file() else ""
     if info.get("JobState") != "COMPLETED":
@@ -112,10 +192,14 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     m = TIMED.search(text)
     if m is None:
         raise RuntimeError(f"{out}: no bench_app_seconds line:\n{text[-1500:]}")
+    w = WINDOW.search(text)
+    if w is None:
+        raise RuntimeError(f"{out}: no bench_app_window line:\n{text[-1500:]}")
+    ms = (cpu.at(float(w.group(2))) - cpu.at(float(w.group(1)))) / 1e6
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return float(m.group(1))
+    return float(m.group(1)), ms
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
@@ -123,12 +207,15 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     """control: the second arm runs plain too (its runs in a work directory of their own)."""
     plain: list[float] = []
     prof: list[float] = []
+    collector_ms: list[float] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            t = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
-                        modes, layout, hpcc_n)
+            t, ms = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
+                            modes, layout, hpcc_n)
             (prof if second_arm else plain).append(t)
+            if second_arm and not control:
+                collector_ms.append(round(ms, 1))
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
@@ -150,6 +237,10 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
             "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
+            "collector_cpu_ms_in_run": {"median": round(statistics.median(collector_ms), 1), "min": min(collector_ms),
+                                        "max": max(collector_ms)},
+            "collector_cpu_percent_of_run": round(100 * statistics.median(collector_ms)
+                                                  / (1000 * statistics.median(prof)), 2),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
             "cores": os.cpu_count(),
