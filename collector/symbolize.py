@@ -7,16 +7,16 @@ as last read from /proc/PID/maps (read when a pid is first seen, again when an a
 them or the pid exec'd), and gives the whole stack an id of its own. So a process that exited before
 seal still symbolizes: each mapped file is opened once, when a stack first goes through it (in the
 drain that read the stack), through /proc/PID/map_files/START-END (the object the process maps,
-whatever its path names later) and the descriptor kept until seal, where its symbols are read (collector/debuginfo.py: .symtab, else
-.dynsym; the separate debug file found by build id under the debug roots; inlined frames from
-DWARF). A file not held so (the process was gone before it could be opened) is opened by its path
-only through safeio's opener: no symlink anywhere on the path, the same device and inode as the
-process mapped, owned by root or the process's user. What nothing names is written as
-`[unknown MODULE+0xOFFSET]`. Kernel frames: BCC's `BPF.ksym`. Frames in anonymous executable memory (JIT code,
-Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map when the process wrote one. Python frames
-read from the interpreter (collector/pyframes.py) are named when the stack is interned (the code
-objects are read from the live process) and put in place of the interpreter's evaluation frames
-(`merge_python_frames`).
+whatever its path names later) and the descriptor kept until seal, where its symbols are read
+(collector/debuginfo.py: .symtab, else .dynsym; the separate debug file found by build id under
+the debug roots; inlined frames from DWARF). A file not held so (the process was gone before it
+could be opened) is opened by its path only through safeio's opener: no symlink anywhere on the
+path, the same device and inode as the process mapped, owned by root or the process's user. What
+nothing names is written as `[unknown MODULE+0xOFFSET]`. Kernel frames: BCC's `BPF.ksym`. Frames
+in anonymous executable memory (JIT code, Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map
+when the process wrote one. Python frames read from the interpreter (collector/pyframes.py) are
+named when the stack is interned (the code objects are read from the live process) and put in
+place of the interpreter's evaluation frames (`merge_python_frames`).
 
 Written at seal (docs/probes.md): /stacks/frames (stack_id, depth, symbol_id; depth 0 = innermost)
 and /stacks/symbols (symbol_id, name, module). Stack id 0 = no stack, STACK_LOST = not captured.
