@@ -387,7 +387,11 @@ class CfiUnwinder:
         maps = sorted(parse_maps(text, executable_only=True), key=lambda m: m.start)
         if len(maps) > MAX_MAPPINGS_PER_PROC:
             maps = maps[:MAX_MAPPINGS_PER_PROC]
-        entries = np.zeros(len(maps), MAPPING_DTYPE)
+        # the entries' columns as lists, into MAPPING_DTYPE once at the end: a field written into a
+        # numpy record costs about a microsecond, and a job's registrations write ten thousand
+        bias = [0] * len(maps)
+        firsts = [0] * len(maps)
+        counts = [0] * len(maps)
         keys: set[str] = set()
         eager: list[tuple[int, CfiTable]] = []  # the vDSO's: its table is in memory already
         tabled: dict[MapsLine, tuple[str, int]] = {}  # line -> (table key, bias)
@@ -395,12 +399,11 @@ class CfiUnwinder:
         before = self.procs.get(pid)
         missing = False
         for i, m in enumerate(maps):
-            entries[i]["start"], entries[i]["end"] = m.start, m.end
             line = (m.start, m.end, m.offset, m.dev, m.inode, m.path)
             had = before.tabled.get(line) if before is not None and before.exe == exe else None
             if had is not None:
                 # the same file mapped at the same place: its table key and bias stand (no open, no lookup)
-                entries[i]["bias"] = had[1]
+                bias[i] = had[1]
                 tabled[line] = had
                 by_index[i] = had[0]
                 continue
@@ -408,7 +411,7 @@ class CfiUnwinder:
                 t = self._vdso(m.end - m.start)
                 d = t.vaddr_minus_offset(m.offset) if t is not None else None
                 if t is not None and d is not None:
-                    entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
+                    bias[i] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
                     eager.append((i, t))
                 continue
             if not m.path.startswith("/"):
@@ -438,8 +441,8 @@ class CfiUnwinder:
             d = vaddr_minus_offset(segments, m.offset)
             if d is None:
                 continue
-            entries[i]["bias"] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
-            tabled[line] = (key, int(entries[i]["bias"]))
+            bias[i] = (m.start - m.offset - d) & 0xFFFFFFFFFFFFFFFF
+            tabled[line] = (key, bias[i])
             by_index[i] = key
             if key not in self.loaded and (in_every_stack(m.path, exe) or self.cache.hot(key)):
                 t = self.cache.load(key)
@@ -456,14 +459,18 @@ class CfiUnwinder:
         for i, key, lt in attached:
             if lt is None:
                 if i in by_index:
-                    entries[i]["first"], entries[i]["count"] = LAZY, 0
+                    firsts[i] = LAZY
                     lazy[i] = key
                     if len(self.deferred) < MAX_KEYS_COUNTED:
                         self.deferred.add(key)
                 continue
             lt.users.add(pid)
             keys.add(key)
-            entries[i]["first"], entries[i]["count"] = lt.first, lt.count
+            firsts[i], counts[i] = lt.first, lt.count
+        entries = np.zeros(len(maps), MAPPING_DTYPE)
+        entries["start"] = [m.start for m in maps]
+        entries["end"] = [m.end for m in maps]
+        entries["bias"], entries["first"], entries["count"] = bias, firsts, counts
         first = self.mappings.alloc(len(entries)) if len(entries) else None
         if first is None:
             for k in keys:

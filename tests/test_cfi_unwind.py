@@ -178,6 +178,37 @@ def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> No
     assert ct.TableCache(1 << 20, None, 0).hot_keys() == []
 
 
+def test_the_index_locates_a_file_without_reading_it(tmp_path: Path) -> None:
+    """A file one collector located from the disk cache is located by the host's next collectors
+    from the cache's index alone (its .seg hidden here: without the index it is not located);
+    lines cut short or not ours are skipped; a table trimmed from the disk cache leaves the index
+    with it."""
+    cache_dir = tmp_path / "cfi"
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        compiled = ct.TableCache(1 << 20, str(cache_dir), 64 << 20).get(fd, st)
+        found = ct.TableCache(1 << 20, str(cache_dir), 64 << 20).locate(fd, st)  # from its .seg
+        assert found == (compiled.key, compiled.segments)
+        index = cache_dir / ct.INDEX_NAME
+        assert (os.stat(index).st_mode & 0o777) == 0o600
+        (cache_dir / f"{compiled.key}.seg").rename(tmp_path / "hidden.seg")
+        with open(index, "ab") as f:
+            f.write(b"file:1:2:3 cut short\nfile:1:2:3:4 NOT-HEX 1,2,3\n" + ct.index_line("file:5:6:7:8", "ab" * 20, [])[:-9])
+        assert ct.TableCache(1 << 20, str(cache_dir), 64 << 20).locate(fd, st) == found
+        os.rename(index, tmp_path / "index")
+        assert ct.TableCache(1 << 20, str(cache_dir), 64 << 20).locate(fd, st) is None
+        os.rename(tmp_path / "index", index)
+        (tmp_path / "hidden.seg").rename(cache_dir / f"{compiled.key}.seg")
+    finally:
+        os.close(fd)
+    trimmer = ct.TableCache(1 << 20, str(cache_dir), 1)
+    trimmer._disk_trim()
+    assert not list(cache_dir.glob("*.npy"))
+    keys = {p[1] for line in index.read_bytes().split(b"\n") if (p := ct.parse_index_line(line)) is not None}
+    assert compiled.key not in keys
+
+
 def test_cache_files_are_not_read_through_links(tmp_path: Path) -> None:
     """A .seg file that became a link (to a file of the right shape) is read neither by locate()
     nor by load(), and load() names it in disk_errors; a .seg missing beside its rows is named too."""
