@@ -857,7 +857,9 @@ class TableCache:
         path = self.disk_dir / INDEX_NAME
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # none yet: nothing to drop
+                self._disk_error(f"{path}: {e}")
             return
         with os.fdopen(fd, "rb") as f:
             raw = f.read(INDEX_MAX_BYTES + 1)
