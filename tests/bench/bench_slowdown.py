@@ -19,7 +19,7 @@ Three layouts, all printed by default (--layouts):
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
         [--layouts node,shared,nodes] [--control] [--hpcc-n 2400]
 
---hpcc-n sets HPL's N (1200 by default, about 6 s in the node layout; 2400 about 25 s): what a job
+--hpcc-n sets HPL's N (1200 by default, about 6 s in the node layout; 2400 about 23 s): what a job
 pays once, when it starts (the collector registers its processes, the interposer loads), weighs
 less in a longer run, so two sizes tell the cost per job from the cost per second.
 
@@ -37,6 +37,7 @@ over the median profiled run, in % of one core. On a node whose every core runs 
 about what the collector takes from the job directly; the rest of median_percent is the
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
 points here; this figure does not).
+
 Needs root, the local cluster and the applications (apt packages named in tests/realapps/apps.py).
 """
 
