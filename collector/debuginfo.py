@@ -4,8 +4,8 @@ frames").
 
 Everything here reads from descriptors (`os.pread`; never mmap: a file the job's user owns could be
 truncated under us, and a mapped read past the end would kill the collector with SIGBUS) whose
-opening the caller decided (collector/symbolize.py: /proc/PID/map_files/START-END at first sight,
-or safeio's opener). The debug files are looked up here, only under the configured debug roots
+opening the caller decided (collector/symbolize.py: /proc/PID/map_files/START-END at the first
+stack through the file, or safeio's opener). The debug files are looked up here, only under the configured debug roots
 (root's: `sources.stacks.debug_roots`) and in the `.debug/` directory beside the file (the job's
 user may control it: opened without following any symlink, owned by root or the job's uid), and
 each must carry the build id of the file it names (else, for files without one, the debuglink's

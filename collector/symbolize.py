@@ -97,8 +97,9 @@ def is_unknown(name: str) -> bool:
     return name.startswith("[unknown")
 
 
-# Mapped files held open from first sight to seal (one descriptor per distinct file): past this,
-# files are opened by path at seal (safeio's checks). The collector's own limit is 1024 descriptors.
+# Mapped files held open from the first stack through them to seal (one descriptor per distinct
+# file): past this, files are opened by path at seal (safeio's checks). The collector's own limit
+# is 1024 descriptors.
 HELD_FILES_MAX = 256
 
 
