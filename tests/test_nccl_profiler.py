@@ -143,8 +143,12 @@ def test_ranks_get_one_communicator_sequences_and_device_times_on_the_host_clock
         worst = max(worst, int(err.max()))
         errs.extend(err.tolist())
     # The drift (60 ppm over ~1 s: ~60 us) is followed; what is left is the delay of the best pair of
-    # each neighbourhood (the double's delays are 1..30 us, some 2 ms).
-    assert worst < 25_000, worst  # a constant offset would be ~60 us off at the ends
+    # each neighbourhood (the double's delays are 1..30 us, some 2 ms), so the worst bound sits above
+    # 30 us (25 us failed once in CI, at 25.8: a neighbourhood whose best pair was that late on a
+    # busy VM) and catches a 2 ms pair taken for a good one. A constant offset, wherever it were
+    # fitted, would leave a median error of 15 us or more over the ~60 us the drift makes: the
+    # median's bound catches that.
+    assert worst < 40_000, worst
     assert np.median(errs) < 5_000, np.median(errs)
     # what the merge makes of them (mpi_merge/loading.call_rows): every operation, collective or
     # point to point, takes its own kernel's times (the join names the op and the peer)
