@@ -525,21 +525,11 @@ class TableCache:
         self._index_lines = 0
         if self.disk_dir is None or not self._disk_ok():
             return
-        path = self.disk_dir / INDEX_NAME
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                self._disk_error(f"{path}: {e}")
+        raw = self._index_bytes()
+        if raw is None:
             return
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                self._disk_error(f"{path}: not a cache file of ours")
-                return
-            raw = f.read(INDEX_MAX_BYTES + 1)
         if len(raw) > INDEX_MAX_BYTES:
-            path.unlink(missing_ok=True)  # started anew by the next locates
+            (self.disk_dir / INDEX_NAME).unlink(missing_ok=True)  # started anew by the next locates
             return
         lines = raw.split(b"\n")
         self._index_lines = len(lines)
@@ -551,6 +541,24 @@ class TableCache:
                     self.by_file[fkey] = key
                     self._keep_segments(key, segments)
             self._trim_files()
+
+    def _index_bytes(self) -> bytes | None:
+        """The index's bytes, INDEX_MAX_BYTES + 1 at most (more: too big); None when there is none
+        yet, or it is not a regular file of ours (then said in disk_errors)."""
+        assert self.disk_dir is not None
+        path = self.disk_dir / INDEX_NAME
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                self._disk_error(f"{path}: {e}")
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                self._disk_error(f"{path}: not a cache file of ours")
+                return None
+            return f.read(INDEX_MAX_BYTES + 1)
 
     def _index_add(self, fkey: str, key: str, segments: Segments) -> None:
         """One line for a file located from the disk cache (one write, O_APPEND: the host's
@@ -606,9 +614,13 @@ class TableCache:
         found = paths is not None and os.path.lexists(paths[0].with_suffix(".hot"))
         with self.lock:
             self._hot[key] = found
-            while len(self._hot) > MAX_FILES_REMEMBERED:
-                self._hot.pop(next(iter(self._hot)))
+            self._trim_hot()
         return found
+
+    def _trim_hot(self) -> None:
+        """hot()'s answers bounded as by_file, the oldest dropped (the lock held)."""
+        while len(self._hot) > MAX_FILES_REMEMBERED:
+            self._hot.pop(next(iter(self._hot)))
 
     def hot_keys(self) -> list[str]:
         """The keys of every table a walk of some job of this host needed (mark_hot's marks in the
@@ -630,8 +642,7 @@ class TableCache:
         with self.lock:
             for key in keys[:MAX_FILES_REMEMBERED]:
                 self._hot[key] = True
-            while len(self._hot) > MAX_FILES_REMEMBERED:
-                self._hot.pop(next(iter(self._hot)))
+            self._trim_hot()
         return keys
 
     def mark_hot(self, key: str) -> None:
@@ -855,14 +866,9 @@ class TableCache:
         and renamed over it. A line another collector adds meanwhile may be lost: a cache miss."""
         assert self.disk_dir is not None
         path = self.disk_dir / INDEX_NAME
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENOENT:  # none yet: nothing to drop
-                self._disk_error(f"{path}: {e}")
+        raw = self._index_bytes()
+        if raw is None:
             return
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(INDEX_MAX_BYTES + 1)
         kept = [line for line in raw.split(b"\n") if (p := parse_index_line(line)) is not None and p[1] not in keys]
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
