@@ -1,9 +1,10 @@
 """What every eBPF source shares: is BPF usable here (and if not, why), the one BCC object of the
 collector, the job's pid set in the kernel, libraries mapped into job processes, ELF symbols.
 
-BCC itself is Debian's `python3-bpfcc` (module `bcc`), imported lazily so that a node without it
-still runs the other sources; every failure becomes a `SourceUnavailable` whose text is also what
-`gpuprof doctor` prints (`bpf_doctor()`).
+BCC itself is Debian's `python3-bpfcc` (module `bcc`). It runs only in the compile's child process
+(bpf_object.py, bpf_compile.py): the collector holds the object through its descriptors, with
+libbpf. A node without BCC still runs the other sources; every failure becomes a
+`SourceUnavailable` whose text is also what `gpuprof doctor` prints (`bpf_doctor()`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 import errno
 import functools
+import importlib.util
 import os
 import platform
 import re
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
+from gpuprof.collector.bpf_object import BpfError, BpfObject, libbpf_missing
 from gpuprof.collector.debuginfo import offset_to_vaddr, vaddr_to_offset
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
 from gpuprof.collector.schema import INTERNAL_COMM_OPS
@@ -65,6 +68,8 @@ def bpf_doctor() -> list[tuple[str, bool, str]]:
     checks.append(("BCC python module (bcc)", bcc_ok,
                    (f"{bcc_why}; apt-get install python3-bpfcc bpfcc-tools and use a venv made with "
                     "--system-site-packages (the PyPI package 'bcc' is unrelated)")))
+    libbpf_why = libbpf_missing()
+    checks.append(("libbpf (libbpf.so.1)", libbpf_why is None, libbpf_why or ""))
     build = kernel_build_dir()
     checks.append((f"kernel headers at {build}", (build / "include").is_dir() or (build / "Makefile").exists(),
                    ("apt-get install linux-headers-amd64, then link /lib/modules/$(uname -r)/build and "
@@ -90,10 +95,10 @@ def bpf_unavailable_reason() -> str | None:
 
 
 def _bcc_importable() -> tuple[bool, str]:
-    try:
-        import bcc  # noqa: F401
-    except ImportError as e:
-        return False, f"cannot import bcc ({e})"
+    """Whether the compile child (bpf_compile.py) will find BCC. Only looked up: importing it here
+    would map libbcc and LLVM (60 MB) into the collector, which never needs them."""
+    if importlib.util.find_spec("bcc") is None:
+        return False, "no module named bcc"
     return True, "ok"
 
 
@@ -387,7 +392,7 @@ def defined_functions(path: str, names: Iterable[str]) -> set[str]:
 
 @lru_cache(maxsize=4096)
 def _dynamic_functions_cached(path: str, key: tuple[int, int, int]) -> frozenset[str]:
-    return _read_dynamic_functions(path)
+    return frozenset(_read_function_values(path, dynamic_only=True)[0])
 
 
 def dynamic_functions(path: str) -> frozenset[str]:
@@ -400,26 +405,57 @@ def dynamic_functions(path: str) -> frozenset[str]:
         return frozenset()
 
 
-def _read_dynamic_functions(path: str) -> frozenset[str]:
+@lru_cache(maxsize=64)
+def _function_offsets_cached(path: str, key: tuple[int, int, int]) -> dict[str, int]:
+    values, loads = _read_function_values(path, dynamic_only=False)
+    out = {}
+    for name, value in values.items():
+        off = vaddr_to_offset(loads, value)
+        if off is not None:
+            out[name] = off
+    return out
+
+
+def function_file_offset(path: str, name: str) -> int | None:
+    """The file offset of a function of an ELF file (.dynsym or .symtab), where a uprobe on it is
+    placed; None when the file does not define it."""
     try:
-        # only the headers and .dynsym are read, so any size is fine; no symlink, no FIFO (safeio)
+        st = os.stat(path)
+        return _function_offsets_cached(path, (st.st_dev, st.st_ino, int(st.st_mtime_ns))).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_function_values(path: str, dynamic_only: bool) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
+    """The functions of .dynsym (and of .symtab unless dynamic_only), name -> value, and the loadable
+    segments (p_offset, p_vaddr, p_filesz); only the headers and the symbol tables are read."""
+    try:
+        # only the headers and the symbol tables are read, so any size is fine; no symlink, no FIFO (safeio)
         fd, _ = open_user_file(path, owners=None, max_bytes=1 << 40)
     except UnsafeFile:
-        return frozenset()
+        return {}, []
     with os.fdopen(fd, "rb") as f:
         eh = f.read(64)
         if eh[:4] != b"\x7fELF" or eh[4] != 2 or eh[5] != 1:
-            return frozenset()
-        e_shoff = int.from_bytes(eh[40:48], "little")
+            return {}, []
+        e_phoff, e_shoff = int.from_bytes(eh[32:40], "little"), int.from_bytes(eh[40:48], "little")
+        e_phentsize, e_phnum = int.from_bytes(eh[54:56], "little"), int.from_bytes(eh[56:58], "little")
         e_shentsize, e_shnum = int.from_bytes(eh[58:60], "little"), int.from_bytes(eh[60:62], "little")
+        f.seek(e_phoff)
+        raw = f.read(e_phentsize * e_phnum)
+        loads = [(int.from_bytes(raw[i + 8 : i + 16], "little"), int.from_bytes(raw[i + 16 : i + 24], "little"),
+                  int.from_bytes(raw[i + 32 : i + 40], "little"))
+                 for i in range(0, len(raw) - e_phentsize + 1, e_phentsize)
+                 if int.from_bytes(raw[i : i + 4], "little") == 1]  # PT_LOAD
         f.seek(e_shoff)
         raw = f.read(e_shentsize * e_shnum)
         secs = [(int.from_bytes(raw[i + 4 : i + 8], "little"), int.from_bytes(raw[i + 24 : i + 32], "little"),
                  int.from_bytes(raw[i + 32 : i + 40], "little"), int.from_bytes(raw[i + 40 : i + 44], "little"))
                 for i in range(0, len(raw) - e_shentsize + 1, e_shentsize)]
-        out: set[str] = set()
+        out: dict[str, int] = {}
+        wanted = (11,) if dynamic_only else (11, 2)  # SHT_DYNSYM, SHT_SYMTAB
         for sh_type, off, size, link in secs:
-            if sh_type != 11 or link >= len(secs):  # SHT_DYNSYM
+            if sh_type not in wanted or link >= len(secs):
                 continue
             f.seek(off)
             syms = np.frombuffer(f.read(size), dtype=_SYM_DTYPE, count=size // 24)
@@ -428,11 +464,11 @@ def _read_dynamic_functions(path: str) -> frozenset[str]:
             typ = syms["info"] & 0xF
             for s in syms[(syms["value"] != 0) & ((typ == STT_FUNC) | (typ == STT_GNU_IFUNC))]:
                 end = strtab.find(b"\0", int(s["name"]))
-                out.add(strtab[int(s["name"]) : end].decode(errors="replace"))
-        return frozenset(out)
+                out.setdefault(strtab[int(s["name"]) : end].decode(errors="replace"), int(s["value"]))
+        return out, loads
 
 
-# --- the shared BCC object -----------------------------------------------------------------------
+# --- the shared BPF object -----------------------------------------------------------------------
 # BPF programs compiled for each mode (bpf/gpuprof.c includes one C file per switch).
 MODE_SWITCHES: dict[str, tuple[str, ...]] = {
     "collectives": ("GP_WITH_COLLECTIVES",),
@@ -477,10 +513,26 @@ def inline_includes(path: Path, seen: set[Path] | None = None) -> str:
     return _LOCAL_INCLUDE.sub(paste, text)
 
 
+# Programs that are not uprobes (the compile loads every program of the object; BCC's default type,
+# kprobe, is the uprobes' type), and the tail calls the compile writes into their program arrays.
+PROGRAM_TYPES = {"gp_cpu_sample": "perf_event", "gp_copy_sample": "perf_event", "gp_cfi_cont": "perf_event",
+                 "gp_off_cfi_cont": "raw_tracepoint"}
+
+
+def tail_calls_for(switches: tuple[str, ...]) -> list[tuple[str, int, str]]:
+    """The CFI walk's continuations (bpf/stacks.c, bpf/offcpu.c) in their program arrays."""
+    if "GP_WITH_CFI" not in switches:
+        return []
+    out = [("gp_cfi_progs", 0, "gp_cfi_cont")]
+    if "GP_WITH_OFFCPU" in switches:
+        out.append(("gp_off_cfi_progs", 0, "gp_off_cfi_cont"))
+    return out
+
+
 class BpfHub:
-    """One BCC compile per collector for all BPF sources of the job (each compile is ~0.9 s CPU and
-    ~170 MB peak RSS): the first source to start compiles gpuprof.c with the switches of every BPF
-    mode of the job, the others reuse it; the last to stop frees it."""
+    """One BPF object per collector for all BPF sources of the job: the first source to start
+    compiles gpuprof.c with the switches of every BPF mode of the job (BCC, in a child process:
+    bpf_object.py; each compile is about 1 s of CPU), the others reuse it; the last to stop frees it."""
 
     _lock = threading.Lock()
     _instance: BpfHub | None = None
@@ -489,8 +541,6 @@ class BpfHub:
         reason = bpf_unavailable_reason()
         if reason:
             raise SourceUnavailable(reason)
-        from bcc import BPF  # imported here: only nodes that run BPF sources need BCC
-
         cflags = [f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"]
         cflags += [f"-D{s}=1" for s in switches]
         cflags += [f"-D{k}={v}" for k, v in defines.items()]
@@ -498,15 +548,15 @@ class BpfHub:
         self.users = 0
         self.attach_lock = threading.Lock()
         try:
-            self.bpf = BPF(text=inline_includes(MAIN_SOURCE).encode(), cflags=cflags)
-        except Exception as e:  # noqa: BLE001 - BCC raises bare Exception for compile and load failures
+            self.bpf = BpfObject.compile(inline_includes(MAIN_SOURCE), cflags, PROGRAM_TYPES,
+                                         tail_calls_for(switches), function_file_offset)
+        except BpfError as e:
             raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
-        release_freed_heap()  # clang/LLVM's heap of the compile (~50 MB resident otherwise)
         self.job_pids = self.bpf[b"gp_job_pids"]
         self._known: set[int] = set()
         # State the sources of one object share (the stack store of stacks, off-CPU and kernels).
         self.shared: dict[str, Any] = {}
-        # BCC consumes all ring buffers of the object in one call, running every source's
+        # One ring_buffer consumes all ring buffers of the object, running every source's
         # callbacks: sources that read rings consume under this lock (consume_rings).
         self.ring_lock = threading.Lock()
 
@@ -552,21 +602,6 @@ class BpfHub:
         for pid in now - self._known:
             table[table.Key(pid)] = one
         self._known = now
-
-
-def release_freed_heap() -> bool:
-    """Give the C heap's free pages back to the kernel (glibc's malloc_trim); False where the C
-    library has none. After BCC's compile: resident memory 194 -> 147 MB here (the peak, VmHWM,
-    stays: the compile itself needs it)."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:
-        return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-    return True
 
 
 @functools.cache

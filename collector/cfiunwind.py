@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gpuprof.collector.bpf_object import libbpf
 from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
 from gpuprof.collector.cfitables import (
     ROW_DTYPE,
@@ -222,10 +223,7 @@ class CfiUnwinder:
     def __init__(self, bpf: Any, compiler: Compiler, report: Any = None) -> None:
         """compiler: the table compiler (its cache bounds the rows: cache.max_rows), started before the
         BPF object by start_compiler, so that the prewarm runs while the object compiles."""
-        from bcc import BPF
-        from bcc.libbcc import lib
-
-        self.lib = lib
+        self.lib = libbpf()
         self.bpf = bpf
         self.report = report  # report(message): an error row (None: kept in self.errors only)
         self.errors: list[str] = []
@@ -270,9 +268,7 @@ class CfiUnwinder:
         self._vdso_table: CfiTable | None | Literal[False] = None  # False: none (the reason in no_table)
         self.registrations = 0
         self.last_counts = [0] * 13
-        cont = bpf.load_func(b"gp_cfi_cont", BPF.PERF_EVENT)
-        progs = bpf[b"gp_cfi_progs"]
-        progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
+        bpf.program(b"gp_cfi_cont")  # in gp_cfi_progs since the compile (bpf_support.tail_calls_for); or why not
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
         self._last_live: frozenset[int] = frozenset()  # the last set after_drain woke the thread for
         self._wake = threading.Event()  # something for the registration thread (with the native watch)
@@ -629,9 +625,9 @@ class CfiUnwinder:
         done = 0
         while done < len(values):
             count = ctypes.c_uint32(len(values) - done)
-            res = self.lib.bpf_update_batch(table.map_fd, ctypes.c_void_p(keys.ctypes.data + 4 * done),
-                                            ctypes.c_void_p(values.ctypes.data + values.dtype.itemsize * done),
-                                            ctypes.byref(count))
+            res = self.lib.bpf_map_update_batch(table.map_fd, ctypes.c_void_p(keys.ctypes.data + 4 * done),
+                                                ctypes.c_void_p(values.ctypes.data + values.dtype.itemsize * done),
+                                                ctypes.byref(count), None)
             if res != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"BPF_MAP_UPDATE_BATCH: {os.strerror(err)}")
@@ -676,14 +672,14 @@ class CfiUnwinder:
         words = np.frombuffer(leaf, np.uint64)
         for sid in ids:
             key.value = sid
-            if self.lib.bpf_lookup_elem(fd, ctypes.byref(key), ctypes.byref(leaf)) < 0:
+            if self.lib.bpf_map_lookup_elem(fd, ctypes.byref(key), ctypes.byref(leaf)) < 0:
                 out[sid] = None
                 continue
             depth = min(int(leaf.depth), len(leaf.pc))
             # words: [depth | end], then the pcs
             out[sid] = tuple(words[1:1 + depth].tolist())
             if sid not in keep:
-                self.lib.bpf_delete_elem(fd, ctypes.byref(key))
+                self.lib.bpf_map_delete_elem(fd, ctypes.byref(key))
         return out
 
     def counts(self) -> dict[str, int]:

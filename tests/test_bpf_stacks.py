@@ -215,7 +215,7 @@ int main(void) {
 
 
 @pytest.mark.parametrize("take_ids", [512, 3])
-def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_stack_reads_are_those_of_single_lookups(take_ids: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """WindowedCounts' stack reads and frees in C (collector/native/stacktake.c, in calls of
     take_ids ids) give the frames the ctypes lookups give, in the same order; an id is freed one
     drain after its window, when nothing used it since (a sample racing the drain reuses the id
@@ -225,8 +225,7 @@ def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monk
     reason = bpf_skip_reason() or native_progs.cc_skip_reason()
     if reason:
         pytest.skip(reason)
-    from bcc import BPF
-
+    from gpuprof.collector.bpf_object import BpfObject
     from gpuprof.collector.sources import bpf_stacks
 
     monkeypatch.setattr(bpf_stacks, "TAKE_IDS", take_ids)
@@ -235,7 +234,7 @@ def test_native_stack_reads_are_those_of_bcc(take_ids: int, tmp_path: Path, monk
                    check=True)
     prog = subprocess.Popen([str(tmp_path / "depths")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert prog.stdin is not None and prog.stdout is not None
-    b = BPF(text=WINDOW_PROG.replace("TGID", str(prog.pid)).encode())
+    b = BpfObject.compile(WINDOW_PROG.replace("TGID", str(prog.pid)), [])
     try:
         wc = bpf_stacks.WindowedCounts(b, b"counts", b"gen", b"st")
         assert wc.reader == "native"

@@ -801,9 +801,9 @@ def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
     reason = bpf_skip_reason()
     if reason:
         pytest.skip(reason)
-    from bcc import BPF
+    from gpuprof.collector.bpf_object import BpfObject
 
-    b = BPF(text=b"BPF_HASH(stale, u32, u8, 16);")
+    b = BpfObject.compile("BPF_HASH(stale, u32, u8, 16);", [])
     woke = threading.Event()
     watch = cfiunwind._RequestWatch.start([b[b"stale"]], woke.set)
     assert watch is not None, cfiunwind._RequestWatch.why_not

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
+from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import BpfHub, read_ring_drops, task_run_queue_offsets
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.bpf_stacks import (
@@ -190,9 +191,7 @@ class BpfOffcpuSource(Source):
         self.starts = b[b"gp_off_start"]
         # the switch-out state of sleeping threads, read in one batch at each drain (BCC's items()
         # is two ctypes calls per entry); buffers sized for the whole map, touched as far as used
-        from bcc.libbcc import lib  # the BCC that compiled the object is importable
-
-        self._bcc = lib
+        self._libbpf = libbpf()
         self._start_keys = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Key))
         self._start_leaves = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Leaf))
         self.window_t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
@@ -204,24 +203,17 @@ class BpfOffcpuSource(Source):
         self.run_queue = RunQueueTime()
         self.run_queue.read(ctx.pids())  # what the threads waited before the start is not counted
         self._said_unreadable = False
-        # BCC reads /proc/kallsyms at its first lookup (90 ms of CPU here): now, while the prolog
+        # the kernel's symbols are read at the first lookup (/proc/kallsyms): now, while the prolog
         # waits for the sources, instead of in the first drain, on the job's cores
         kernel_symbol(0)
 
     def _load_cfi_walk(self, ctx: SourceContext) -> None:
         """The continuation of the CFI walk at blocked switch-outs (gp_off_cfi_cont, bpf/offcpu.c)
         into its program array; without it the switch-outs keep the frame-pointer stack."""
-        import ctypes
-
-        from bcc import BPF
-
         assert self.hub is not None
-        b = self.hub.bpf
         try:
-            cont = b.load_func(b"gp_off_cfi_cont", BPF.RAW_TRACEPOINT)  # sched_switch is a raw tracepoint
-            progs = b[b"gp_off_cfi_progs"]
-            progs[ctypes.c_int(0)] = ctypes.c_int(cont.fd)
-        except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load
+            self.hub.bpf.program(b"gp_off_cfi_cont")  # in gp_off_cfi_progs since the compile, or why not
+        except BpfError as e:
             ctx.report_error(self.name, f"off-CPU stacks by frame pointers only: the CFI walk's continuation "
                                         f"did not load: {str(e).strip()[:300]}")
             return
@@ -237,7 +229,7 @@ class BpfOffcpuSource(Source):
         if self.python_frames:
             self.users.register(job)
         # a sleeping thread's switch-out stacks are still needed when it wakes: not freed
-        _, sleeping = lookup_all(self._bcc, self.starts.map_fd, self._start_keys, self._start_leaves)
+        _, sleeping = lookup_all(self._libbpf, self.starts.map_fd, self._start_keys, self._start_leaves)
         keep = set(sleeping["user_stack"].tolist()) | set(sleeping["kernel_stack"].tolist())
         pending: list[Any] = []
         t0, self.window_t0 = self.window_t0, now_ns

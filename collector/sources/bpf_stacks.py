@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import native, schema
+from gpuprof.collector.bpf_object import libbpf
 from gpuprof.collector.bpf_support import (
     BpfHub,
     defines_for_all,
@@ -97,9 +98,7 @@ class WindowedCounts:
     """
 
     def __init__(self, bpf: Any, counts: bytes, gen: bytes, stacks: bytes) -> None:
-        from bcc.libbcc import lib  # the BCC that compiled bpf is importable
-
-        self.lib = lib
+        self.lib = libbpf()
         self.counts = bpf[counts]
         self.gen = bpf[gen]
         self.stacks = bpf[stacks]
@@ -130,7 +129,8 @@ class WindowedCounts:
     def _delete(self, keys: np.ndarray) -> None:
         keys = np.ascontiguousarray(keys)
         count = ctypes.c_uint32(len(keys))
-        if self.lib.bpf_delete_batch(self.counts.map_fd, ctypes.c_void_p(keys.ctypes.data), ctypes.byref(count)) != 0:
+        if self.lib.bpf_map_delete_batch(self.counts.map_fd, ctypes.c_void_p(keys.ctypes.data), ctypes.byref(count),
+                                      None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"BPF_MAP_DELETE_BATCH of a counts map: {os.strerror(err)}")
 
@@ -142,7 +142,7 @@ class WindowedCounts:
             except KeyError:
                 return None
         self._stack_key.value = sid
-        if self.lib.bpf_lookup_elem(self.stacks.map_fd, ctypes.byref(self._stack_key),
+        if self.lib.bpf_map_lookup_elem(self.stacks.map_fd, ctypes.byref(self._stack_key),
                                     ctypes.byref(self._stack_leaf)) < 0:
             return None
         words = self._stack_words
@@ -151,7 +151,7 @@ class WindowedCounts:
 
     def free(self, sid: int) -> None:
         self._stack_key.value = sid
-        self.lib.bpf_delete_elem(self.stacks.map_fd, ctypes.byref(self._stack_key))  # gone already: fine
+        self.lib.bpf_map_delete_elem(self.stacks.map_fd, ctypes.byref(self._stack_key))  # gone already: fine
 
     def drain(self, keep: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, ...] | None]]:
         """(keys, values) of the finished window as numpy rows of the map's key and leaf structs,
@@ -212,9 +212,9 @@ def lookup_all(lib: Any, fd: int, keys: np.ndarray, leaves: np.ndarray) -> tuple
     total = 0
     while total < cap:
         count.value = cap - total
-        res = lib.bpf_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
-                                   ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
-                                   ctypes.byref(count))
+        res = lib.bpf_map_lookup_batch(fd, ctypes.byref(in_batch) if total else None, ctypes.byref(out_batch),
+                                       ctypes.c_void_p(kp + ks * total), ctypes.c_void_p(vp + vs * total),
+                                       ctypes.byref(count), None)
         err = ctypes.get_errno()
         total += count.value
         if res != 0:
