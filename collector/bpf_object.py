@@ -180,8 +180,9 @@ class Table:
         self.map_type = int(spec["type"])
         self.max_entries = int(spec["max_entries"])
         self.flags = int(spec["flags"])
-        self.Key = ctype_of(spec["key_desc"]) if spec["key_desc"] is not None else ctypes.c_int
-        self.Leaf = ctype_of(spec["value_desc"]) if spec["value_desc"] is not None else ctypes.c_int
+        # a ring buffer has neither (BCC describes none): int, as BCC's tables have
+        self.Key: Any = ctype_of(spec["key_desc"]) if spec["key_desc"] is not None else ctypes.c_int
+        self.Leaf: Any = ctype_of(spec["value_desc"]) if spec["value_desc"] is not None else ctypes.c_int
         if ctypes.sizeof(self.Key) != spec["key_size"] and self.map_type != MAP_RINGBUF:
             raise BpfError(f"map {self.name}: key is {spec['key_size']} bytes, its description "
                            f"{ctypes.sizeof(self.Key)}")

@@ -1,4 +1,4 @@
-"""What every eBPF source shares: is BPF usable here (and if not, why), the one BCC object of the
+"""What every eBPF source shares: is BPF usable here (and if not, why), the one BPF object of the
 collector, the job's pid set in the kernel, libraries mapped into job processes, ELF symbols.
 
 BCC itself is Debian's `python3-bpfcc` (module `bcc`). It runs only in the compile's child process
@@ -590,6 +590,13 @@ class BpfHub:
     def has(self, switch: str) -> bool:
         return switch in self.switches
 
+    def summary(self) -> dict[str, Any]:
+        """For the BPF sources' `status`: what the compile child used."""
+        c = self.bpf.cost
+        return {"bpf_compile": {"cpu_s": round(c.cpu_s, 3), "peak_rss_mb": round(c.peak_rss_mb, 1),
+                                "wall_s": round(c.wall_s, 3), "programs": len(self.bpf.programs),
+                                "programs_not_loaded": sorted(self.bpf.program_errors)}}
+
     def set_pids(self, pids: Iterable[int]) -> None:
         """Add the job's pids to the kernel's set (children are added there at fork). A pid is
         written once while it stays in the job's set: the BPF program deletes a pid at its exit,
@@ -655,7 +662,7 @@ if __name__ == "__main__":
 def attach_symbols(hub: BpfHub, path: str, symbols: Iterable[str], attached: set[tuple[str, str]],
                    attach: Callable[[Any, bytes, bytes], None], report: Callable[[str], None]) -> list[str]:
     """Attach probes to each symbol of the file not attached yet, under the hub's lock; `attach(bpf,
-    path, sym)` makes the BCC calls for one symbol. A symbol that fails is reported and skipped, the
+    path, sym)` attaches the probes of one symbol. A symbol that fails is reported and skipped, the
     others go on. Returns the symbols attached now (and adds them to `attached`)."""
     done = []
     with hub.attach_lock:
@@ -664,7 +671,7 @@ def attach_symbols(hub: BpfHub, path: str, symbols: Iterable[str], attached: set
                 continue
             try:
                 attach(hub.bpf, path.encode(), sym.encode())
-            except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when perf_event_open fails
+            except BpfError as e:
                 report(f"attach {sym} in {path}: {e}"[:230])
                 continue
             attached.add((path, sym))
@@ -674,10 +681,10 @@ def attach_symbols(hub: BpfHub, path: str, symbols: Iterable[str], attached: set
 
 def detach_symbols(hub: BpfHub, attached: set[tuple[str, str]], detach: Callable[[Any, bytes, bytes], None]) -> None:
     """The inverse of attach_symbols: `detach(bpf, path, sym)` for every attached symbol, best
-    effort (a process that exited or a library unmapped makes BCC raise); `attached` is emptied."""
+    effort (a probe that is not there is skipped); `attached` is emptied."""
     for path, sym in sorted(attached):
         try:
             detach(hub.bpf, path.encode(), sym.encode())
-        except Exception:  # noqa: BLE001, S112 - BCC raises bare Exception; detach is best effort
+        except BpfError:  # not attached: nothing to detach
             continue
     attached.clear()

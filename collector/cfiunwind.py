@@ -890,7 +890,7 @@ def start_unwinder(hub: BpfHub, ctx: Any, unwinder: str | None, compiler: Compil
     assert compiler is not None  # the unwinder is cfi here
     try:
         return CfiUnwinder(hub.bpf, compiler, report=lambda msg: ctx.report_error("stacks", msg))
-    except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when a program does not load
+    except Exception as e:  # noqa: BLE001 - optional: whatever stops its start (a program the verifier refused, the rows map's mapping) leaves frame pointers
         compiler.close()
         ctx.report_error("stacks", f"CFI unwinder unavailable, frame pointers only: {str(e).strip()[:300]}")
         return None

@@ -126,8 +126,8 @@ def _leave(rc: int) -> None:
     libhdf5). And a daemon thread still inside h5py when the stop came (a continuous collector's
     triggered export) is frozen by the finalization holding h5py's global lock, which the
     finalization's own release of h5py objects then waits for forever (seen under load: main thread
-    in Py_FinalizeEx -> h5py ObjectID dealloc -> lock acquire, in gdb). What BCC's exit handler would
-    detach the kernel detaches as the process's descriptors close."""
+    in Py_FinalizeEx -> h5py ObjectID dealloc -> lock acquire, in gdb). The BPF programs and probes
+    the process holds by descriptor are detached by the kernel as the descriptors close."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

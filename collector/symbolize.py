@@ -12,7 +12,7 @@ whatever its path names later) and the descriptor kept until seal, where its sym
 the debug roots; inlined frames from DWARF). A file not held so (the process was gone before it
 could be opened) is opened by its path only through safeio's opener: no symlink anywhere on the
 path, the same device and inode as the process mapped, owned by root or the process's user. What
-nothing names is written as `[unknown MODULE+0xOFFSET]`. Kernel frames: BCC's `BPF.ksym`. Frames
+nothing names is written as `[unknown MODULE+0xOFFSET]`. Kernel frames: /proc/kallsyms (KernelSymbols). Frames
 in anonymous executable memory (JIT code, Python 3.12+ `-X perf` trampolines): /tmp/perf-PID.map
 when the process wrote one. Python frames read from the interpreter (collector/pyframes.py) are
 named when the stack is interned (the code objects are read from the live process) and put in
@@ -70,7 +70,7 @@ log = logging.getLogger("gpuprof.collector")
 STACK_NONE = 0
 STACK_LOST = 0xFFFFFFFF  # the kernel could not store the stack (map full, hash collision)
 KERNEL = 0  # module index of kernel frames
-UNKNOWN_NAME = "[unknown]"  # kernel frames BCC does not name (their addresses are not written: KASLR)
+UNKNOWN_NAME = "[unknown]"  # kernel frames kallsyms does not name (their addresses are not written: KASLR)
 
 Frame = tuple[int, int]  # (module index, offset: file offset for ELF files, address otherwise)
 

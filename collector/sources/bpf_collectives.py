@@ -213,6 +213,9 @@ class BpfCollectivesSource(Source):
     def drops(self) -> int:
         return sum(read_ring_drops(self.hub.bpf[b"gp_coll_drops"])) if self.hub else self.dropped_total
 
+    def summary(self) -> dict[str, Any] | None:
+        return self.hub.summary() if self.hub is not None else None
+
     def stop(self) -> None:
         if self.hub is not None:
             # the counters go with the BPF program: keep their last value (as the fast path does)

@@ -189,7 +189,7 @@ class BpfOffcpuSource(Source):
             raise
         self.counts = WindowedCounts(b, b"gp_off_counts", b"gp_off_gen", b"gp_off_stacks")
         self.starts = b[b"gp_off_start"]
-        # the switch-out state of sleeping threads, read in one batch at each drain (BCC's items()
+        # the switch-out state of sleeping threads, read in one batch at each drain (Table.items()
         # is two ctypes calls per entry); buffers sized for the whole map, touched as far as used
         self._libbpf = libbpf()
         self._start_keys = np.zeros(int(self.starts.max_entries), np.dtype(self.starts.Key))

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import native, schema
-from gpuprof.collector.bpf_object import libbpf
+from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import (
     BpfHub,
     defines_for_all,
@@ -109,7 +109,7 @@ class WindowedCounts:
         self._leaves = np.zeros(cap, self.leaf_dtype)
         self._stack_key = ctypes.c_uint32()
         self._stack_leaf = self.stacks.Leaf()
-        # frames of a stack: the leaf's u64 words up to the first 0 (BCC's walk, without build ids)
+        # frames of a stack: the leaf's u64 words up to the first 0 (Table.walk, without build ids)
         self._stack_words = np.frombuffer(self._stack_leaf, np.uint64)[:STACK_MAX_DEPTH]
         self.build_ids = bool(int(getattr(self.stacks, "flags", 0)) & STACK_F_BUILD_ID)
         self.live_keys = self._keys[:0]
@@ -227,7 +227,7 @@ def lookup_all(lib: Any, fd: int, keys: np.ndarray, leaves: np.ndarray) -> tuple
     return keys[:total].copy(), leaves[:total].copy()
 
 
-STACK_MAX_DEPTH = 127  # BCC's StackTrace.MAX_DEPTH
+STACK_MAX_DEPTH = 127  # PERF_MAX_STACK_DEPTH, the stack maps' depth
 STACK_F_BUILD_ID = 1 << 5  # BPF_F_STACK_BUILD_ID
 TAKE_IDS = 512  # stack ids read per native call: its buffers are ~520 KB, kept across drains
 STACK_TAKE_MAX_BYTES = 8192  # stacktake.c's GP_STACK_MAX_WORDS * 8
@@ -236,7 +236,7 @@ STACK_TAKE_MAX_BYTES = 8192  # stacktake.c's GP_STACK_MAX_WORDS * 8
 def _stack_reader(build_ids: bool, value_size: int) -> str:
     """Which reader drains a stack map: "native" (stacktake.c) or "python (why not native)"."""
     if build_ids:
-        return "python (a build-id stack map: BCC's walk reads it)"
+        return "python (a build-id stack map: Table.walk reads it)"
     if value_size % 8 or not 0 < value_size <= STACK_TAKE_MAX_BYTES:
         return f"python (a stack value of {value_size} bytes: stacktake.c reads up to {STACK_TAKE_MAX_BYTES})"
     try:
@@ -589,7 +589,7 @@ class BpfStacksSource(Source):
         try:
             self.hub.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
                                            fn_name=b"gp_cpu_sample", sample_freq=round(rate))
-        except Exception as e:  # noqa: BLE001 - BCC raises bare Exception when perf_event_open fails
+        except BpfError as e:
             self.stop()
             raise SourceUnavailable(f"perf event sampling unavailable: {str(e).strip()[:200]}") from None
         self._attached = True
@@ -667,13 +667,13 @@ class BpfStacksSource(Source):
             return 0
         return read_ring_drops(self.hub.bpf[b"gp_cpu_drops"])[0]
 
+    def summary(self) -> dict[str, Any] | None:
+        return self.hub.summary() if self.hub is not None else None
+
     def stop(self) -> None:
         if self.hub is not None:
             if self._attached:
-                try:
-                    self.hub.bpf.detach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK)
-                except Exception:  # noqa: BLE001, S110 - BCC raises bare Exception; detach is best effort
-                    pass
+                self.hub.bpf.detach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK)
                 self._attached = False
             if self.users is not None:
                 if self.users.cfi is not None:  # while registered and the maps exist (at_seal comes after)
