@@ -772,7 +772,7 @@ class KernelSymbols:
                 name_at.append(len(names))
                 names += rest.split(b"\t", 1)[0].rstrip(b"\n")
         name_at.append(len(names))
-        bounds = np.frombuffer(name_at, np.uint32).astype(np.int64)
+        bounds = np.frombuffer(name_at, np.uint32).copy()
         order = np.argsort(np.frombuffer(starts, np.uint64), kind="stable")
         self.starts = np.frombuffer(starts, np.uint64)[order]
         self._name_start, self._name_end = bounds[:-1][order], bounds[1:][order]
