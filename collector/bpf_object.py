@@ -366,8 +366,12 @@ class BpfObject:
                 reply = None
             if not isinstance(reply, dict) or "error" in reply or proc.returncode != 0:
                 why = reply.get("error") if isinstance(reply, dict) else None
-                tail = err.decode(errors="replace").strip()[-400:]
-                raise BpfError(f"the BPF compile failed (exit status {proc.returncode}): {why or tail or 'no reply'}")
+                text = err.decode(errors="replace")
+                # clang's diagnostics are on the child's stderr: the first errors say what is wrong
+                errors = [line.strip() for line in text.splitlines() if "error:" in line][:3]
+                detail = "; ".join(errors) or text.strip()[-400:]
+                raise BpfError(f"the BPF compile failed (exit status {proc.returncode}): "
+                               f"{why or 'no reply'}{': ' + detail if detail else ''}")
             fds = _receive_fds(ours)
         finally:
             ours.close()
