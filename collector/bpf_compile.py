@@ -101,7 +101,19 @@ def compile_object(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     for tp, fd in [*b.tracepoint_fds.items(), *b.raw_tracepoint_fds.items()]:
         reply["attached"].append(tp.decode())
         fds.append(fd)
+    reply["cost"] = own_cost()
     return reply, fds
+
+
+def own_cost() -> dict[str, float]:
+    """This process's CPU seconds and peak resident set (VmHWM, MB: the collector's RUSAGE_CHILDREN
+    would count the collector's own resident set at the fork in it)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return {"cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": hwm / 1024}
 
 
 def main() -> int:

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import re
-import resource
 import socket
 import subprocess
 import sys
@@ -296,8 +295,8 @@ class Table:
 # --- the object --------------------------------------------------------------------------------------
 @dataclass
 class CompileCost:
-    """What the compile child used: its CPU, its peak resident set and the wall time until the
-    collector held the object."""
+    """What the compile child used, as it measured itself: its CPU and its peak resident set
+    (VmHWM); and the wall time until the collector held the object."""
 
     cpu_s: float
     peak_rss_mb: float
@@ -341,7 +340,7 @@ class BpfObject:
         request = json.dumps({"source": source, "cflags": cflags, "program_types": program_types or {},
                               "tail_calls": tail_calls or []}).encode()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
         try:
             proc = subprocess.Popen([sys.executable, "-I", str(COMPILE_SCRIPT), str(theirs.fileno())],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -355,11 +354,7 @@ class BpfObject:
                 proc.kill()
                 proc.communicate()
                 raise BpfError(f"the BPF compile ({COMPILE_SCRIPT.name}) ran past {COMPILE_TIMEOUT_S:.0f} s") from None
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            # RUSAGE_CHILDREN's ru_maxrss is the largest peak of any child reaped so far: the
-            # compile's, which is the collector's largest child
-            cost = CompileCost(cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-                               peak_rss_mb=after.ru_maxrss / 1024, wall_s=time.monotonic() - t0)
+            wall_s = time.monotonic() - t0
             try:
                 reply = json.loads(out.decode() or "null")
             except ValueError:
@@ -380,6 +375,8 @@ class BpfObject:
             for fd in fds:
                 os.close(fd)
             raise BpfError(f"the BPF compile sent {len(fds)} descriptors for {want} maps, programs and tracepoints")
+        cost = CompileCost(cpu_s=float(reply["cost"]["cpu_s"]), peak_rss_mb=float(reply["cost"]["peak_rss_mb"]),
+                           wall_s=wall_s)
         return cls(reply, fds, cost, symbol_offset)
 
     def __getitem__(self, name: bytes | str) -> Table:

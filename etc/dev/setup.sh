@@ -32,6 +32,8 @@ REQUIRED_PKGS=(
     slurm-wlm slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-hdf5-plugin
     openmpi-bin libopenmpi-dev
     bpfcc-tools python3-bpfcc linux-headers-amd64
+    # libbpf: the collector holds the BPF object the compile child made (collector/bpf_object.py)
+    libbpf1
     python3-venv python3-dev libhdf5-dev build-essential
     stress-ng procps util-linux ca-certificates
     # headless browser: the HTML report's tests and bench load the page in it (tests/test_browser.py)

@@ -1,7 +1,9 @@
-"""Where the collector's peak RSS comes from with BPF modes (issue 11): one JSON line with VmHWM,
-VmRSS, RssAnon and RssFile (MB) after each step of a collector's start with the default modes:
-the interpreter, the collector's imports, `import bcc`, the BPF compile (BpfHub.acquire), and
-malloc_trim(0) as BpfHub does after it. Needs root and BCC.
+"""Where the collector's resident set comes from with BPF modes (issue 11): one JSON line with VmHWM,
+VmRSS, RssAnon and RssFile (MB) after each step of a collector's start with the default modes: the
+interpreter, the collector's imports, the BPF object (BpfHub.acquire: BCC's compile in a child
+process, the descriptors received), and the kernel's symbols (read at the off-CPU source's start);
+beside them, the compile child's own CPU and peak resident set, which the collector never holds.
+Needs root and BCC.
 
     .venv/bin/python tests/bench/bench_rss.py
 """
@@ -38,25 +40,18 @@ def main() -> None:
     from gpuprof.collector import daemon  # noqa: F401
 
     steps["collector_imports"] = status_mb()
-    import bcc  # noqa: F401
+    from gpuprof.collector import bpf_support, config, symbolize
 
-    steps["import_bcc"] = status_mb()
-    from gpuprof.collector import bpf_support
-
-    trim = bpf_support.release_freed_heap
-    bpf_support.release_freed_heap = lambda: False  # type: ignore[assignment]  # the compile alone first
-    try:
-        from gpuprof.collector import config
-
-        hub = bpf_support.BpfHub.acquire(("metrics", "stacks", "collectives"), bpf_support.defines_for_all,
-                                         bpf_support.stack_unwinder(config.defaults()))  # the default modes
-    finally:
-        bpf_support.release_freed_heap = trim  # type: ignore[assignment]
-    steps["bpf_compile"] = status_mb()
-    trim()
-    steps["malloc_trim"] = status_mb()
+    hub = bpf_support.BpfHub.acquire(("metrics", "stacks", "collectives"), bpf_support.defines_for_all,
+                                     bpf_support.stack_unwinder(config.defaults()))  # the default modes
+    steps["bpf_object"] = status_mb()
+    symbolize.kernel_symbol(0)
+    steps["kernel_symbols"] = status_mb()
+    child = hub.summary()["bpf_compile"]
     hub.release()
-    print(json.dumps({"bench": "collector_rss_steps", "modes": "metrics,stacks,collectives", "mb": steps}), flush=True)
+    print(json.dumps({"bench": "collector_rss_steps", "modes": "metrics,stacks,collectives", "mb": steps,
+                      "compile_child": {"peak_rss_mb": child["peak_rss_mb"], "cpu_s": child["cpu_s"],
+                                        "wall_s": child["wall_s"]}}), flush=True)
 
 
 if __name__ == "__main__":
