@@ -240,8 +240,8 @@ class CfiUnwinder:
             raise ValueError(f"sources.stacks.cfi_max_rows = {max_rows} is more than the BPF map's {kernel_rows} "
                              f"(GP_CFI_ROWS)")
         self.rows = RangeAlloc(max_rows)
-        self._rows_mem, self._rows_view = map_rows(self.rows_map)
-        self.rows_written_by = "memory map" if self._rows_view is not None else "batch update"
+        self._rows_window = RowsWindow.open(self.rows_map)
+        self.rows_written_by = "memory map" if self._rows_window is not None else "batch update"
         self.mappings = RangeAlloc(int(self.maps_map.max_entries))
         self.cache = compiler.cache
         self.compiler = compiler
@@ -583,10 +583,10 @@ class CfiUnwinder:
         if first is None:
             self.no_room += 1
             return None
-        if self._rows_view is not None:
+        if self._rows_window is not None:
             # rows no mapping points at yet (a free range): the mappings' update that follows, a
             # system call, publishes them to the BPF program
-            self._rows_view[first:first + len(t.rows)] = t.rows
+            self._rows_window.write(first, t.rows)
         else:
             self._update_batch(self.rows_map, first, t.rows)
         lt = self.loaded[t.key] = _Loaded(first, len(t.rows))
@@ -711,10 +711,6 @@ class CfiUnwinder:
         on[on.Key(0)] = on.Leaf(0)
         self.forget(set())
         self.counts()  # the last figures, read while the map lives: status() after the close says them
-        self._rows_view = None  # the view goes before the mapping it is a view of
-        if self._rows_mem is not None:
-            self._rows_mem.close()
-            self._rows_mem = None
 
     def status(self) -> dict[str, Any]:
         return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
@@ -743,23 +739,46 @@ PREWARM_SONAMES = ("libc.so.6", "ld-linux-x86-64.so.2", "libm.so.6", "libgcc_s.s
                    "libgfortran.so.5", "libmpi.so.40", "libopen-pal.so.40", "libopen-rte.so.40", "libmpich.so.12")
 
 
-def map_rows(rows_map: Any) -> tuple[mmap.mmap | None, np.ndarray | None]:
-    """The rows map's memory, mapped here, and a view of it as rows (the kernel lays an array map's
-    values out at 8-byte strides: 16 bytes a 12-byte row); (None, None) when the map cannot be
-    mapped (compiled without GP_CFI_ROWS_MMAPABLE: a kernel before 5.5): rows then go in by
-    BPF_MAP_UPDATE_BATCH."""
-    stride = -(-ctypes.sizeof(rows_map.Leaf) // 8) * 8
-    size = int(rows_map.max_entries) * stride
-    try:
-        mem = mmap.mmap(rows_map.map_fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.MAP_SHARED,
-                        mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError:
-        return None, None
-    names = list(ROW_DTYPE.names or ())
-    fields: dict[str, Any] = dict(ROW_DTYPE.fields or {})
-    dtype = np.dtype({"names": names, "formats": [fields[n][0] for n in names],
-                      "offsets": [fields[n][1] for n in names], "itemsize": stride})
-    return mem, np.ndarray((int(rows_map.max_entries),), dtype, buffer=mem)
+class RowsWindow:
+    """Rows written into the rows map through a memory mapping of just their pages, unmapped after
+    the write. The map's whole memory mapped for good would count all of it (16 MB, kernel memory
+    that exists either way) in the collector's resident set: the kernel maps an array map's
+    pages in at mmap time. The kernel lays an array map's values out at 8-byte strides: 16 bytes
+    a 12-byte row."""
+
+    def __init__(self, fd: int, entries: int, stride: int) -> None:
+        self.fd, self.entries, self.stride = fd, entries, stride
+        names = list(ROW_DTYPE.names or ())
+        fields: dict[str, Any] = dict(ROW_DTYPE.fields or {})
+        self.dtype = np.dtype({"names": names, "formats": [fields[n][0] for n in names],
+                               "offsets": [fields[n][1] for n in names], "itemsize": stride})
+
+    @classmethod
+    def open(cls, rows_map: Any) -> RowsWindow | None:
+        """None when the map cannot be mapped (compiled without GP_CFI_ROWS_MMAPABLE: a kernel
+        before 5.5): rows then go in by BPF_MAP_UPDATE_BATCH."""
+        try:
+            mmap.mmap(rows_map.map_fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()
+        except OSError:
+            return None
+        return cls(rows_map.map_fd, int(rows_map.max_entries), -(-ctypes.sizeof(rows_map.Leaf) // 8) * 8)
+
+    def write(self, first: int, rows: np.ndarray) -> None:
+        """Rows [first, first + len(rows)) of the map = rows."""
+        if first < 0 or first + len(rows) > self.entries:
+            raise ValueError(f"rows {first}..{first + len(rows)} outside the map's {self.entries}")
+        if not len(rows):
+            return
+        lo, hi = first * self.stride, (first + len(rows)) * self.stride
+        page_lo = lo - lo % mmap.PAGESIZE
+        mem = mmap.mmap(self.fd, -(-(hi - page_lo) // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.MAP_SHARED,
+                        mmap.PROT_READ | mmap.PROT_WRITE, offset=page_lo)
+        try:
+            view = np.ndarray((len(rows),), self.dtype, buffer=mem, offset=lo - page_lo)
+            view[:] = rows
+            del view  # the mapping closes only without views of it
+        finally:
+            mem.close()
 
 
 def prewarm_files() -> list[str]:

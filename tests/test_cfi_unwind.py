@@ -450,12 +450,65 @@ def test_range_alloc_frees_at_next_drain() -> None:
     assert r.alloc(100) is None and r.alloc(60) == 0 and r.used == 100
 
 
+class RowsInMemory:
+    """Test double of cfiunwind.RowsWindow: the rows in an array of this process."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = np.zeros(n, ct.ROW_DTYPE)
+
+    def write(self, first: int, rows: np.ndarray) -> None:
+        self.rows[first:first + len(rows)] = rows
+
+
+ROWS_PROG = """
+struct gp_cfi_row { u32 pc; s32 cfa_off; s16 rbp_off; u8 cfa_type; u8 rbp_type; };
+BPF_F_TABLE("array", int, struct gp_cfi_row, rows, 5000, BPF_F_MMAPABLE);
+"""
+
+
+def bpf_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return f.read().count("anon_inode:bpf-map")
+
+
+def test_rows_are_written_through_a_mapping_of_their_pages_only() -> None:
+    """RowsWindow: rows written at any index (across a page boundary, at the map's end) are what a
+    lookup reads, the rows around them untouched; nothing of the map stays mapped in the process
+    (its 16 MB would count in the collector's resident set); a write past the end is refused."""
+    from gpuprof.collector.bpf_object import BpfObject
+    from gpuprof.collector.cfiunwind import RowsWindow
+
+    reason = bpf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    obj = BpfObject.compile(ROWS_PROG, [])
+    try:
+        table = obj[b"rows"]
+        before = bpf_mappings()  # others' (a ring buffer of another test's object) stay as they are
+        window = RowsWindow.open(table)
+        assert window is not None and window.stride == 16
+        rows = np.zeros(300, ct.ROW_DTYPE)
+        rows["pc"] = np.arange(1, 301)
+        rows["cfa_off"] = -np.arange(1, 301)
+        rows["rbp_type"] = 7
+        window.write(200, rows)  # bytes 3200..8000: pages 0 and 1
+        window.write(4990, rows[:10])  # the map's last rows
+        with pytest.raises(ValueError, match="outside"):
+            window.write(4995, rows[:10])
+        for i, want in ((199, 0), (200, 1), (255, 56), (499, 300), (500, 0), (4999, 10)):
+            got = table[table.Key(i)]
+            assert (got.pc, got.cfa_off, got.rbp_type) == ((want, -want, 7) if want else (0, 0, 0)), i
+        assert bpf_mappings() == before
+    finally:
+        obj.cleanup()
+
+
 def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
     """The tables loaded at the unwinder's start (earlier jobs' walks) never take the room of one
     this job needs: those no process maps are freed for it, at once; one a process maps stays."""
     u = object.__new__(CfiUnwinder)  # the rows' bookkeeping only: no BPF object
     u.rows, u.loaded, u._preloaded, u.no_room = RangeAlloc(100), {}, set(), 0
-    u._rows_view = np.zeros(100, ct.ROW_DTYPE)
+    u._rows_window = RowsInMemory(100)
 
     def table(key: str, n: int) -> ct.CfiTable:
         return ct.CfiTable(key=key, rows=np.ones(n, ct.ROW_DTYPE))

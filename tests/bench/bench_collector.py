@@ -26,6 +26,9 @@ runs interleaved (default, metrics, default, ...), each figure the median with m
                        peak and CPU are printed beside, as bpf_compile_child_peak_rss_mb and
                        bpf_compile_child_cpu_s; startup_cpu_s includes its CPU
   rss_after_start_mb   VmRSS at the end of the window
+  bpf_maps_kernel_mb   kernel memory of the BPF maps the collector holds (memlock in their fdinfo;
+                       the CFI rows map is most of it): not in its resident set, which maps
+                       none of it for good
   drops                read back from the sealed node file (/diagnostics/drops, the last value of
                        each counter: rings of ours, BPF ring buffers, the interposers' rings)
 """
@@ -71,6 +74,26 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as f:
         rest = f.read().rsplit(b")", 1)[1].split()
     return sum(int(x) for x in rest[11:15]) / TICK
+
+
+def bpf_maps_kernel_mb(pid: int) -> float:
+    """Kernel memory of the BPF maps the process holds (memlock of each map's fdinfo, once per map):
+    not in its resident set unless it maps them."""
+    seen: set[str] = set()
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-map":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                info = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # closed meanwhile
+        map_id = info.get("map_id", fd).strip()
+        if map_id not in seen:
+            seen.add(map_id)
+            total += int(info.get("memlock", "0"))
+    return total / 2**20
 
 
 def status_mb(pid: int, field: str) -> float:
@@ -201,6 +224,7 @@ def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, 
         c1, t1 = cpu_s(coll.pid), time.monotonic()
         peak = max(peak, status_mb(coll.pid, "VmHWM"))
         rss = status_mb(coll.pid, "VmRSS")
+        maps_mb = bpf_maps_kernel_mb(coll.pid)
         st1 = request(str(sock), "status", timeout_s=5.0)
         pids = st1.get("pids", 0)
         # the BPF compile's child (a BPF source's status; none in the metrics-only mode)
@@ -228,7 +252,8 @@ def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, 
             "startup_cpu_s": startup_cpu, "startup_s": startup_s, "window_s": t1 - t0,
             "total_cpu_s": usage.ru_utime + usage.ru_stime, "drops": s["drops"], "pids_seen": pids,
             "collective_calls": calls, "calls_per_s": calls / (t_seal - t_go), "stack_samples": s["records"].get(schema.STACK_SAMPLES.path, 0),
-            "file_mb": size / 1e6, "by_thread": by_thread, "compile_child": compile_child, "errors": [e["message"] for e in s["errors"]][:5]}
+            "file_mb": size / 1e6, "by_thread": by_thread, "compile_child": compile_child,
+            "bpf_maps_kernel_mb": maps_mb, "errors": [e["message"] for e in s["errors"]][:5]}
 
 
 def spread(values: list[float], nd: int = 3) -> dict[str, float]:
@@ -265,6 +290,7 @@ def bench_collector(window_s: float, runs: int, tmp: Path) -> None:
             "bench": "collector_cpu", "modes": modes, "busy_processes": BUSY,
             "cpu_percent_of_core": cpu, "peak_rss_mb": rss,
             "rss_after_start_mb": spread([r["rss_mb"] for r in rs], 1),
+            "bpf_maps_kernel_mb": spread([r["bpf_maps_kernel_mb"] for r in rs], 1),
             "startup_cpu_s": spread([r["startup_cpu_s"] for r in rs]),
             "startup_s": spread([r["startup_s"] for r in rs]),
             "drops_total": spread([float(d) for d in drops_total], 0), "drops_max_by_source": nonzero,
