@@ -324,6 +324,8 @@ class BpfObject:
         self._callbacks: list[Any] = []  # the ctypes callbacks libbpf holds pointers to
         self._callback_error: BaseException | None = None
         self._lock = threading.Lock()
+        # libbpf's ring_buffer is not safe for an add during a consume (another source's thread)
+        self._ring_lock = threading.Lock()
         self.closed = False
 
     @classmethod
@@ -481,7 +483,7 @@ class BpfObject:
 
         cb = RING_CALLBACK(run)
         lib = libbpf()
-        with self._lock:
+        with self._ring_lock:
             self._callbacks.append(cb)
             if self._rings is None:
                 self._rings = lib.ring_buffer__new(table.map_fd, cb, None, None)
@@ -493,10 +495,11 @@ class BpfObject:
     def ring_buffer_consume(self) -> None:
         """Run every open ring buffer's callback on its waiting records; the first exception a
         callback raised is raised here, after the others ran."""
-        if self._rings is None:
-            raise BpfError("no ring buffer is open")
-        rc = libbpf().ring_buffer__consume(self._rings)
-        err, self._callback_error = self._callback_error, None
+        with self._ring_lock:
+            if self._rings is None:
+                raise BpfError("no ring buffer is open")
+            rc = libbpf().ring_buffer__consume(self._rings)
+            err, self._callback_error = self._callback_error, None
         if err is not None:
             raise err
         if rc < 0:
@@ -511,6 +514,7 @@ class BpfObject:
             probes = list(self._probes.values()) + [fd for fds in self._perf_events.values() for fd in fds]
             self._probes.clear()
             self._perf_events.clear()
+        with self._ring_lock:
             rings, self._rings = self._rings, None
         if rings:
             libbpf().ring_buffer__free(rings)
