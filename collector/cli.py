@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 from gpuprof.collector import config as config_mod
-from gpuprof.collector import environment, schema
+from gpuprof.collector import environment
+from gpuprof.collector import modes as modes_mod
 from gpuprof.collector.errors import GpuprofError
 
 
@@ -59,7 +60,7 @@ def _setup_logging(log_file: str) -> None:
 
 def _modes(value: str | None) -> tuple[str, ...]:
     try:
-        return schema.parse_modes(value)
+        return modes_mod.parse_modes(value)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--modes") from None
 

@@ -600,22 +600,6 @@ MODE_TABLES: dict[str, tuple[Table, ...]] = {
     "kernels": (KERNEL_LAUNCHES, KERNEL_FUNCTIONS, STACK_FRAMES, STACK_SYMBOLS, KERNEL_ACTIVITY,
                 KERNEL_ACTIVITY_NAMES, KERNEL_ACTIVITY_LAUNCHES),
 }
-VALID_MODES = ("metrics", "stacks", "collectives", "kernels")
-DEFAULT_MODES = ("metrics", "stacks", "collectives")
-
-
-def parse_modes(value: str | None) -> tuple[str, ...]:
-    """The SPANK option's value -> canonical modes. Empty, None or Slurm's "(null)" (the option
-    given without a value) mean the default set."""
-    if value is None or value.strip() in ("", "(null)"):
-        return DEFAULT_MODES
-    items = value.split(",")
-    bad = [m for m in items if m not in VALID_MODES]
-    if bad:
-        raise ValueError(f"unknown mode(s) {bad!r}; valid modes: {', '.join(VALID_MODES)}")
-    return tuple(m for m in VALID_MODES if m in items)
-
-
 def tables_for_modes(modes: tuple[str, ...]) -> tuple[Table, ...]:
     out: list[Table] = list(ALWAYS)
     for m in modes:

@@ -11,6 +11,7 @@ import click
 from gpuprof.collector import config as config_mod
 from gpuprof.collector.errors import GpuprofError
 from gpuprof.slurm_hooks import hooks
+from gpuprof.slurm_hooks import task_prolog as task_prolog_mod
 
 
 def _cfg_path(ctx: click.Context) -> str | None:
@@ -35,7 +36,7 @@ def epilog(ctx: click.Context) -> None:
 @click.pass_context
 def task_prolog(ctx: click.Context) -> None:
     """Slurm TaskProlog: print the export lines the job's modes need."""
-    sys.exit(hooks.task_prolog(_cfg_path(ctx)))
+    sys.exit(task_prolog_mod.task_prolog(_cfg_path(ctx)))
 
 
 @click.command()

@@ -27,7 +27,7 @@ from gpuprof.collector import config as config_mod
 from gpuprof.collector import environment as env
 from gpuprof.collector.errors import CollectorError, GpuprofError, JobLookupError
 from gpuprof.collector.jobwatch import LIVE_STATES
-from gpuprof.collector.schema import parse_modes
+from gpuprof.collector.modes import parse_modes
 from gpuprof.slurm_hooks import log as log_mod
 from gpuprof.slurm_hooks.dcgm_lock import DcgmLock, DcgmStateError, holder_name
 from gpuprof.slurm_hooks.job import JobInfo, from_hook_environment, job_source
@@ -288,7 +288,7 @@ def _make_ring_dir(job_id: str, node: str, modes: tuple[str, ...], job: JobInfo,
     or kernels (CUPTI's kernel times cross the same rings)."""
     if "collectives" not in modes and "kernels" not in modes:
         return None
-    from gpuprof.collector.sources.fastpath import job_ring_dir
+    from gpuprof.collector.fastpath_env import job_ring_dir
 
     try:
         path = job_ring_dir(job_id, node)
@@ -452,7 +452,7 @@ def _remove_ring_dir(job_id: str, node: str, log: logging.Logger) -> None:
     """The fast path's per-job directory, with whatever the job left in it (the collector removes
     the rings it read; one that died cannot). Removed as root without following any symlink, and
     only /dev/shm/gpuprof-<job>@<node> itself (paths.remove_job_dir)."""
-    from gpuprof.collector.sources.fastpath import job_ring_dir
+    from gpuprof.collector.fastpath_env import job_ring_dir
 
     try:
         path = job_ring_dir(job_id, node)
@@ -703,40 +703,3 @@ def _stop_collector(pid: int | None, log: logging.Logger) -> None:
         pass
 
 
-def task_prolog_lines(raw_modes: str | None, cfg: dict[str, Any]) -> list[str]:
-    """The `export` lines the job's modes need (none when profiling was not asked for)."""
-    if raw_modes is None:
-        return []
-    modes = parse_modes(raw_modes)
-    lines = [f"export {env.GPUPROF_MODES}={','.join(modes)}"]
-    # collectives: the interposers, NCCL's profiler plugin, NVTX; kernels: CUPTI's injection
-    if "collectives" in modes or "kernels" in modes:
-        try:
-            from gpuprof.collector.sources.fastpath import fastpath_exports, job_ring_dir
-        except ImportError:
-            return lines
-        job_id = env.get(env.SLURM_JOB_ID)
-        try:
-            ring_dir = job_ring_dir(job_id, env.get(env.SLURMD_NODENAME) or os.uname().nodename) if job_id else None
-        except ValueError:
-            ring_dir = None
-        if ring_dir is None or not ring_dir.is_dir():
-            # the prolog made no ring directory for the job: the node's continuous collector records
-            # it (it drains no rings), or making it failed (said in the prolog's log); nothing would
-            # read what the interposers and plugins wrote
-            return lines
-        lines += fastpath_exports(modes, cfg, job_id, ring_dir=ring_dir)
-    return lines
-
-
-def task_prolog(config_path: str | None = None) -> int:
-    job_id, node = _hook_context()
-    log = log_mod.setup("task-prolog", job_id, node)
-    raw = env.profile_modes_job()
-    try:
-        cfg = config_mod.load(config_path)
-        for line in task_prolog_lines(raw, cfg):
-            print(line)
-    except (GpuprofError, ValueError) as e:
-        log.error("task prolog: %s; no exports", e)
-    return 0

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from harness import REPO, collect, make_ctx
 
+from gpuprof.collector import fastpath_env as fe
 from gpuprof.collector import schema
 from gpuprof.collector.sources import fastpath as fp
 
@@ -51,7 +52,7 @@ def doubles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def run(doubles: dict[str, Path], rings: Path, job: str, kernels: int, **env: str) -> tuple[int, list[dict[str, Any]]]:
     e = {**os.environ, "GPUPROF_FASTPATH_DIR": str(rings), "GPUPROF_FASTPATH_JOB": job,
-         "CUDA_INJECTION64_PATH": str(fp.CUPTI_INJECTION), "GPUPROF_CUPTI_LIBRARY": str(doubles["cupti"]), **env}
+         "CUDA_INJECTION64_PATH": str(fe.CUPTI_INJECTION), "GPUPROF_CUPTI_LIBRARY": str(doubles["cupti"]), **env}
     proc = subprocess.run([str(doubles["driver"]), str(kernels)], capture_output=True, text=True, env=e,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -135,20 +136,20 @@ def test_declines_without_a_job_or_a_cupti(doubles: dict[str, Path], tmp_path: P
     assert loaded == 0  # the driver goes on without the tool
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPROF_FASTPATH")}
     proc = subprocess.run([str(doubles["driver"]), "5"], capture_output=True, text=True, timeout=60, check=False,
-                          env={**env, "CUDA_INJECTION64_PATH": str(fp.CUPTI_INJECTION),
+                          env={**env, "CUDA_INJECTION64_PATH": str(fe.CUPTI_INJECTION),
                                "GPUPROF_CUPTI_LIBRARY": str(doubles["cupti"])})
     assert json.loads(proc.stdout.splitlines()[0])["loaded"] == 0
     assert list(rings.iterdir()) == []
 
 
 def test_exports_in_mode_kernels_and_steps_aside(tmp_path: Path) -> None:
-    assert fp.CUPTI_INJECTION.exists(), "make -C bpf/fastpath"
+    assert fe.CUPTI_INJECTION.exists(), "make -C bpf/fastpath"
     cfg = make_ctx(lambda: frozenset(), ()).config
-    lines = fp.fastpath_exports(("kernels",), cfg, "98", existing_ld_preload="", ring_dir=tmp_path, job_env={})
-    assert f"export CUDA_INJECTION64_PATH={fp.CUPTI_INJECTION}" in lines
+    lines = fe.fastpath_exports(("kernels",), cfg, "98", existing_ld_preload="", ring_dir=tmp_path, job_env={})
+    assert f"export CUDA_INJECTION64_PATH={fe.CUPTI_INJECTION}" in lines
     assert not any(x.startswith(("export LD_PRELOAD", "export NCCL_PROFILER_PLUGIN")) for x in lines)
-    theirs = fp.fastpath_exports(("kernels",), cfg, "98", existing_ld_preload="", ring_dir=tmp_path,
+    theirs = fe.fastpath_exports(("kernels",), cfg, "98", existing_ld_preload="", ring_dir=tmp_path,
                                  job_env={"CUDA_INJECTION64_PATH": "/opt/nsight/libToolsInjection64.so"})
     assert not any(x.startswith("export CUDA_INJECTION64_PATH") for x in theirs)
     assert any(x.startswith("print gpuprof: CUDA_INJECTION64_PATH is already set") for x in theirs)
-    assert fp.fastpath_exports(("metrics",), cfg, "98", ring_dir=tmp_path, job_env={}) == []
+    assert fe.fastpath_exports(("metrics",), cfg, "98", ring_dir=tmp_path, job_env={}) == []

@@ -38,6 +38,7 @@ from harness import (
     run_source_over,
 )
 
+from gpuprof.collector import fastpath_env as fe
 from gpuprof.collector import schema
 from gpuprof.collector.proctrack import process_tree
 from gpuprof.collector.sources import fastpath as fp
@@ -51,7 +52,7 @@ def built() -> dict[str, Path]:
         pytest.skip("no C compiler to build bpf/fastpath")
     proc = subprocess.run(["make", "-C", str(REPO / "bpf" / "fastpath")], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    libs = fp.built_libraries()
+    libs = fe.built_libraries()
     assert libs["mpi"] and libs["nccl"]
     return {k: v for k, v in libs.items() if v}
 
@@ -158,13 +159,13 @@ def test_completions_of_some_of_many_requests(built: dict[str, Path], tmp_path: 
 
 
 def test_exports_contract(built: dict[str, Path]) -> None:
-    lines = fp.fastpath_exports(("metrics", "collectives"), make_ctx(lambda: frozenset(), ()).config | FASTPATH,
+    lines = fe.fastpath_exports(("metrics", "collectives"), make_ctx(lambda: frozenset(), ()).config | FASTPATH,
                                 "77", existing_ld_preload="/opt/x.so")
     assert lines[0] == f"export LD_PRELOAD={built['mpi']}:{built['nccl']}:/opt/x.so"
     assert "export GPUPROF_FASTPATH_JOB=77" in lines
-    assert fp.fastpath_exports(("metrics",), make_ctx(lambda: frozenset(), ()).config, "77") == []
+    assert fe.fastpath_exports(("metrics",), make_ctx(lambda: frozenset(), ()).config, "77") == []
     uprobe = {"sources.collectives": {"mpi_path": "uprobe", "nccl_path": "uprobe"}}
-    assert fp.fastpath_exports(("collectives",), make_ctx(lambda: frozenset(), ()).config | uprobe, "77") == []
+    assert fe.fastpath_exports(("collectives",), make_ctx(lambda: frozenset(), ()).config | uprobe, "77") == []
 
 
 def test_foreign_and_corrupt_rings_ignored(built: dict[str, Path], tmp_path: Path) -> None:

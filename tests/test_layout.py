@@ -104,3 +104,22 @@ def test_no_import_cycle_between_packages() -> None:
 
 def test_the_analyser_sees_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_task_prolog_and_the_compile_child_stay_light() -> None:
+    """What runs inside a job's time for every task (the TaskProlog) imports no numpy, h5py or
+    click; the BPF compile child's script imports nothing of the suite (it runs as a script, from
+    the install's directory, with -I)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gpuprof.slurm_hooks.task_prolog; "
+            "print(sorted(m for m in ('numpy', 'h5py', 'click', 'bcc') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout
+    compile_script = REPO / "collector" / "bpf_compile.py"
+    tree = ast.parse(compile_script.read_text())
+    top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    top |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "gpuprof" not in top and top <= {"array", "ctypes", "json", "os", "resource", "socket", "sys", "typing",
+                                            "bcc", "__future__"}, top

@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from harness import REPO, collect, make_ctx, nccl_library
 
+from gpuprof.collector import fastpath_env as fe
 from gpuprof.collector import schema
 from gpuprof.collector.sources import fastpath as fp
 
-PLUGIN = fp.NCCL_PROFILER
+PLUGIN = fe.NCCL_PROFILER
 DOUBLE_SRC = REPO / "tests" / "doubles" / "nccl_profiler_host.c"
 OPS = schema.COLLECTIVE_OPS
 TIMING = schema.DEVICE_TIMES.enums["timing"]
@@ -254,11 +255,11 @@ def test_forked_process_writes_its_own_ring(double: Path, tmp_path: Path, monkey
 def test_job_with_its_own_plugin_keeps_it_and_is_told(tmp_path: Path) -> None:
     assert PLUGIN.exists(), "make -C bpf/fastpath"
     cfg = make_ctx(lambda: frozenset(), ()).config
-    lines = fp.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path,
+    lines = fe.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path,
                                 job_env={"NCCL_PROFILER_PLUGIN": "/opt/inspector/libnccl-profiler-inspector.so"})
     assert not any(line.startswith("export NCCL_PROFILER_PLUGIN=") for line in lines)
     assert any(line.startswith("print gpuprof: NCCL_PROFILER_PLUGIN is already set by the job") for line in lines)
-    ours = fp.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path, job_env={})
+    ours = fe.fastpath_exports(("collectives",), cfg, "86", existing_ld_preload="", ring_dir=tmp_path, job_env={})
     assert f"export NCCL_PROFILER_PLUGIN={PLUGIN}" in ours
     # the collector says so too, for the process that has it (/diagnostics/errors)
     rings = ring_dir(tmp_path)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "progs"))
 
 from harness import REPO, collect, make_ctx, python
 
+from gpuprof.collector import fastpath_env as fe
 from gpuprof.collector import schema
 from gpuprof.collector.sources import fastpath as fp
 
@@ -58,7 +59,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_injected(cmd: list[str], rings: Path, job: str, inject: bool = True) -> int:
     env = {**os.environ, "GPUPROF_FASTPATH_DIR": str(rings), "GPUPROF_FASTPATH_JOB": job}
     if inject:
-        env[fp.NVTX_INJECTION64_PATH] = str(fp.NVTX_INJECTION)
+        env[fp.NVTX_INJECTION64_PATH] = str(fe.NVTX_INJECTION)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -164,19 +165,19 @@ def test_without_injection_nothing_is_recorded(built: Path, tmp_path: Path) -> N
 
 
 def test_exports_nvtx_when_the_job_asks_and_steps_aside_for_its_own(tmp_path: Path) -> None:
-    assert fp.NVTX_INJECTION.exists(), "make -C bpf/fastpath"
+    assert fe.NVTX_INJECTION.exists(), "make -C bpf/fastpath"
     cfg = make_ctx(lambda: frozenset(), ()).config
-    asked = fp.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path,
+    asked = fe.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path,
                                 job_env={"GPUPROF_NVTX": "1"})
-    assert f"export NVTX_INJECTION64_PATH={fp.NVTX_INJECTION}" in asked
-    quiet = fp.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path, job_env={})
+    assert f"export NVTX_INJECTION64_PATH={fe.NVTX_INJECTION}" in asked
+    quiet = fe.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path, job_env={})
     assert not any("NVTX_INJECTION64_PATH" in line for line in quiet)
-    theirs = fp.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path,
+    theirs = fe.fastpath_exports(("collectives",), cfg, "94", existing_ld_preload="", ring_dir=tmp_path,
                                  job_env={"GPUPROF_NVTX": "1", "NVTX_INJECTION64_PATH": "/opt/nsys/libinj.so"})
     assert not any(line.startswith("export NVTX_INJECTION64_PATH") for line in theirs)
     assert any(line.startswith("print gpuprof: NVTX_INJECTION64_PATH is already set") for line in theirs)
     with pytest.raises(ValueError, match="sources.nvtx.inject"):
-        fp.nvtx_on({"sources.nvtx": {"inject": "sometimes"}}, {})
+        fe.nvtx_on({"sources.nvtx": {"inject": "sometimes"}}, {})
 
 
 # --- on the local cluster ----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from harness import (
 )
 
 from gpuprof.collector import config as config_mod
+from gpuprof.collector import fastpath_env as fe
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import _parse_elf, dynamic_functions
 from gpuprof.collector.cli import format_summary
@@ -83,7 +84,7 @@ def user() -> pwd.struct_passwd:
 def built() -> dict[str, Path]:
     proc = subprocess.run(["make", "-C", str(REPO / "bpf" / "fastpath")], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    return {k: v for k, v in fp.built_libraries().items() if v}
+    return {k: v for k, v in fe.built_libraries().items() if v}
 
 
 @pytest.fixture
@@ -482,7 +483,7 @@ def shm() -> Iterator[Path]:
 
 @root
 def test_job_dir_made_for_the_user_whatever_was_planted(shm: Path, user: pwd.struct_passwd) -> None:
-    path = fp.job_ring_dir("77", "node1", base=str(shm))
+    path = fe.job_ring_dir("77", "node1", base=str(shm))
     assert path.name == "gpuprof-77@node1"
     victim = shm.parent / "victim"
     victim.mkdir()
@@ -521,7 +522,7 @@ def test_job_dir_removed_without_following_links(shm: Path, user: pwd.struct_pas
     victim = shm.parent / "victim"
     victim.mkdir()
     (victim / "keep").write_text("x")
-    path = fp.job_ring_dir("78", "node1", base=str(shm))
+    path = fe.job_ring_dir("78", "node1", base=str(shm))
     make_job_dir(path, user.pw_uid, user.pw_gid)
 
     def fill() -> None:
@@ -541,10 +542,10 @@ def test_job_dir_removed_without_following_links(shm: Path, user: pwd.struct_pas
 def test_task_prolog_exports_the_job_dir(built: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURMD_NODENAME", "node3")
-    lines = fp.fastpath_exports(("collectives",), config_mod.defaults() | FASTPATH, existing_ld_preload="")
+    lines = fe.fastpath_exports(("collectives",), config_mod.defaults() | FASTPATH, existing_ld_preload="")
     assert "export GPUPROF_FASTPATH_DIR=/dev/shm/gpuprof-123@node3" in lines
     with pytest.raises(ValueError):
-        fp.job_ring_dir("1/../../etc", "node1")
+        fe.job_ring_dir("1/../../etc", "node1")
 
 
 # --- control socket, state directory, install --------------------------------------------------------

@@ -25,6 +25,7 @@ from gpuprof.collector.bpf_support import (
     read_ring_drops,
     stack_unwinder,
 )
+from gpuprof.collector.fastpath_env import resolve_paths
 from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import (
     CALL_DTYPE,
@@ -33,7 +34,6 @@ from gpuprof.collector.sources.collective_calls import (
     predefined_mpi_handles,
     system_libraries,
 )
-from gpuprof.collector.sources.fastpath import resolve_paths
 from gpuprof.collector.sources.probe_table import LIB_CODES, LIBRARY_PATTERNS, MPICH_COMM_WORLD, PROBES, Probe
 
 

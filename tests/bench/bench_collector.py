@@ -188,8 +188,8 @@ def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, 
     """Collector for one busy job; the figures of that run."""
     from gpuprof.collector.config import defaults
     from gpuprof.collector.control import request
+    from gpuprof.collector.fastpath_env import fastpath_exports, job_ring_dir
     from gpuprof.collector.reader import open_node_trace, summarize
-    from gpuprof.collector.sources.fastpath import fastpath_exports, job_ring_dir
     from gpuprof.slurm_hooks.paths import make_job_dir, remove_job_dir
 
     job, node = f"bench{os.getpid()}x{k}", "benchnode"

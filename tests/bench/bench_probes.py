@@ -34,9 +34,10 @@ sys.path.insert(0, str(REPO / "tests" / "progs"))
 from harness import GatedProcess, bpf_skip_reason, collect, make_ctx, mpirun_cmd, run_source_over
 
 from gpuprof.collector import schema
+from gpuprof.collector.fastpath_env import built_libraries
 from gpuprof.collector.sources.base import Source
 from gpuprof.collector.sources.bpf_collectives import BpfCollectivesSource
-from gpuprof.collector.sources.fastpath import FastpathSource, built_libraries
+from gpuprof.collector.sources.fastpath import FastpathSource
 
 BENCH = REPO / "tests" / "progs" / "build" / "mpi_bench"
 ALLREDUCE = schema.COLLECTIVE_OPS.index("MPI_Allreduce")

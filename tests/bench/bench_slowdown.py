@@ -16,7 +16,7 @@ Three layouts, all printed by default (--layouts):
   collectors on its 2 cores, and ranks sharing cores): the layout of the other benches, an upper
   bound.
 
-    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks]
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks] [--bpf-time]
         [--layouts node,shared,nodes] [--control] [--hpcc-n 2400]
 
 --hpcc-n sets HPL's N (1200 by default, about 6 s in the node layout; 2400 about 23 s): what a job
@@ -64,12 +64,14 @@ from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
 
-from gpuprof.collector import schema
+from gpuprof.collector import modes as modes_mod
 
-DEFAULT_MODES = ",".join(schema.DEFAULT_MODES)  # what plain --profile-gpu profiles
+DEFAULT_MODES = ",".join(modes_mod.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
 WINDOW = re.compile(r"^bench_app_window (\d+\.\d+) (\d+\.\d+)$", re.MULTILINE)
 SAMPLE_S = 0.1
+BPF_SAMPLE_EVERY = 5  # the programs' fdinfo every 0.5 s: about 70 files a collector
+BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
 class CollectorCpu:
@@ -77,12 +79,20 @@ class CollectorCpu:
     the job runs (the job cannot see them: its PID namespace is the virtual node's): the run time
     of each of their threads (/proc/PID/task/TID/schedstat, ns), a thread that ends keeping its
     last figure. Both arms sample alike (a plain job has none to find), so the sampler's own
-    small cost does not tilt the slowdown. Compile children are not counted."""
+    small cost does not tilt the slowdown. Compile children are not counted.
 
-    def __init__(self, job: str) -> None:
+    bpf_time: also the run time of the collectors' BPF programs (run_time_ns in the fdinfo of each
+    program they hold, kernel.bpf_stats_enabled on), every BPF_SAMPLE_EVERY samples: the time the
+    programs took in the job's own context (sampling, switches, forks), which the collector's
+    threads do not show."""
+
+    def __init__(self, job: str, bpf_time: bool = False) -> None:
         self.needle = b"\0collect\0--job\0" + job.encode() + b"\0"
         self.samples: list[tuple[float, int]] = []  # (time.time(), total ns so far)
+        self.bpf_samples: list[tuple[float, int]] = []  # (time.time(), the programs' total ns so far)
+        self._bpf_time = bpf_time
         self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
+        self._last_prog: dict[str, int] = {}  # prog_id -> its run_time_ns
         self._pids: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -118,16 +128,37 @@ class CollectorCpu:
                     except (OSError, ValueError, IndexError):
                         continue
             self.samples.append((time.time(), sum(self._last.values())))
+            if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
+                for pid in self._pids:
+                    self._read_programs(pid)
+                self.bpf_samples.append((time.time(), sum(self._last_prog.values())))
             self._stop.wait(SAMPLE_S)
+
+    def _read_programs(self, pid: int) -> None:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    info = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            if "run_time_ns" in info:
+                self._last_prog[info["prog_id"].strip()] = int(info["run_time_ns"])
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def at(self, t: float) -> float:
-        """The total (ns) at time t, linear between the samples around it."""
-        before = [(ts, v) for ts, v in self.samples if ts <= t]
-        after = [(ts, v) for ts, v in self.samples if ts > t]
+    def at(self, t: float, bpf: bool = False) -> float:
+        """The total (ns) at time t, linear between the samples around it (bpf: the programs')."""
+        samples = self.bpf_samples if bpf else self.samples
+        before = [(ts, v) for ts, v in samples if ts <= t]
+        after = [(ts, v) for ts, v in samples if ts > t]
         if not before or not after:
             raise RuntimeError(f"collector CPU not sampled around {t} ({len(self.samples)} samples)")
         (t0, v0), (t1, v1) = before[-1], after[0]
@@ -165,8 +196,9 @@ def placement(app: apps_mod.App, layout: str) -> list[str]:
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
-            hpcc_n: int | None = None) -> tuple[float, float]:
-    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it)"""
+            hpcc_n: int | None = None, bpf_time: bool = False) -> tuple[float, float, float | None]:
+    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it, and
+    with bpf_time their BPF programs' milliseconds inside it)"""
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
@@ -181,7 +213,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
     args = [*placement(app, layout), f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
-    cpu = CollectorCpu(job)
+    cpu = CollectorCpu(job, bpf_time)
     try:
         info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
     finally:
@@ -197,26 +229,31 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     if w is None:
         raise RuntimeError(f"{out}: no bench_app_window line:\n{text[-1500:]}")
     ms = (cpu.at(float(w.group(2))) - cpu.at(float(w.group(1)))) / 1e6
+    bpf_ms = ((cpu.at(float(w.group(2)), bpf=True) - cpu.at(float(w.group(1)), bpf=True)) / 1e6
+              if bpf_time and profiled else None)
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return float(m.group(1)), ms
+    return float(m.group(1)), ms, bpf_ms
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
-              control: bool = False, hpcc_n: int | None = None) -> dict[str, Any]:
+              control: bool = False, hpcc_n: int | None = None, bpf_time: bool = False) -> dict[str, Any]:
     """control: the second arm runs plain too (its runs in a work directory of their own)."""
     plain: list[float] = []
     prof: list[float] = []
     collector_ms: list[float] = []
+    bpf_ms: list[float] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            t, ms = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
-                            modes, layout, hpcc_n)
+            t, ms, prog_ms = one_run(app, second_arm and not control, base,
+                                     k if not (control and second_arm) else pairs + k, modes, layout, hpcc_n, bpf_time)
             (prof if second_arm else plain).append(t)
             if second_arm and not control:
                 collector_ms.append(round(ms, 1))
+                if prog_ms is not None:
+                    bpf_ms.append(round(prog_ms, 1))
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
@@ -242,6 +279,10 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                                         "max": max(collector_ms)},
             "collector_cpu_percent_of_run": round(100 * statistics.median(collector_ms)
                                                   / (1000 * statistics.median(prof)), 2),
+            **({"bpf_programs_ms_in_run": {"median": round(statistics.median(bpf_ms), 1), "min": min(bpf_ms),
+                                           "max": max(bpf_ms)},
+                "bpf_stats": "kernel.bpf_stats_enabled=1 (--bpf-time): the programs' own time, a little more "
+                             "with the counting on"} if bpf_ms else {}),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
             "cores": os.cpu_count(),
@@ -261,6 +302,9 @@ def main() -> int:
     ap.add_argument("--control", action="store_true", help="both arms plain: the bench's own spread (an A/A run)")
     ap.add_argument("--hpcc-n", type=int, default=None, help="HPL's N for hpcc (default 1200, about 6 s in the "
                     "node layout): a longer run tells what a job pays once from what it pays a second")
+    ap.add_argument("--bpf-time", action="store_true", help="also the run time of the collectors' BPF programs "
+                    "inside the timed line (turns kernel.bpf_stats_enabled on for the bench, which costs the "
+                    "programs a little)")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for layout in layouts:
@@ -273,19 +317,24 @@ def main() -> int:
         return 0
     base = Path(tempfile.mkdtemp(prefix="gpuprof-slowdown-", dir="/var/tmp"))
     base.chmod(0o755)
+    stats_before = BPF_STATS.read_text() if a.bpf_time else None
+    if a.bpf_time:
+        BPF_STATS.write_text("1\n")
     try:
         for name in names:
             app = apps_mod.get(name)
             for layout in layouts:
                 try:
                     app.check()
-                    line = bench_app(app, pairs, base, a.modes, layout, a.control, a.hpcc_n)
+                    line = bench_app(app, pairs, base, a.modes, layout, a.control, a.hpcc_n, a.bpf_time)
                 except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
                     line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
                             "missing": str(e)[:500]}
                 print(json.dumps(line), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        if stats_before is not None:
+            BPF_STATS.write_text(stats_before)
     return 0
 
 
