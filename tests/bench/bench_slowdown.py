@@ -38,6 +38,12 @@ about what the collector takes from the job directly; the rest of median_percent
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
 points here; this figure does not).
 
+--bpf-time adds bpf_programs_ms_in_run: the run time of the collectors' BPF programs inside the
+timed line (run_time_ns of each program the collector holds, from its fdinfo every 0.5 s, with
+kernel.bpf_stats_enabled on for the bench and restored after). The programs run in the job's own
+context (samples, switches, forks), so the collector's threads do not show them. Off by default:
+the counting costs the programs a little.
+
 Needs root, the local cluster and the applications (apt packages named in tests/realapps/apps.py).
 """
 
