@@ -23,6 +23,7 @@ directory, no user site, no PYTHON* variables on the path of a root process).
 from __future__ import annotations
 
 import array
+import ctypes
 import json
 import os
 import socket
@@ -40,8 +41,6 @@ FDS_PER_MESSAGE = 200
 
 def _library() -> Any:
     """libbcc with the per-table functions BCC's Python module does not declare."""
-    import ctypes
-
     from bcc.libbcc import lib
 
     for name, restype in (("bpf_num_tables", ctypes.c_ulonglong), ("bpf_table_name", ctypes.c_char_p),
@@ -95,9 +94,12 @@ def compile_object(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     for array_name, index, prog in request.get("tail_calls", []):
         if prog in reply["program_errors"]:
             continue
-        import ctypes
-
-        b[array_name.encode()][ctypes.c_int(index)] = ctypes.c_int(b.funcs[prog.encode()].fd)
+        try:
+            progs = b[array_name.encode()]
+        except KeyError:
+            reply["program_errors"][prog] = f"the object has no program array {array_name}"
+            continue
+        progs[ctypes.c_int(index)] = ctypes.c_int(b.funcs[prog.encode()].fd)
     for tp, fd in [*b.tracepoint_fds.items(), *b.raw_tracepoint_fds.items()]:
         reply["attached"].append(tp.decode())
         fds.append(fd)
@@ -136,6 +138,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # os._exit: BCC's atexit clean-up would detach the tracepoints the collector now holds (their
-    # descriptors are shared, so it would not; but it also walks every table, for nothing).
+    # os._exit: without BCC's atexit clean-up, which would close this process's copies of what the
+    # collector now holds (the kernel keeps an object while any descriptor refers to it) and walk
+    # every table for nothing.
     os._exit(main())
