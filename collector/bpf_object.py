@@ -44,7 +44,7 @@ COMPILE_TIMEOUT_S = 300.0  # a compile takes 1-3 s; a child stuck this long is k
 # linux/bpf.h, enum bpf_map_type
 MAP_HASH, MAP_ARRAY, MAP_PROG_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY = 1, 2, 3, 5, 6
 MAP_STACK_TRACE, MAP_LRU_HASH, MAP_LRU_PERCPU_HASH, MAP_RINGBUF = 7, 9, 10, 27
-ARRAY_TYPES = (MAP_ARRAY, MAP_PROG_ARRAY, MAP_PERCPU_ARRAY)
+ARRAY_TYPES = (MAP_ARRAY, MAP_PERCPU_ARRAY)  # entries always there: a delete zeroes (a program array's is a delete)
 PERCPU_TYPES = (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
 
 # linux/perf_event.h
@@ -545,12 +545,16 @@ def _uprobe_pmu() -> tuple[int, int]:
     return pmu, int(fmt.partition(":")[2])
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, what: str) -> int:
     nr = PERF_EVENT_OPEN.get(platform.machine())
     if nr is None:
         raise BpfError(f"{what}: perf_event_open's number on {platform.machine()} is not known")
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(ctypes.c_long(nr), ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(cpu),
+    fd = _libc().syscall(ctypes.c_long(nr), ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(cpu),
                       ctypes.c_int(-1), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         raise BpfError(f"{what}: perf_event_open: {os.strerror(ctypes.get_errno())}")
