@@ -30,8 +30,8 @@ def few_malloc_arenas() -> bool:
     """At most MALLOC_ARENAS malloc arenas in this process (as MALLOC_ARENA_MAX=2 would), before
     any thread starts; False where the C library has no mallopt. glibc gives a thread that
     allocates an arena of its own, up to 8 per core, and keeps each arena's freed memory: with
-    the collector's fifteen threads that was 11 MB of resident set (tests/bench/bench_collector.py,
-    default modes: 110 -> 99 MB). The threads' allocations are small and brief; the lock they
+    the collector's fifteen threads that was 13 MB of resident set (tests/bench/bench_collector.py,
+    default modes: 110 -> 97 MB). The threads' allocations are small and brief; the lock they
     now share is not contended."""
     import ctypes
 
