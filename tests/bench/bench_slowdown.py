@@ -32,7 +32,9 @@ One line per application:
      "collector_cpu_ms_in_run": {"median", "min", "max"}, "collector_cpu_percent_of_run": ..., ...}
 
 collector_cpu_ms_in_run: the CPU the job's collectors on this host used inside the timed mpirun
-line (sampled from here every 0.1 s: CollectorCpu), and collector_cpu_percent_of_run its median
+line (sampled from here every 0.1 s: CollectorCpu), collector_cpu_ms_in_run_by_thread_median the
+same by thread name (between the samples inside the line, so a little less), and
+collector_cpu_percent_of_run its median
 over the median profiled run, in % of one core. On a node whose every core runs a rank, that is
 about what the collector takes from the job directly; the rest of median_percent is the
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
@@ -95,6 +97,9 @@ class CollectorCpu:
     def __init__(self, job: str, bpf_time: bool = False) -> None:
         self.needle = b"\0collect\0--job\0" + job.encode() + b"\0"
         self.samples: list[tuple[float, int]] = []  # (time.time(), total ns so far)
+        # (time.time(), thread name -> its threads' ns so far): which thread took the job's time
+        self.by_thread: list[tuple[float, dict[str, int]]] = []
+        self._names: dict[tuple[int, int], str] = {}
         self.bpf_samples: list[tuple[float, int]] = []  # (time.time(), the programs' total ns so far)
         self._bpf_time = bpf_time
         self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
@@ -129,11 +134,20 @@ class CollectorCpu:
                     continue
                 for tid in tids:
                     try:
+                        if (pid, int(tid)) not in self._names:
+                            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                                self._names[(pid, int(tid))] = f.read().strip()
                         with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                             self._last[(pid, int(tid))] = int(f.read().split()[0])
                     except (OSError, ValueError, IndexError):
                         continue
-            self.samples.append((time.time(), sum(self._last.values())))
+            now = time.time()
+            self.samples.append((now, sum(self._last.values())))
+            named: dict[str, int] = {}
+            for key, ns in self._last.items():
+                name = self._names.get(key, "?")
+                named[name] = named.get(name, 0) + ns
+            self.by_thread.append((now, named))
             if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
                 for pid in self._pids:
                     self._read_programs(pid)
@@ -159,6 +173,14 @@ class CollectorCpu:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def by_thread_ms(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU ms of each collector thread name between t0 and t1 (the samples nearest inside)."""
+        inside = [(ts, d) for ts, d in self.by_thread if t0 <= ts <= t1]
+        if len(inside) < 2:
+            return {}
+        first, last = inside[0][1], inside[-1][1]
+        return {n: round((v - first.get(n, 0)) / 1e6, 1) for n, v in last.items() if v - first.get(n, 0) >= 500_000}
 
     def at(self, t: float, bpf: bool = False) -> float:
         """The total (ns) at time t, linear between the samples around it (bpf: the programs')."""
@@ -202,9 +224,11 @@ def placement(app: apps_mod.App, layout: str) -> list[str]:
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
-            hpcc_n: int | None = None, bpf_time: bool = False) -> tuple[float, float, float | None]:
-    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it, and
-    with bpf_time their BPF programs' milliseconds inside it)"""
+            hpcc_n: int | None = None,
+            bpf_time: bool = False) -> tuple[float, float, float | None, dict[str, float]]:
+    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it, with
+    bpf_time their BPF programs' milliseconds inside it, and the collectors' milliseconds by thread
+    name, 0.5 ms and more, at the 0.1 s samples inside it)"""
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
@@ -237,10 +261,11 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     ms = (cpu.at(float(w.group(2))) - cpu.at(float(w.group(1)))) / 1e6
     bpf_ms = ((cpu.at(float(w.group(2)), bpf=True) - cpu.at(float(w.group(1)), bpf=True)) / 1e6
               if bpf_time and profiled else None)
+    threads = cpu.by_thread_ms(float(w.group(1)), float(w.group(2)))
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return float(m.group(1)), ms, bpf_ms
+    return float(m.group(1)), ms, bpf_ms, threads
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
@@ -250,14 +275,16 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     prof: list[float] = []
     collector_ms: list[float] = []
     bpf_ms: list[float] = []
+    by_thread: list[dict[str, float]] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            t, ms, prog_ms = one_run(app, second_arm and not control, base,
+            t, ms, prog_ms, threads = one_run(app, second_arm and not control, base,
                                      k if not (control and second_arm) else pairs + k, modes, layout, hpcc_n, bpf_time)
             (prof if second_arm else plain).append(t)
             if second_arm and not control:
                 collector_ms.append(round(ms, 1))
+                by_thread.append(threads)
                 if prog_ms is not None:
                     bpf_ms.append(round(prog_ms, 1))
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
@@ -283,6 +310,9 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
             "collector_cpu_ms_in_run": {"median": round(statistics.median(collector_ms), 1), "min": min(collector_ms),
                                         "max": max(collector_ms)},
+            "collector_cpu_ms_in_run_by_thread_median": {
+                n: round(statistics.median(t.get(n, 0.0) for t in by_thread), 1)
+                for n in sorted({n for t in by_thread for n in t})},
             "collector_cpu_percent_of_run": round(100 * statistics.median(collector_ms)
                                                   / (1000 * statistics.median(prof)), 2),
             **({"bpf_programs_ms_in_run": {"median": round(statistics.median(bpf_ms), 1), "min": min(bpf_ms),
