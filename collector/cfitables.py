@@ -546,19 +546,29 @@ class TableCache:
         """The index's bytes, INDEX_MAX_BYTES + 1 at most (more: too big); None when there is none
         yet, or it is not a regular file of ours (then said in disk_errors)."""
         assert self.disk_dir is not None
-        path = self.disk_dir / INDEX_NAME
+        fd = self._open_own(self.disk_dir / INDEX_NAME)
+        if fd is None:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(INDEX_MAX_BYTES + 1)
+
+    def _open_own(self, path: Path, max_size: int | None = None) -> int | None:
+        """A file of the disk cache, opened to read: without following a link or blocking on a
+        FIFO, and only when it is a regular file of this user's (of max_size bytes at most). None
+        when there is none (quietly) or it is refused (said in disk_errors)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 self._disk_error(f"{path}: {e}")
             return None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                self._disk_error(f"{path}: not a cache file of ours")
-                return None
-            return f.read(INDEX_MAX_BYTES + 1)
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or (max_size is not None and st.st_size > max_size)):
+            os.close(fd)
+            self._disk_error(f"{path}: not a cache file of ours")
+            return None
+        return fd
 
     def _index_add(self, fkey: str, key: str, segments: Segments) -> None:
         """One line for a file located from the disk cache (one write, O_APPEND: the host's
@@ -789,17 +799,10 @@ class TableCache:
         if paths is None or not self._disk_ok():
             return None
         rows_p, seg_p = paths
-        try:
-            fd = os.open(rows_p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                self._disk_error(f"{rows_p}: {e}")
+        fd = self._open_own(rows_p, 16 * self.max_rows + 4096)
+        if fd is None:
             return None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 16 * self.max_rows + 4096:
-                self._disk_error(f"{rows_p}: not a cache file of ours")
-                return None
             with os.fdopen(os.dup(fd), "rb") as f:
                 rows = np.load(f, allow_pickle=False)
             segments = _read_segments(seg_p)

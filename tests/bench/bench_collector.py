@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "nvml_double"))
 import double
+from bpf_fdinfo import bpf_fdinfos
 
 from gpuprof.collector import schema
 from gpuprof.collector.writer import NodeMeta, NodeTraceWriter
@@ -79,21 +80,8 @@ def cpu_s(pid: int) -> float:
 def bpf_maps_kernel_mb(pid: int) -> float:
     """Kernel memory of the BPF maps the process holds (memlock of each map's fdinfo, once per map):
     not in its resident set unless it maps them."""
-    seen: set[str] = set()
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-map":
-                continue
-            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                info = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue  # closed meanwhile
-        map_id = info.get("map_id", fd).strip()
-        if map_id not in seen:
-            seen.add(map_id)
-            total += int(info.get("memlock", "0"))
-    return total / 2**20
+    by_map = {info["map_id"]: int(info.get("memlock", "0")) for info in bpf_fdinfos(pid, "map") if "map_id" in info}
+    return sum(by_map.values()) / 2**20
 
 
 def status_mb(pid: int, field: str) -> float:

@@ -68,6 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bpf_fdinfo import bpf_fdinfos  # beside this file
 from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
@@ -155,20 +156,9 @@ class CollectorCpu:
             self._stop.wait(SAMPLE_S)
 
     def _read_programs(self, pid: int) -> None:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            return
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf-prog":
-                    continue
-                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                    info = dict(line.split(":", 1) for line in f if ":" in line)
-            except OSError:
-                continue
+        for info in bpf_fdinfos(pid, "prog"):
             if "run_time_ns" in info:
-                self._last_prog[info["prog_id"].strip()] = int(info["run_time_ns"])
+                self._last_prog[info["prog_id"]] = int(info["run_time_ns"])
 
     def stop(self) -> None:
         self._stop.set()
