@@ -207,6 +207,16 @@ class NodeTraceWriter:
                 self._file = None
 
 
+def is_sealed(path: str | os.PathLike[str]) -> bool:
+    """Whether the node file on disk was sealed (its writer finished): False when it cannot be
+    opened plainly, as a file still or last open for write cannot."""
+    try:
+        with h5py.File(path, "r") as f:
+            return bool(f.attrs.get("sealed", False))
+    except OSError:
+        return False
+
+
 def recover(src: str | os.PathLike[str], dst: str | os.PathLike[str], reason: str) -> None:
     """Copy what an unsealed node file holds (a dead collector's) into a plain, closed file that any
     HDF5 tool opens, marked partial with the reason. The source is left as it was."""

@@ -503,6 +503,7 @@ def _seal_and_place(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path
 def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Path, problems: list[str],
                       log: logging.Logger) -> Path | None:
     from gpuprof.collector.control import request
+    from gpuprof.collector.writer import is_sealed
 
     state = _load_state(state_dir, job_id, node, problems, log)
     if state is None:
@@ -525,12 +526,25 @@ def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Pa
             problems.append(f"collector did not answer the seal request: {e}")
     elif state.collector_started:
         problems.append(f"collector gone before the epilog (no control socket {state.socket})")
-    _stop_collector(state.collector_pid, log)
+    if sealed:
+        _stop_collector(state.collector_pid, log)
+    else:
+        # a collector that did not answer in time may still be sealing (a slow disk, a loaded node):
+        # SIGTERM asks for the same seal; it gets the seal's budget once more before SIGKILL
+        for pid in collector_pids(job_id, node):
+            _terminate(pid, log, grace_s=float(cfg["hooks"]["seal_timeout_s"]))
     if not trace.exists():
         log.error("no trace file %s: the collector recorded nothing on this node", trace)
         problems.append(f"no node file: the collector recorded nothing on this node{_fs_full_note(state_dir)}")
         return None
     to_place: Path | None = trace
+    if not sealed and is_sealed(trace):
+        # sealed after all: by SIGTERM just now, or by itself before the epilog came (it stops when
+        # Slurm says the job is over), which left no socket to answer
+        log.warning("collector sealed %s without answering the epilog", trace)
+        problems.append("the collector sealed its node file without answering the epilog's seal request; "
+                        "the file is complete")
+        sealed = True
     if not sealed:
         to_place = _recover(trace, state_dir, node, why, problems, log)
     if to_place is None:

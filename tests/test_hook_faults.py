@@ -263,6 +263,27 @@ def test_prolog_state_lost_epilog_still_finds_the_collector(node: Node) -> None:
     o.check()
 
 
+def test_collector_sealed_before_the_epilog_is_placed_whole(node: Node) -> None:
+    """The collector sealed and exited before its epilog asked (it stopped by itself, or sealed for
+    a seal request whose answer was lost): its control socket is gone, but its file is sealed,
+    and the epilog places it whole instead of "recovering" it as partial."""
+    w = node.work_dir("a")
+    job = node.submit(w)
+    out_digest = digest(node.stdout)
+    node.hook("prolog", job, w)
+    node.wait_recording(job)
+    assert request(node.job_state_dir(job) / "control.sock", "seal", 30.0)["sealed"]
+    collectors_left([job], [node.name], wait_s=30)
+    node.hook("epilog", job, w)
+    node_dir = w / f"slurm-{job}.gpuprof.d"
+    from gpuprof.collector.reader import open_node_trace
+
+    assert open_node_trace(node_dir / f"{node.name}.h5").sealed, node.log_text()[-3000:]
+    o = node.outcome("node:collector_sealed_before_epilog", {node.stdout: out_digest}, node_dir)
+    assert "the file is complete" in o.result, o.result
+    o.check()
+
+
 def test_node_crash_epilog_never_runs(node: Node, base: Path) -> None:
     """Node B's collector is killed and its epilog never runs (a crash); node A ends normally.
     The next job's prolog on B (its watchdog) drops the dead holder and resumes DCGM once that job

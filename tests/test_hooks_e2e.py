@@ -44,6 +44,12 @@ def assert_nodes_idle(cluster: Cluster) -> None:
     raise AssertionError(f"nodes not idle: {states}")
 
 
+def hooks_log_tail(cluster: Cluster, lines: int = 40) -> str:
+    """The end of the hooks' and collectors' log, for an assertion's message."""
+    log = cluster.dir / "log" / "gpuprof-hooks.log"
+    return "\n" + "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else ""
+
+
 def wait_files(d: Path, names: list[str], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -137,7 +143,9 @@ def test_collector_killed_mid_job(cluster: Cluster, user_tmpdir: Path, test_user
     assert len(killed.table("/clock/pairs")) >= 1
     with h5py.File(node_dir / "node1.h5", "r") as f:  # a plain file any HDF5 tool opens
         assert f.attrs["partial_reason"]
-    assert open_node_trace(node_dir / "node2.h5").sealed
+    note = node_dir / "node2.problem.txt"
+    assert open_node_trace(node_dir / "node2.h5").sealed, (
+        note.read_text() if note.exists() else "no node2.problem.txt") + hooks_log_tail(cluster)
     assert dcgmi_calls(fake_dcgmi_log) == ["profile --pause", "profile --resume"]
     assert_nodes_idle(cluster)
 
