@@ -12,7 +12,10 @@ script (`python -I bpf_compile.py SOCKET_FD`, with the request on standard input
    BCC's description of its key, value and ring buffer event; each program's name (or why it did
    not load); the attached tracepoints. The file descriptors of the maps, programs and tracepoint
    attachments go over the socket (SCM_RIGHTS), in the order the reply lists them;
-4. the child exits without BCC's clean-up. The kernel objects live on through the descriptors the
+4. with "image" in the request, the reply also holds what loads the same object again without a
+   compile (gpuprof.collector.bpf_image): each loaded program's instructions, with the maps their
+   64-bit loads name, its type and the tracepoint BCC attached it to;
+5. the child exits without BCC's clean-up. The kernel objects live on through the descriptors the
    collector now holds (gpuprof.collector.bpf_object).
 
 A failed compile gives {"error": ...} and exit status 1. This file imports only the standard
@@ -23,6 +26,7 @@ directory, no user site, no PYTHON* variables on the path of a root process).
 from __future__ import annotations
 
 import array
+import base64
 import ctypes
 import json
 import os
@@ -103,8 +107,58 @@ def compile_object(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     for tp, fd in [*b.tracepoint_fds.items(), *b.raw_tracepoint_fds.items()]:
         reply["attached"].append(tp.decode())
         fds.append(fd)
+    if request.get("image"):
+        reply["image"] = describe_image(lib, b, types)
     reply["cost"] = own_cost()
     return reply, fds
+
+
+# The program types of BCC's autoloaded prefixes that the image can load again, with what attaches them.
+AUTOLOADED_TYPES = {b"tracepoint__": ("tracepoint", 5), b"raw_tracepoint__": ("raw_tracepoint", 17)}
+LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
+PSEUDO_MAP_FD = 1  # its source register when the 64-bit value is a map's descriptor
+
+
+def describe_image(lib: Any, b: Any, types: dict[str, str]) -> dict[str, Any] | str:
+    """Everything a loader needs to make this object again without BCC: the instructions of every
+    loaded program (as the kernel got them, after the load) with the map each map load names,
+    and the tracepoint an autoloaded program is attached to; or why the object cannot be kept
+    (a program type or a 64-bit load the image does not describe)."""
+    module = b.module
+    by_fd = {lib.bpf_table_fd_id(module, i): lib.bpf_table_name(module, i).decode()
+             for i in range(lib.bpf_num_tables(module))}
+    programs = []
+    for name in b.funcs:
+        attach = None
+        kind = types.get(name.decode(), "kprobe")
+        for prefix, (how, prog_type) in AUTOLOADED_TYPES.items():
+            if name.startswith(prefix):
+                event = name[len(prefix):].decode()
+                # BCC's names: tracepoint__CATEGORY__EVENT, raw_tracepoint__EVENT
+                attach = {how: event.replace("__", ":", 1) if how == "tracepoint" else event}
+                kind = how
+        if name.startswith(AUTOLOADED) and attach is None:
+            return f"program {name.decode()}: autoloaded kind the image does not describe"
+        size = lib.bpf_function_size(module, name)
+        insns = ctypes.string_at(lib.bpf_function_start(module, name), size)
+        maps = []
+        at = 0
+        while at + 16 <= len(insns):
+            if insns[at] == LD_IMM64:
+                if insns[at + 1] >> 4 == PSEUDO_MAP_FD:
+                    fd = int.from_bytes(insns[at + 4 : at + 8], "little", signed=True)
+                    if fd not in by_fd:
+                        return f"program {name.decode()}: instruction {at // 8} loads descriptor {fd}, not a map of the object"
+                    maps.append([at // 8, by_fd[fd]])
+                elif insns[at + 1] >> 4:
+                    return f"program {name.decode()}: instruction {at // 8}: a 64-bit load of kind {insns[at + 1] >> 4}"
+                at += 16
+            else:
+                at += 8
+        programs.append({"name": name.decode(), "type": PROGRAM_TYPES[kind], "insns": base64.b64encode(insns).decode(),
+                         "map_loads": maps, "attach": attach})
+    return {"license": lib.bpf_module_license(module).decode(), "kern_version": lib.bpf_module_kern_version(module),
+            "programs": programs}
 
 
 def own_cost() -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 `BpfObject.compile` runs bpf_compile.py in a child (BCC's compile, about 1 s of CPU and 200 MB at
 its peak, all of it gone when the child exits) and receives the descriptors of the object's maps,
-programs and tracepoint attachments. Then, in the collector:
+programs and tracepoint attachments; or, where an earlier collector on the node compiled the same
+source for the same kernel, loads the object from the image it kept (bpf_image.py: no child, a few
+milliseconds). Then, in the collector:
 
 - maps are read and written with libbpf's low-level calls (Debian's libbpf1, which BCC's own
   package depends on): `Table`, with the subset of BCC's table interface the sources use (Key,
@@ -20,11 +22,9 @@ from __future__ import annotations
 
 import array
 import ctypes
-import fcntl
 import functools
 import json
 import os
-import platform
 import re
 import socket
 import subprocess
@@ -37,6 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from gpuprof.collector.bpf_compile import FDS_PER_MESSAGE
+from gpuprof.collector.bpf_image import ImageCache, image_key, load_image
+from gpuprof.collector.bpf_kernel import (
+    PERF_ATTR_FREQ,
+    RING_CALLBACK,
+    BpfError,
+    PerfEventAttr,
+    enable_with_program,
+    libbpf,
+    libbpf_missing,
+    perf_event_open,
+    uprobe_pmu,
+)
 
 COMPILE_SCRIPT = Path(__file__).resolve().with_name("bpf_compile.py")
 COMPILE_TIMEOUT_S = 300.0  # a compile takes 1-3 s; a child stuck this long is killed
@@ -46,51 +58,6 @@ MAP_HASH, MAP_ARRAY, MAP_PROG_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY = 1, 2, 3
 MAP_STACK_TRACE, MAP_LRU_HASH, MAP_LRU_PERCPU_HASH, MAP_RINGBUF = 7, 9, 10, 27
 ARRAY_TYPES = (MAP_ARRAY, MAP_PERCPU_ARRAY)  # entries always there: a delete zeroes (a program array's is a delete)
 PERCPU_TYPES = (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
-
-# linux/perf_event.h
-PERF_TYPE_SOFTWARE = 1
-PERF_FLAG_FD_CLOEXEC = 1 << 3
-PERF_ATTR_FREQ = 1 << 10  # the `freq` bit of the attribute's flags
-PERF_EVENT_IOC_ENABLE = 0x2400
-PERF_EVENT_IOC_SET_BPF = 0x40042408
-PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
-UPROBE_PMU = Path("/sys/bus/event_source/devices/uprobe")
-
-
-class BpfError(RuntimeError):
-    """The object did not compile or load, a map call failed or a probe did not attach; the message
-    names the map, program or file."""
-
-
-# --- libbpf ----------------------------------------------------------------------------------------
-RING_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-
-
-@functools.cache
-def libbpf() -> ctypes.CDLL:
-    """libbpf.so.1 with the calls the collector makes. Each returns a negative errno on failure."""
-    lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
-    p, i, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
-    for name, args, res in (
-        ("bpf_map_lookup_elem", [i, p, p], i), ("bpf_map_update_elem", [i, p, p, u64], i),
-        ("bpf_map_delete_elem", [i, p], i), ("bpf_map_get_next_key", [i, p, p], i),
-        ("bpf_map_lookup_batch", [i, p, p, p, p, p, p], i), ("bpf_map_update_batch", [i, p, p, p, p], i),
-        ("bpf_map_delete_batch", [i, p, p, p], i),
-        ("ring_buffer__new", [i, RING_CALLBACK, p, p], p), ("ring_buffer__add", [p, i, RING_CALLBACK, p], i),
-        ("ring_buffer__consume", [p], i), ("ring_buffer__free", [p], None),
-    ):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib
-
-
-def libbpf_missing() -> str | None:
-    """Why libbpf cannot be loaded, or None."""
-    try:
-        libbpf()
-    except OSError as e:
-        return f"cannot load libbpf.so.1 ({e}): apt-get install libbpf1"
-    return None
 
 
 # --- BCC's type descriptions as ctypes ----------------------------------------------------------------
@@ -296,11 +263,13 @@ class Table:
 @dataclass
 class CompileCost:
     """What the compile child used, as it measured itself: its CPU and its peak resident set
-    (VmHWM); and the wall time until the collector held the object."""
+    (VmHWM); and the wall time until the collector held the object. from_image: no child, the
+    object was loaded from its kept image (bpf_image.py); cpu_s is then the loading thread's."""
 
     cpu_s: float
     peak_rss_mb: float
     wall_s: float
+    from_image: bool = False
 
 
 class BpfObject:
@@ -331,52 +300,37 @@ class BpfObject:
     @classmethod
     def compile(cls, source: str, cflags: list[str], program_types: dict[str, str] | None = None,
                 tail_calls: list[tuple[str, int, str]] | None = None,
-                symbol_offset: Callable[[str, str], int | None] | None = None) -> BpfObject:
+                symbol_offset: Callable[[str, str], int | None] | None = None,
+                images: ImageCache | None = None) -> BpfObject:
         """Compile `source` with BCC in a child process (bpf_compile.py) and hold what it made.
         program_types: program name -> "perf_event" | "raw_tracepoint" | ... (default "kprobe",
         which uprobes are); tail_calls: (program array, index, program) written after the load;
-        symbol_offset(file, function): the function's file offset (uprobes are placed there)."""
+        symbol_offset(file, function): the function's file offset (uprobes are placed there);
+        images: where compiled objects are kept (bpf_image.py): the same request on the same
+        kernel loads the kept image instead of compiling (cost.from_image)."""
         why = libbpf_missing()
         if why:
             raise BpfError(why)
-        request = json.dumps({"source": source, "cflags": cflags, "program_types": program_types or {},
-                              "tail_calls": tail_calls or []}).encode()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.Popen([sys.executable, "-I", str(COMPILE_SCRIPT), str(theirs.fileno())],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(theirs.fileno(),), close_fds=True)
-        finally:
-            theirs.close()
-        try:
-            try:
-                out, err = proc.communicate(request, timeout=COMPILE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                raise BpfError(f"the BPF compile ({COMPILE_SCRIPT.name}) ran past {COMPILE_TIMEOUT_S:.0f} s") from None
-            wall_s = time.monotonic() - t0
-            try:
-                reply = json.loads(out.decode() or "null")
-            except ValueError:
-                reply = None
-            if not isinstance(reply, dict) or "error" in reply or proc.returncode != 0:
-                why = reply.get("error") if isinstance(reply, dict) else None
-                text = err.decode(errors="replace")
-                # clang's diagnostics are on the child's stderr: the first errors say what is wrong
-                errors = [line.strip() for line in text.splitlines() if "error:" in line][:3]
-                detail = "; ".join(errors) or text.strip()[-400:]
-                raise BpfError(f"the BPF compile failed (exit status {proc.returncode}): "
-                               f"{why or 'no reply'}{': ' + detail if detail else ''}")
-            fds = _receive_fds(ours)
-        finally:
-            ours.close()
-        want = len(reply["maps"]) + len(reply["programs"]) + len(reply["attached"])
-        if len(fds) != want:
-            for fd in fds:
-                os.close(fd)
-            raise BpfError(f"the BPF compile sent {len(fds)} descriptors for {want} maps, programs and tracepoints")
+        request = {"source": source, "cflags": cflags, "program_types": program_types or {},
+                   "tail_calls": tail_calls or []}
+        key = image_key(request) if images is not None else ""
+        if images is not None:
+            entry = images.load(key)
+            if entry is not None:
+                t0, cpu0 = time.monotonic(), time.thread_time()
+                try:
+                    reply, fds = load_image(entry, request["tail_calls"])
+                except BpfError as e:
+                    images.errors.append(f"kept object {key[:12]} did not load ({e}): compiling anew")
+                    images.drop(key)
+                else:
+                    cost = CompileCost(cpu_s=time.thread_time() - cpu0, peak_rss_mb=0.0,
+                                       wall_s=time.monotonic() - t0, from_image=True)
+                    return cls(reply, fds, cost, symbol_offset)
+            request["image"] = True
+        reply, fds, wall_s = _compile_in_child(request)
+        if images is not None:
+            images.store(key, reply)
         cost = CompileCost(cpu_s=float(reply["cost"]["cpu_s"]), peak_rss_mb=float(reply["cost"]["peak_rss_mb"]),
                            wall_s=wall_s)
         return cls(reply, fds, cost, symbol_offset)
@@ -420,14 +374,14 @@ class BpfObject:
         offset = self._symbol_offset(path, sym)
         if offset is None:
             raise BpfError(f"{path}: no function {sym}")
-        pmu_type, ret_bit = _uprobe_pmu()
+        pmu_type, ret_bit = uprobe_pmu()
         attr = PerfEventAttr(type=pmu_type, size=ctypes.sizeof(PerfEventAttr), sample_period=1, wakeup_events=1)
         attr.config = (1 << ret_bit) if ret else 0
         path_c = ctypes.create_string_buffer(path.encode())
         attr.config1 = ctypes.addressof(path_c)
         attr.config2 = offset
-        fd = _perf_event_open(attr, -1, 0, f"uprobe {path}:{sym}")
-        _enable_with_program(fd, prog, f"uprobe {path}:{sym}")
+        fd = perf_event_open(attr, -1, 0, f"uprobe {path}:{sym}")
+        enable_with_program(fd, prog, f"uprobe {path}:{sym}")
         with self._lock:
             old = self._probes.pop((path, sym, ret), None)
             self._probes[(path, sym, ret)] = fd
@@ -455,9 +409,9 @@ class BpfObject:
                     attr.sample_period, attr.flags = sample_freq, PERF_ATTR_FREQ
                 else:
                     attr.sample_period = sample_period
-                fd = _perf_event_open(attr, -1, cpu, f"perf event {ev_type}:{ev_config} on CPU {cpu}")
+                fd = perf_event_open(attr, -1, cpu, f"perf event {ev_type}:{ev_config} on CPU {cpu}")
                 fds.append(fd)
-                _enable_with_program(fd, prog, f"perf event {ev_type}:{ev_config} on CPU {cpu}")
+                enable_with_program(fd, prog, f"perf event {ev_type}:{ev_config} on CPU {cpu}")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -523,54 +477,48 @@ class BpfObject:
         self._callbacks.clear()
 
 
-# --- perf events -------------------------------------------------------------------------------------
-class PerfEventAttr(ctypes.Structure):
-    """struct perf_event_attr up to config2, padded to the 128 bytes of PERF_ATTR_SIZE_VER7."""
-
-    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
-                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64), ("wakeup_events", ctypes.c_uint32),
-                ("bp_type", ctypes.c_uint32), ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
-                ("_rest", ctypes.c_uint8 * 56)]
-
-
-@functools.cache
-def _uprobe_pmu() -> tuple[int, int]:
-    """The uprobe PMU's type and the config bit of a return probe."""
-    try:
-        pmu = int((UPROBE_PMU / "type").read_text())
-        fmt = (UPROBE_PMU / "format" / "retprobe").read_text().strip()  # "config:0"
-    except (OSError, ValueError) as e:
-        raise BpfError(f"the kernel's uprobe PMU is not usable ({e}): a kernel of 4.17 or later is needed") from None
-    return pmu, int(fmt.partition(":")[2])
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, what: str) -> int:
-    nr = PERF_EVENT_OPEN.get(platform.machine())
-    if nr is None:
-        raise BpfError(f"{what}: perf_event_open's number on {platform.machine()} is not known")
-    fd = _libc().syscall(ctypes.c_long(nr), ctypes.byref(attr), ctypes.c_int(pid), ctypes.c_int(cpu),
-                      ctypes.c_int(-1), ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC))
-    if fd < 0:
-        raise BpfError(f"{what}: perf_event_open: {os.strerror(ctypes.get_errno())}")
-    return int(fd)
-
-
-def _enable_with_program(fd: int, prog: int, what: str) -> None:
-    try:
-        fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog)
-        fcntl.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
-    except OSError as e:
-        os.close(fd)
-        raise BpfError(f"{what}: the program was not set on the event: {e.strerror}") from None
-
-
 # --- the child -----------------------------------------------------------------------------------------
+def _compile_in_child(request: dict[str, Any]) -> tuple[dict[str, Any], list[int], float]:
+    """bpf_compile.py's reply, the descriptors it sent, and the wall time it took."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", str(COMPILE_SCRIPT), str(theirs.fileno())],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=(theirs.fileno(),), close_fds=True)
+    finally:
+        theirs.close()
+    try:
+        try:
+            out, err = proc.communicate(json.dumps(request).encode(), timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise BpfError(f"the BPF compile ({COMPILE_SCRIPT.name}) ran past {COMPILE_TIMEOUT_S:.0f} s") from None
+        wall_s = time.monotonic() - t0
+        try:
+            reply = json.loads(out.decode() or "null")
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or "error" in reply or proc.returncode != 0:
+            why = reply.get("error") if isinstance(reply, dict) else None
+            text = err.decode(errors="replace")
+            # clang's diagnostics are on the child's stderr: the first errors say what is wrong
+            errors = [line.strip() for line in text.splitlines() if "error:" in line][:3]
+            detail = "; ".join(errors) or text.strip()[-400:]
+            raise BpfError(f"the BPF compile failed (exit status {proc.returncode}): "
+                           f"{why or 'no reply'}{': ' + detail if detail else ''}")
+        fds = _receive_fds(ours)
+    finally:
+        ours.close()
+    want = len(reply["maps"]) + len(reply["programs"]) + len(reply["attached"])
+    if len(fds) != want:
+        for fd in fds:
+            os.close(fd)
+        raise BpfError(f"the BPF compile sent {len(fds)} descriptors for {want} maps, programs and tracepoints")
+    return reply, fds, wall_s
+
+
 def _receive_fds(sock: socket.socket) -> list[int]:
     """Every descriptor the child sent, in order, until it closed its end."""
     fds: list[int] = []

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
+from gpuprof.collector.bpf_image import ImageCache
 from gpuprof.collector.bpf_object import BpfError, BpfObject, libbpf_missing
 from gpuprof.collector.debuginfo import offset_to_vaddr, vaddr_to_offset
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
@@ -537,7 +538,7 @@ class BpfHub:
     _lock = threading.Lock()
     _instance: BpfHub | None = None
 
-    def __init__(self, switches: tuple[str, ...], defines: dict[str, str]) -> None:
+    def __init__(self, switches: tuple[str, ...], defines: dict[str, str], images_dir: str | None = None) -> None:
         reason = bpf_unavailable_reason()
         if reason:
             raise SourceUnavailable(reason)
@@ -547,9 +548,10 @@ class BpfHub:
         self.switches = switches
         self.users = 0
         self.attach_lock = threading.Lock()
+        self.images = ImageCache(images_dir) if images_dir else None
         try:
             self.bpf = BpfObject.compile(inline_includes(MAIN_SOURCE), cflags, PROGRAM_TYPES,
-                                         tail_calls_for(switches), function_file_offset)
+                                         tail_calls_for(switches), function_file_offset, self.images)
         except BpfError as e:
             raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
         self.job_pids = self.bpf[b"gp_job_pids"]
@@ -562,16 +564,17 @@ class BpfHub:
 
     @classmethod
     def acquire(cls, modes: Iterable[str], defines_for: Callable[[tuple[str, ...]], dict[str, str]],
-                unwinder: str) -> BpfHub:
+                unwinder: str, images_dir: str | None = None) -> BpfHub:
         """The shared object, compiled on first use with everything the job's modes need (`unwinder`:
-        stack_unwinder's; every source passes the same, as any of them may compile first)."""
+        stack_unwinder's; every source passes the same, as any of them may compile first; images_dir:
+        images_dir_for's, where compiled objects are kept)."""
         with cls._lock:
             if cls._instance is None:
                 modes = tuple(modes)
                 switches = tuple(s for m in modes for s in MODE_SWITCHES.get(m, ()))
                 if "stacks" in modes and unwinder == "cfi":
                     switches += ("GP_WITH_CFI",)
-                cls._instance = BpfHub(switches, defines_for(switches))
+                cls._instance = BpfHub(switches, defines_for(switches), images_dir)
             cls._instance.users += 1
             return cls._instance
 
@@ -595,7 +598,9 @@ class BpfHub:
         c = self.bpf.cost
         return {"bpf_compile": {"cpu_s": round(c.cpu_s, 3), "peak_rss_mb": round(c.peak_rss_mb, 1),
                                 "wall_s": round(c.wall_s, 3), "programs": len(self.bpf.programs),
-                                "programs_not_loaded": sorted(self.bpf.program_errors)}}
+                                "programs_not_loaded": sorted(self.bpf.program_errors),
+                                "from_image": c.from_image,
+                                "image_problems": list(self.images.errors) if self.images is not None else []}}
 
     def set_pids(self, pids: Iterable[int]) -> None:
         """Add the job's pids to the kernel's set (children are added there at fork). A pid is
@@ -609,6 +614,12 @@ class BpfHub:
         for pid in now - self._known:
             table[table.Key(pid)] = one
         self._known = now
+
+
+def images_dir_for(config: dict[str, dict[str, Any]]) -> str | None:
+    """Where the node keeps its compiled BPF objects (collector.bpf_object_cache), or None."""
+    state = config["paths"]["state_dir"]
+    return os.path.join(str(state), "bpf-objects") if state and config["collector"]["bpf_object_cache"] else None
 
 
 @functools.cache

@@ -71,6 +71,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
             (int, float), 3600.0,
             "stop when the job has had no process here and Slurm could not be asked for this long (0 = never)",
         ),
+        "bpf_object_cache": Key(
+            bool, True,
+            "keep the compiled BPF object's image in <state_dir>/bpf-objects, per source and kernel, and load "
+            "it instead of compiling again (docs/collector.md)",
+        ),
         "test_slow_attach_s": Key(
             (int, float), 0.0, "test hook: every source but the clock starts this much later (0 = off)"
         ),

@@ -275,3 +275,154 @@ def test_percpu_values_are_one_per_possible_cpu(skip_without_bpf: None) -> None:
             obj[b"c"][obj[b"c"].Key(0)] = ctypes.c_uint64(1)
     finally:
         obj.cleanup()
+
+
+IMAGE_PROG = r"""
+#include <uapi/linux/ptrace.h>
+struct ev { u32 pid; u64 arg; u64 ret; };
+BPF_HASH(forks, u32, u64, 64);
+BPF_ARRAY(switches, u64, 1);
+BPF_HASH(calls, u32, u64, 16);
+BPF_PROG_ARRAY(jump, 4);
+BPF_RINGBUF_OUTPUT(events, 4);
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u32 parent = args->parent_pid;
+    forks.increment(parent);
+    return 0;
+}
+RAW_TRACEPOINT_PROBE(sched_switch) {
+    int zero = 0;
+    u64 *n = switches.lookup(&zero);
+    if (n) __sync_fetch_and_add(n, 1);
+    return 0;
+}
+int on_entry(struct pt_regs *ctx) {
+    struct ev e = {.pid = bpf_get_current_pid_tgid() >> 32, .arg = PT_REGS_PARM1(ctx)};
+    events.ringbuf_output(&e, sizeof(e), 0);
+    jump.call(ctx, 1);
+    return 0;
+}
+int counted(struct pt_regs *ctx) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    calls.increment(pid);
+    return 0;
+}
+int refused(struct pt_regs *ctx) {
+    return ((int *)ctx)[100000];
+}
+"""
+
+
+def _image_object(images: object) -> BpfObject:
+    from gpuprof.collector.bpf_support import function_file_offset
+
+    return BpfObject.compile(IMAGE_PROG, ["-DIMAGE_TEST=1"], tail_calls=[("jump", 1, "counted")],
+                             symbol_offset=function_file_offset, images=images)  # type: ignore[arg-type]
+
+
+def _check_object(obj: BpfObject, probed: Path) -> None:
+    """Every part of IMAGE_PROG works in obj: the tracepoint and raw tracepoint programs count into
+    obj's own maps, the uprobe program's ring buffer records decode, its tail call runs."""
+    assert "refused" in obj.program_errors and sorted(obj.programs) == ["counted", "on_entry"]
+    assert sorted(obj.attached_tracepoints) == ["sched:sched_process_fork", "sched_switch"]
+    obj.attach_uprobe(name=str(probed).encode(), sym=b"probed", fn_name=b"on_entry")
+    got: list[int] = []
+    obj[b"events"].open_ring_buffer(lambda _c, data, _s: got.append(obj[b"events"].event(data).arg))
+    proc = subprocess.Popen([str(probed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        proc.stdout.readline()
+        obj.ring_buffer_consume()
+        assert sorted(got) == [40, 41, 42, 43, 44]
+        calls = obj[b"calls"]
+        assert calls[calls.Key(proc.pid)].value == 5  # through the tail call
+    finally:
+        proc.kill()
+        proc.wait()
+    forks = obj[b"forks"]
+    assert forks[forks.Key(os.getpid())].value >= 1  # the probed process's fork
+    assert obj[b"switches"][obj[b"switches"].Key(0)].value > 0
+
+
+def test_an_object_is_loaded_again_from_its_image(skip_without_bpf: None, probed: Path, tmp_path: Path) -> None:
+    """The first compile keeps the object's image; the second load of the same source on this
+    kernel makes it from the image, with no compile child (no BCC, a few ms), and everything works
+    as in the compiled one: maps of its own, programs with their tail call, tracepoints attached."""
+    from gpuprof.collector.bpf_image import ImageCache
+
+    images = ImageCache(tmp_path / "bpf-objects")
+    first = _image_object(images)
+    try:
+        assert not first.cost.from_image and first.cost.peak_rss_mb > 50
+        kept = list((tmp_path / "bpf-objects").glob("*.json"))
+        assert len(kept) == 1 and kept[0].stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "bpf-objects").stat().st_mode & 0o777 == 0o700
+    finally:
+        first.cleanup()
+    again = _image_object(images)
+    try:
+        assert again.cost.from_image and again.cost.peak_rss_mb == 0 and again.cost.wall_s < 1.0, again.cost
+        assert images.errors == []
+        _check_object(again, probed)
+    finally:
+        again.cleanup()
+    # another source or other flags: another key, compiled
+    other = BpfObject.compile(IMAGE_PROG, ["-DIMAGE_TEST=2"], images=images)
+    other.cleanup()
+    assert not other.cost.from_image and len(list((tmp_path / "bpf-objects").glob("*.json"))) == 2
+
+
+def test_a_bad_image_is_named_and_the_object_compiled(skip_without_bpf: None, probed: Path, tmp_path: Path) -> None:
+    """An image the kernel refuses (its instructions damaged), one that is not ours (a symlink),
+    and a directory others may write: each said in the cache's errors, and the object compiled."""
+    import json
+
+    from gpuprof.collector.bpf_image import ImageCache
+
+    d = tmp_path / "bpf-objects"
+    images = ImageCache(d)
+    _image_object(images).cleanup()
+    [path] = d.glob("*.json")
+    entry = json.loads(path.read_text())
+    entry["image"]["programs"][0]["insns"] = "AAAAAAAAAAA="  # one instruction, opcode 0: not a program
+    path.write_text(json.dumps(entry))
+    obj = _image_object(images)
+    try:
+        assert not obj.cost.from_image
+        assert any("did not load" in e and "compiling anew" in e for e in images.errors), images.errors
+        _check_object(obj, probed)
+    finally:
+        obj.cleanup()
+    assert json.loads(path.read_text())["image"]["programs"][0]["insns"] != "AAAAAAAAAAA="  # kept anew
+
+    real = tmp_path / "elsewhere.json"
+    path.rename(real)
+    path.symlink_to(real)
+    images = ImageCache(d)
+    _image_object(images).cleanup()
+    assert any("symlink" in e for e in images.errors), images.errors
+
+    d.chmod(0o755)
+    images = ImageCache(d)
+    obj = _image_object(images)
+    obj.cleanup()
+    assert not obj.cost.from_image and any("mode 0700" in e for e in images.errors), images.errors
+
+
+def test_kept_images_are_the_most_recently_used(tmp_path: Path) -> None:
+    """Past KEEP_IMAGES, storing one removes the least recently used; an image read is used."""
+    from gpuprof.collector.bpf_image import KEEP_IMAGES, ImageCache
+
+    images = ImageCache(tmp_path / "bpf-objects")
+    reply = {"maps": [], "programs": [], "program_errors": {}, "attached": [], "image": {"programs": []}}
+    keys = [f"{i:064x}" for i in range(KEEP_IMAGES + 1)]
+    for n, key in enumerate(keys[:KEEP_IMAGES]):
+        images.store(key, reply)
+        os.utime(images.path(key), ns=(n * 10**9, n * 10**9))  # stored one a second apart, long ago
+    assert images.load(keys[0]) is not None
+    images.store(keys[-1], reply)
+    left = {p.stem for p in (tmp_path / "bpf-objects").glob("*.json")}
+    assert len(left) == KEEP_IMAGES and keys[0] in left and keys[1] not in left and keys[-1] in left
+    assert images.errors == []

@@ -19,6 +19,7 @@ from gpuprof.collector.bpf_support import (
     defined_functions,
     defines_for_all,
     detach_symbols,
+    images_dir_for,
     mapped_libraries,
     read_environ,
     read_maps,
@@ -76,7 +77,7 @@ class BpfCollectivesSource(Source):
             return d
 
         self.hub = BpfHub.acquire(ctx.modes if "collectives" in ctx.modes else (*ctx.modes, "collectives"),
-                                  defines, stack_unwinder(ctx.config))
+                                  defines, stack_unwinder(ctx.config), images_dir_for(ctx.config))
         if not self.hub.has("GP_WITH_COLLECTIVES"):
             raise SourceUnavailable("the shared BPF object was compiled without collectives")
         b = self.hub.bpf

@@ -36,6 +36,7 @@ from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import (
     BpfHub,
     defines_for_all,
+    images_dir_for,
     kernel_member_offset,
     read_maps,
     read_ring_drops,
@@ -70,7 +71,7 @@ def stack_store(hub: BpfHub, ctx: SourceContext) -> StackStore:
 
 def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
     modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
-    return BpfHub.acquire(modes, defines_for_all, stack_unwinder(ctx.config, unwinder))
+    return BpfHub.acquire(modes, defines_for_all, stack_unwinder(ctx.config, unwinder), images_dir_for(ctx.config))
 
 
 class WindowedCounts:
