@@ -1,6 +1,6 @@
 """What a job's tasks are given to reach the fast path: the interposer libraries, NCCL's profiler
-plugin, the NVTX and CUPTI injections, the per-job ring directory, and the `export` lines of the
-TaskProlog that sets them (`fastpath_exports`).
+plugin, the NVTX and CUPTI injections, the per-job ring directory; the job's task plan that the
+prolog writes for the TaskProlog, and the `export` lines the TaskProlog makes of it.
 
 The standard library only (and the suite's environment names): the TaskProlog runs this for every
 task of every step of a profiled job, inside the job's own time, so it must not import numpy or
@@ -89,65 +89,111 @@ def cupti_on(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -> bool:
     return "kernels" in modes and want == "auto" and CUPTI_INJECTION.exists() and LAYOUT.exists()
 
 
-def _step_aside(var: str, ours: Path, job_env: Mapping[str, str]) -> list[str]:
-    """`export var=ours`, or, when the job set var itself, a line the job's output shows instead
-    (a TaskProlog `print` line): the job's own plugin wins."""
-    theirs = job_env.get(var, "")
-    if theirs and theirs != str(ours):
-        return [(f"print gpuprof: {var} is already set by the job ({theirs[:200]}): gpuprof's stays out "
-                 "and records nothing through it")]
-    return [f"export {var}={ours}"]
+# The job's task plan (`job_task_plan`): what the prolog decides once per job and node, written for
+# the TaskProlog into TASK_PLAN_DIR/<job>@<node> (`write_task_plan`), so that the TaskProlog, which
+# runs for every task of every step inside the job's time, is a shell script that reads it
+# (etc/task-prolog: about 2 ms a task, where a Python interpreter's start was 37 ms). The directory
+# is root's (0755) and each plan the job's user's alone to read (0400): no user can write one. The
+# shell and `render_task_plan` here give the same lines (tests/test_task_prolog.py).
+TASK_PLAN_DIR = Path("/run/gpuprof-tasks")
+# a plan's keys, in the order of its lines; the per-task part is the task's own environment:
+#   preload: prepended to the task's LD_PRELOAD; plugin, nvtx, cupti: set unless the job set the
+#   variable to something else (then a `print` line says so); nvtx_asked: nvtx, only for a task
+#   whose environment has GPUPROF_NVTX=1 (sources.nvtx.inject = job)
+PLAN_KEYS = ("modes", "preload", "job", "dir", "plugin", "nvtx", "nvtx_asked", "cupti")
+PLAN_VARIABLES = {"plugin": NCCL_PROFILER_PLUGIN, "nvtx": NVTX_INJECTION64_PATH,
+                  "nvtx_asked": NVTX_INJECTION64_PATH, "cupti": CUDA_INJECTION64_PATH}
 
 
-def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], job_id: str | None = None,
-                     existing_ld_preload: str | None = None, ring_dir: str | os.PathLike[str] | None = None,
-                     node: str | None = None, job_env: Mapping[str, str] | None = None) -> list[str]:
-    """`export NAME=value` lines for the TaskProlog: the interposers of the libraries whose path is
-    'fastpath' for this job (sources.collectives.mpi_path / nccl_path; auto = fast path when built).
-    Empty when mode `collectives` is off or no library uses the fast path. job_id and the task's
-    LD_PRELOAD default to the TaskProlog's environment (SLURM_JOB_ID, LD_PRELOAD); ring_dir to the
-    per-job directory of this node (`job_ring_dir`, node from SLURMD_NODENAME). Also
-    NCCL_PROFILER_PLUGIN (`nccl_profiler_on`), NVTX_INJECTION64_PATH (`nvtx_on`) and, in mode
-    kernels, CUDA_INJECTION64_PATH (`cupti_on`; then without the interposers), each unless the
-    job's environment (job_env, default the TaskProlog's) sets it already: then a `print` line
-    says so to the job's output, and the collector reports it too (/diagnostics/errors)."""
-    if "collectives" not in modes and "kernels" not in modes:
-        return []
-    if job_env is None:
-        job_env = os.environ
-    if job_id is None:
-        job_id = env.get(env.SLURM_JOB_ID)
-        if not job_id:
-            return []  # no job to name the rings after: the uprobe path still sees the calls
-    if existing_ld_preload is None:
-        existing_ld_preload = env.get(env.LD_PRELOAD) or ""
+def job_task_plan(modes: tuple[str, ...], config: dict[str, dict[str, Any]], job_id: str,
+                  ring_dir: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
+    """(key, value) pairs of PLAN_KEYS: the job's modes, and, when the job has a ring directory,
+    what of the fast path its tasks get (the interposers of the libraries whose path is 'fastpath':
+    sources.collectives.mpi_path / nccl_path, auto = when built; NCCL's profiler plugin,
+    `nccl_profiler_on`; NVTX's injection, `nvtx_on`; CUPTI's in mode kernels, `cupti_on`, then
+    without the interposers)."""
+    plan = [("modes", ",".join(modes))]
+    if ring_dir is None or ("collectives" not in modes and "kernels" not in modes):
+        return plan
     paths = resolve_paths(config)
     built = built_libraries()
     libs = [str(built[lib]) for lib in ("mpi", "nccl") if paths[lib] == "fastpath" and built[lib] is not None]
     if "collectives" not in modes:
         libs = []
     plugin = "collectives" in modes and nccl_profiler_on(config)
-    nvtx = "collectives" in modes and nvtx_on(config, job_env)
+    nvtx_when = config.get("sources.nvtx", {}).get("inject", "off")
+    nvtx = "collectives" in modes and nvtx_on(config, {GPUPROF_NVTX: "1"})  # built, and on or job
     cupti = cupti_on(modes, config)
     if not libs and not plugin and not nvtx and not cupti:
-        return []
+        return plan
+    if libs:
+        plan.append(("preload", ":".join(libs)))
+    plan += [("job", job_id), ("dir", os.fspath(ring_dir))]
+    if plugin:
+        plan.append(("plugin", str(NCCL_PROFILER)))
+    if nvtx:
+        plan.append(("nvtx" if nvtx_when == "on" else "nvtx_asked", str(NVTX_INJECTION)))
+    if cupti:
+        plan.append(("cupti", str(CUPTI_INJECTION)))
+    return plan
+
+
+def render_task_plan(plan: list[tuple[str, str]], task_env: Mapping[str, str]) -> list[str]:
+    """The TaskProlog's lines for one task: `export NAME=value`, and `print ...` where the job set
+    a variable of ours to something else (the job's own plugin wins; the collector reports it
+    too, /diagnostics/errors). etc/task-prolog does the same in shell."""
+    lines = []
+    for key, value in plan:
+        if key == "modes":
+            lines.append(f"export {env.GPUPROF_MODES}={value}")
+        elif key == "preload":
+            theirs = task_env.get(env.LD_PRELOAD, "")
+            lines.append(f"export LD_PRELOAD={':'.join([value, *[p for p in theirs.split(':') if p]])}")
+        elif key == "job":
+            lines.append(f"export GPUPROF_FASTPATH_JOB={value}")
+        elif key == "dir":
+            lines.append(f"export GPUPROF_FASTPATH_DIR={value}")
+        elif key == "nvtx_asked" and task_env.get(GPUPROF_NVTX, "") != "1":
+            continue
+        elif key in PLAN_VARIABLES:
+            var = PLAN_VARIABLES[key]
+            theirs = task_env.get(var, "")
+            if theirs and theirs != value:
+                lines.append(f"print gpuprof: {var} is already set by the job ({theirs[:200]}): gpuprof's stays "
+                             "out and records nothing through it")
+            else:
+                lines.append(f"export {var}={value}")
+        else:
+            raise ValueError(f"task plan: unknown key {key!r}")
+    return lines
+
+
+def fastpath_exports(modes: tuple[str, ...], config: dict[str, dict[str, Any]], job_id: str | None = None,
+                     existing_ld_preload: str | None = None, ring_dir: str | os.PathLike[str] | None = None,
+                     node: str | None = None, job_env: Mapping[str, str] | None = None) -> list[str]:
+    """The fast path's `export` lines of one task (`job_task_plan` rendered, without the modes'
+    line); empty when mode `collectives` is off or no library uses the fast path. job_id and the
+    task's LD_PRELOAD default to this process's environment (SLURM_JOB_ID, LD_PRELOAD); ring_dir to
+    the per-job directory of this node (`job_ring_dir`, node from SLURMD_NODENAME); job_env (the
+    task's environment, for the variables the job may have set itself) to os.environ."""
+    if job_env is None:
+        job_env = os.environ
+    if job_id is None:
+        job_id = env.get(env.SLURM_JOB_ID)
+        if not job_id:
+            return []  # no job to name the rings after: the uprobe path still sees the calls
     if ring_dir is None:
         try:
             ring_dir = job_ring_dir(job_id, node or env.get(env.SLURMD_NODENAME) or os.uname().nodename)
         except ValueError:
             return []
-    lines = []
-    if libs:
-        preload = ":".join([*libs, *[p for p in existing_ld_preload.split(":") if p]])
-        lines.append(f"export LD_PRELOAD={preload}")
-    lines += [
-        f"export GPUPROF_FASTPATH_JOB={job_id}",
-        f"export GPUPROF_FASTPATH_DIR={os.fspath(ring_dir)}",
-    ]
-    if plugin:
-        lines += _step_aside(NCCL_PROFILER_PLUGIN, NCCL_PROFILER, job_env)
-    if nvtx:
-        lines += _step_aside(NVTX_INJECTION64_PATH, NVTX_INJECTION, job_env)
-    if cupti:
-        lines += _step_aside(CUDA_INJECTION64_PATH, CUPTI_INJECTION, job_env)
-    return lines
+    if existing_ld_preload is None:
+        existing_ld_preload = env.get(env.LD_PRELOAD) or ""
+    task_env = {**job_env, env.LD_PRELOAD: existing_ld_preload}
+    plan = [(k, v) for k, v in job_task_plan(modes, config, job_id, ring_dir) if k != "modes"]
+    return render_task_plan(plan, task_env)
+
+
+def task_plan_path(job_id: str, node: str, base: Path = TASK_PLAN_DIR) -> Path:
+    """TASK_PLAN_DIR/<job>@<node> (per node as job_ring_dir is)."""
+    return base / job_ring_dir(job_id, node, "/").name.removeprefix("gpuprof-")

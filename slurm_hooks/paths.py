@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -285,3 +286,44 @@ def remove_job_dir(path: Path) -> bool:
         raise PlacementError(f"{path}: cannot remove: {e.strerror or e}") from None
     finally:
         os.close(parent_fd)
+
+
+# --- the job's task plan (root writes it, the job's TaskProlog reads it) ------------------------
+
+def write_task_plan(path: Path, lines: list[str], uid: int) -> None:
+    """As root: path (in a directory only root writes, 0755, made here) holding lines, readable by
+    uid alone (0400, owned by uid: a file of another user cannot be read, nor this one written by
+    anyone but root, since its directory is root's). Written aside and renamed over. Raises
+    PlacementError when the directory is not root's alone, or on a write error."""
+    d = path.parent
+    try:
+        d.mkdir(mode=0o755, exist_ok=True)
+        st = os.lstat(d)
+    except OSError as e:
+        raise PlacementError(f"{d}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PlacementError(f"{d}: not a directory of root's that only root writes")
+    tmp = d / f".{path.name}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
+        try:
+            os.write(fd, "".join(f"{line}\n" for line in lines).encode())
+            os.fchown(fd, uid, -1)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PlacementError(f"{path}: {e.strerror}") from None
+
+
+def remove_task_plan(path: Path) -> bool:
+    """The plan write_task_plan made; False when it was not there."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise PlacementError(f"{path}: cannot remove: {e.strerror}") from None

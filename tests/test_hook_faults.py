@@ -263,6 +263,28 @@ def test_prolog_state_lost_epilog_still_finds_the_collector(node: Node) -> None:
     o.check()
 
 
+def test_the_prolog_writes_the_task_plan_the_epilog_removes_it(node: Node) -> None:
+    """The job's task plan, which the TaskProlog reads in shell at every task: written by the
+    prolog for the job's user alone, read by etc/task-prolog as that user, removed by the epilog."""
+    from gpuprof.collector.fastpath_env import task_plan_path
+
+    w = node.work_dir("a")
+    job = node.submit(w)
+    node.hook("prolog", job, w)
+    plan = task_plan_path(job, node.name)
+    try:
+        st = plan.stat()
+        assert st.st_uid == node.user.pw_uid and st.st_mode & 0o777 == 0o400, node.log_text()[-2000:]
+        task_env = {k: v for k, v in node.env(job, w).items() if k != "GPUPROF_CONFIG"}
+        r = subprocess.run(["runuser", "-u", node.user.pw_name, "--", "/bin/sh", str(REPO / "etc" / "task-prolog")],
+                           env={**task_env, "GPUPROF_PYTHON": "/nonexistent"}, capture_output=True, text=True,
+                           timeout=30, check=True)
+        assert r.stdout.splitlines() == ["export GPUPROF_MODES=metrics"]
+    finally:
+        node.hook("epilog", job, w)
+    assert not plan.exists() and node.exits == [0, 0]
+
+
 def test_collector_sealed_before_the_epilog_is_placed_whole(node: Node) -> None:
     """The collector sealed and exited before its epilog asked (it stopped by itself, or sealed for
     a seal request whose answer was lost): its control socket is gone, but its file is sealed,
