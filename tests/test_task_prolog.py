@@ -79,17 +79,17 @@ def test_what_the_renderer_says_for_the_job_and_the_task() -> None:
     plan = SYNTHETIC_PLANS["everything"]
     lines = fe.render_task_plan(plan, TASK_ENVS["its own preload"])
     assert lines[:4] == ["export GPUPROF_MODES=metrics,stacks,collectives",
-                         "export LD_PRELOAD=/opt/gp/libgpuprof_pmpi.so:/opt/gp/libgpuprof_nccl.so:/usr/lib/libfoo.so:"
-                         "/usr/lib/libbar.so",
+                         ("export LD_PRELOAD=/opt/gp/libgpuprof_pmpi.so:/opt/gp/libgpuprof_nccl.so:/usr/lib/libfoo.so:"
+                         "/usr/lib/libbar.so"),
                          f"export GPUPROF_FASTPATH_JOB={JOB}", f"export GPUPROF_FASTPATH_DIR=/dev/shm/gpuprof-{JOB}@{NODE}"]
     theirs = fe.render_task_plan(plan, TASK_ENVS["the job's own plugin and injections"])
     assert [ln for ln in theirs if ln.startswith("print ")] == [
-        "print gpuprof: NCCL_PROFILER_PLUGIN is already set by the job (/home/u/myplugin.so): gpuprof's stays out "
-        "and records nothing through it",
-        "print gpuprof: NVTX_INJECTION64_PATH is already set by the job (/home/u/nvtx.so): gpuprof's stays out and "
-        "records nothing through it",
-        f"print gpuprof: CUDA_INJECTION64_PATH is already set by the job ({'x' * 200}): gpuprof's stays out and "
-        "records nothing through it"]
+        ("print gpuprof: NCCL_PROFILER_PLUGIN is already set by the job (/home/u/myplugin.so): gpuprof's stays out "
+        "and records nothing through it"),
+        ("print gpuprof: NVTX_INJECTION64_PATH is already set by the job (/home/u/nvtx.so): gpuprof's stays out and "
+        "records nothing through it"),
+        (f"print gpuprof: CUDA_INJECTION64_PATH is already set by the job ({'x' * 200}): gpuprof's stays out and "
+        "records nothing through it")]
     asked = SYNTHETIC_PLANS["nvtx when asked"]
     assert "export NVTX_INJECTION64_PATH=/opt/gp/nvtx.so" in fe.render_task_plan(asked, {"GPUPROF_NVTX": "1"})
     assert not any("NVTX" in ln for ln in fe.render_task_plan(asked, {"GPUPROF_NVTX": "0"}))
