@@ -311,15 +311,16 @@ class BpfObject:
         why = libbpf_missing()
         if why:
             raise BpfError(why)
-        request = {"source": source, "cflags": cflags, "program_types": program_types or {},
-                   "tail_calls": tail_calls or []}
+        calls = tail_calls or []
+        request: dict[str, Any] = {"source": source, "cflags": cflags, "program_types": program_types or {},
+                                   "tail_calls": calls}
         key = image_key(request) if images is not None else ""
         if images is not None:
             entry = images.load(key)
             if entry is not None:
                 t0, cpu0 = time.monotonic(), time.thread_time()
                 try:
-                    reply, fds = load_image(entry, request["tail_calls"])
+                    reply, fds = load_image(entry, calls)
                 except BpfError as e:
                     images.errors.append(f"kept object {key[:12]} did not load ({e}): compiling anew")
                     images.drop(key)
