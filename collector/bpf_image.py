@@ -1,6 +1,6 @@
 """The collector's BPF object loaded again without a compile: its image, kept per kernel and source.
 
-A BCC compile costs a job's start 1 to 3 s of CPU and a child of 180 MB (docs/collector.md, "Peak
+A BCC compile costs a job's start 1 to 7 s of CPU and a child of 180 MB (docs/collector.md, "Peak
 RSS"), and on a node that starts two collectors at once (the local cluster's virtual nodes, two
 jobs sharing a node) both compile together, so that the probes of a short job attach after it
 started. Yet the compile's output depends only on the source, the compile flags and the kernel:
@@ -47,6 +47,7 @@ MAX_IMAGE_BYTES = 64 << 20
 # images kept, the most recently used: one per set of modes and kernel (about 250 kB each); the
 # others are removed when one is stored
 KEEP_IMAGES = 16
+
 
 # --- the key -----------------------------------------------------------------------------------------
 def kernel_identity() -> dict[str, Any]:
@@ -121,7 +122,10 @@ class ImageCache:
         if not isinstance(entry, dict) or entry.get("version") != IMAGE_VERSION or entry.get("key") != key:
             self.errors.append(f"{path}: not an image of this version and key; compiling anew")
             return None
-        os.utime(path)  # recently used: kept longest
+        try:
+            os.utime(path)  # recently used: kept longest
+        except OSError as e:
+            self.errors.append(f"{path}: {e.strerror} (not marked as used)")
         return entry
 
     def store(self, key: str, reply: dict[str, Any]) -> None:
@@ -155,7 +159,10 @@ class ImageCache:
             except FileNotFoundError:  # another collector's trim
                 continue
         for _, p in sorted(kept, reverse=True)[KEEP_IMAGES:]:
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:
+                self.errors.append(f"{p}: not removed: {e.strerror}")
 
     def drop(self, key: str) -> None:
         """An image that did not load: removed, so that the next compile writes it anew."""
