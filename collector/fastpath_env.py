@@ -142,8 +142,13 @@ def render_task_plan(plan: list[tuple[str, str]], task_env: Mapping[str, str]) -
     """The TaskProlog's lines for one task: `export NAME=value`, and `print ...` where the job set
     a variable of ours to something else (the job's own plugin wins; the collector reports it
     too, /diagnostics/errors). etc/task-prolog does the same in shell."""
+    asked_nvtx = task_env.get(GPUPROF_NVTX, "") == "1"
+    # the ring's job and directory only for a task that gets something writing to it
+    active = any(k in ("preload", "plugin", "nvtx", "cupti") or (k == "nvtx_asked" and asked_nvtx) for k, _ in plan)
     lines = []
     for key, value in plan:
+        if key in ("job", "dir") and not active:
+            continue
         if key == "modes":
             lines.append(f"export {env.GPUPROF_MODES}={value}")
         elif key == "preload":
@@ -153,7 +158,7 @@ def render_task_plan(plan: list[tuple[str, str]], task_env: Mapping[str, str]) -
             lines.append(f"export GPUPROF_FASTPATH_JOB={value}")
         elif key == "dir":
             lines.append(f"export GPUPROF_FASTPATH_DIR={value}")
-        elif key == "nvtx_asked" and task_env.get(GPUPROF_NVTX, "") != "1":
+        elif key == "nvtx_asked" and not asked_nvtx:
             continue
         elif key in PLAN_VARIABLES:
             var = PLAN_VARIABLES[key]

@@ -121,5 +121,5 @@ def test_the_task_prolog_and_the_compile_child_stay_light() -> None:
     tree = ast.parse(compile_script.read_text())
     top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     top |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert "gpuprof" not in top and top <= {"array", "ctypes", "json", "os", "resource", "socket", "sys", "typing",
+    assert "gpuprof" not in top and top <= {"array", "base64", "ctypes", "json", "os", "resource", "socket", "sys", "typing",
                                             "bcc", "__future__"}, top

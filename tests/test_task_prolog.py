@@ -25,6 +25,8 @@ SYNTHETIC_PLANS = {
                    ("job", JOB), ("dir", f"/dev/shm/gpuprof-{JOB}@{NODE}"), ("plugin", "/opt/gp/libnccl-profiler-gpuprof.so"),
                    ("nvtx", "/opt/gp/libgpuprof_nvtx.so"), ("cupti", "/opt/gp/libgpuprof_cupti.so")],
     "nvtx when asked": [("modes", "collectives"), ("job", JOB), ("dir", "/dev/shm/x"), ("nvtx_asked", "/opt/gp/nvtx.so")],
+    "nvtx when asked, and the plugin": [("modes", "collectives"), ("job", JOB), ("dir", "/dev/shm/x"),
+                                        ("plugin", "/opt/gp/plugin.so"), ("nvtx_asked", "/opt/gp/nvtx.so")],
     "a value with = in it": [("modes", "collectives"), ("preload", "/opt/a=b/lib.so"), ("job", JOB), ("dir", "/d")],
 }
 TASK_ENVS = {
@@ -92,7 +94,8 @@ def test_what_the_renderer_says_for_the_job_and_the_task() -> None:
         "records nothing through it")]
     asked = SYNTHETIC_PLANS["nvtx when asked"]
     assert "export NVTX_INJECTION64_PATH=/opt/gp/nvtx.so" in fe.render_task_plan(asked, {"GPUPROF_NVTX": "1"})
-    assert not any("NVTX" in ln for ln in fe.render_task_plan(asked, {"GPUPROF_NVTX": "0"}))
+    # nothing would write to the rings: no job or directory either
+    assert fe.render_task_plan(asked, {"GPUPROF_NVTX": "0"}) == ["export GPUPROF_MODES=collectives"]
     with pytest.raises(ValueError, match="unknown key"):
         fe.render_task_plan([("modes", "metrics"), ("bogus", "1")], {})
 
