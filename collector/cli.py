@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -101,6 +102,9 @@ def collect(
     from gpuprof.collector.daemon import Collector, CollectorOptions
 
     few_malloc_arenas()
+    # a crash (SIGSEGV in a native part, an abort) leaves every thread's Python stack on stderr, the
+    # collector's log, which the epilog quotes when the collector did not seal
+    faulthandler.enable()
     if continuous:
         _collect_continuous(ctx, node, modes, control_socket, duration, nice)
         return

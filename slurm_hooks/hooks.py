@@ -574,6 +574,7 @@ def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Pa
                         "the file is complete")
         sealed = True
     if not sealed:
+        _quote_collector_log(state_dir / "collector.log", log)
         to_place = _recover(trace, state_dir, node, why, problems, log)
     if to_place is None:
         return None
@@ -582,6 +583,20 @@ def _seal_and_recover(cfg: dict[str, Any], job_id: str, node: str, state_dir: Pa
     finally:
         if to_place.parent.name.startswith(RECOVER_PREFIX):
             shutil.rmtree(to_place.parent, ignore_errors=True)
+
+
+def _quote_collector_log(path: Path, log: logging.Logger, lines: int = 30) -> None:
+    """The end of a collector's own log (its stderr: a Python traceback, faulthandler's stacks of a
+    crash) into the hooks' log before the state directory goes: why it did not seal."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            tail = f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        log.warning("collector log %s: %s", path, e.strerror)
+        return
+    if tail:
+        log.error("the collector's log ends with:\n%s", "\n".join(f"    {line}" for line in tail))
 
 
 def _from_continuous(cfg: dict[str, Any], state: NodeJobState, trace: Path, problems: list[str],
