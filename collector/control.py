@@ -131,7 +131,11 @@ class ControlServer:
                 data += chunk
         except TimeoutError:
             pass
-        reply = self.dispatch(data.split(b"\n", 1)[0])
+        try:
+            reply = self.dispatch(data.split(b"\n", 1)[0])
+        except Exception as e:  # a failed request is answered; the socket keeps serving
+            log.exception("control request failed")
+            reply = {"ok": False, "error": f"request failed: {type(e).__name__}: {e}"}
         conn.sendall(json.dumps(reply, sort_keys=True).encode() + b"\n")
 
     def dispatch(self, line: bytes) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""The seal survives a source whose counters go away as it stops.
+
+Seen in CI and `make test` (2026-12-05): the stacks source's drop counter read its BPF map after the
+object was freed (the source stopping in its own thread while the writer sealed), an IndexError
+went up through the writer's seal and then through the control socket's status, and the epilog got
+an empty reply: the node file stayed unsealed and reached the user as partial. Here a source does
+the same on purpose, and the collector is sealed through its real control socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import pytest
+
+from gpuprof.collector import config as config_mod
+from gpuprof.collector.control import request
+from gpuprof.collector.daemon import Collector, CollectorOptions
+from gpuprof.collector.sources.base import Batch, Source, SourceContext
+from gpuprof.collector.sources.clock import ClockSource
+
+
+class CounterGoesAway(Source):
+    """Counts 3 drops while running; once stopping, its counter raises as a freed map's read did."""
+
+    name = "goesaway"
+    interval_s = 0.1
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def start(self, ctx: SourceContext) -> None:
+        self.ctx = ctx
+
+    def sample(self, now_ns: int) -> list[Batch]:
+        return []
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def drops(self) -> int:
+        if self.stopping:
+            raise IndexError("list index out of range")  # as read_ring_drops(...)[0] on a freed map
+        return 3
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_a_counter_that_fails_at_stop_does_not_cost_the_seal(tmp_path: Path,
+                                                            sleeper: subprocess.Popen[bytes]) -> None:
+    sock = tmp_path / "c.sock"
+    out = tmp_path / "n.h5"
+    source = CounterGoesAway()
+    c = Collector(CollectorOptions(output=out, modes=("metrics",), config=config_mod.defaults(), pid=sleeper.pid,
+                                   control_socket=sock, use_scontrol=False),
+                  sources=[ClockSource(1.0), source])
+    c.start()
+    try:
+        deadline = time.monotonic() + 10
+        while request(str(sock), "status", timeout_s=2.0)["state"] != "recording" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert request(str(sock), "status", timeout_s=2.0)["drops"]["goesaway"] == 3
+        source.stopping = True  # its map freed, as when its stop ran first
+        st = request(str(sock), "status", timeout_s=2.0)  # the counter raises now: answered all the same
+        assert st["drops"]["goesaway"] == 3  # its last value, kept
+        c.request_stop("test")
+        shutdown_error: list[BaseException] = []
+        try:
+            c.shutdown()
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            shutdown_error.append(e)
+        assert not shutdown_error and c.state == "sealed", (shutdown_error, c.status())
+    finally:
+        if not c.finished_event.is_set():
+            c.request_stop("test")
+            c.shutdown()
+    with h5py.File(out, "r") as f:
+        assert f.attrs["sealed"] and json.loads(f.attrs["drops_json"])["goesaway"] == 3
+    assert not os.path.exists(sock)
