@@ -162,14 +162,6 @@ class Table:
     def _raise(self, rc: int, what: str) -> None:
         raise BpfError(f"map {self.name}: {what}: {os.strerror(-rc)}")
 
-    @property
-    def _fd(self) -> int:
-        """The map's descriptor while the object lives: after cleanup its number may name another
-        file already (or another map), so a call then is refused, not sent."""
-        if self.owner.closed:
-            raise BpfError(f"map {self.name}: the BPF object was freed (its source stopped)")
-        return self.map_fd
-
     # values
     def _value_buffer(self) -> Any:
         if self.map_type not in PERCPU_TYPES:
@@ -184,7 +176,7 @@ class Table:
 
     def get(self, key: Any, default: Any = None) -> Any:
         buf = self._value_buffer()
-        if self._lib.bpf_map_lookup_elem(self._fd, ctypes.byref(key), ctypes.byref(buf)) < 0:
+        if self._lib.bpf_map_lookup_elem(self.map_fd, ctypes.byref(key), ctypes.byref(buf)) < 0:
             return default
         return self._per_cpu(buf) if self.map_type in PERCPU_TYPES else buf
 
@@ -197,7 +189,7 @@ class Table:
     def __setitem__(self, key: Any, leaf: Any) -> None:
         if self.map_type in PERCPU_TYPES:
             raise BpfError(f"map {self.name}: per-CPU values are written by the BPF programs only")
-        rc = self._lib.bpf_map_update_elem(self._fd, ctypes.byref(key), ctypes.byref(leaf), 0)
+        rc = self._lib.bpf_map_update_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf), 0)
         if rc < 0:
             self._raise(rc, "update")
 
@@ -205,12 +197,12 @@ class Table:
         """Delete a hash entry (KeyError when absent); an array's entry is set to zero."""
         if self.map_type in ARRAY_TYPES:
             self[key] = self.Leaf()
-        elif self._lib.bpf_map_delete_elem(self._fd, ctypes.byref(key)) < 0:
+        elif self._lib.bpf_map_delete_elem(self.map_fd, ctypes.byref(key)) < 0:
             raise KeyError(key)
 
     def keys(self) -> Iterator[Any]:
         key, nxt = None, self.Key()
-        while self._lib.bpf_map_get_next_key(self._fd, None if key is None else ctypes.byref(key),
+        while self._lib.bpf_map_get_next_key(self.map_fd, None if key is None else ctypes.byref(key),
                                               ctypes.byref(nxt)) == 0:
             key = self.Key.from_buffer_copy(nxt)
             yield key
@@ -238,7 +230,7 @@ class Table:
                 self[self.Key(i)] = self.Leaf()
             return
         for k in list(self.keys()):
-            self._lib.bpf_map_delete_elem(self._fd, ctypes.byref(k))  # gone already: fine
+            self._lib.bpf_map_delete_elem(self.map_fd, ctypes.byref(k))  # gone already: fine
 
     # stack maps
     def walk(self, stack_id: int) -> Iterator[int]:
