@@ -98,7 +98,16 @@ class Cluster:
         cwd: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> str:
-        """Submit with `sbatch --parsable ARGS`; returns the job id, raises SlurmCommandError."""
+        """Submit with `sbatch --parsable ARGS`; returns the job id, raises SlurmCommandError.
+
+        A job asking for `-N K` and naming no nodes gets the first K (`-w node[1-K]`): the tests
+        read node1's file of a one-node job, and the merge job an earlier test's epilog submitted
+        may still hold node1, where Slurm would start this job on node2 instead (a CI run failed
+        so: node1.h5 missing). Pinned, the job waits for the merge to end."""
+        args = list(args)
+        count = next((int(a[2:]) for a in args if re.fullmatch(r"-N\d+", a)), None)
+        if count is not None and not any(a in ("-w", "--nodelist") or a.startswith("--nodelist=") for a in args):
+            args = ["-w", f"node[1-{count}]" if count > 1 else "node1", *args]
         proc = self.run(["sbatch", "--parsable", *args], user=user, cwd=cwd, env=env, check=True)
         return proc.stdout.strip().split(";")[0]
 
