@@ -90,6 +90,10 @@ def sbatch_job_stacks(job_dir: Path, job: int | str) -> tuple[dict[str, Any], An
     deadline = time.monotonic() + 30
     while not node.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
+    if not node.exists():
+        notes = {p.name: p.read_text() for p in node.parent.glob("*.problem.txt")} if node.parent.exists() else {}
+        found = sorted(p.name for p in node.parent.iterdir()) if node.parent.exists() else "no directory"
+        raise AssertionError(f"{node} missing 30 s after the job's end; found {found}; notes {notes}")
     info = json.loads((job_dir / f"slurm-{job}.out").read_text().strip().splitlines()[-1])
     with h5py.File(node, "r") as f:
         attach = json.loads(f.attrs["attach_json"])
