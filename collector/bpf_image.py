@@ -28,7 +28,6 @@ import importlib.util
 import json
 import os
 import platform
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from gpuprof.collector.bpf_kernel import (
     load_program,
     open_raw_tracepoint,
 )
-from gpuprof.collector.safeio import UnsafeFile, read_user_file
+from gpuprof.collector.safeio import UnsafeFile, own_directory_problem, read_user_file
 
 IMAGE_VERSION = 1
 MAX_IMAGE_BYTES = 64 << 20
@@ -85,16 +84,10 @@ class ImageCache:
         self.errors: list[str] = []
 
     def _dir_ok(self) -> bool:
-        try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.lstat(self.dir)
-        except OSError as e:
-            self.errors.append(f"{self.dir}: {e.strerror}")
-            return False
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            self.errors.append(f"{self.dir}: not a directory of uid {os.geteuid()} with mode 0700; images not used")
-            return False
-        return True
+        problem = own_directory_problem(self.dir, 0o077)
+        if problem:
+            self.errors.append(f"{problem}; images not used")
+        return not problem
 
     def path(self, key: str) -> Path:
         if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from gpuprof.collector.debuginfo import NOTE_SECTION_MAX_BYTES, SHT_NOTE, build_id_note
-from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
+from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, own_directory_problem
 
 # struct gp_cfi_row of bpf/cfiunwind.h (12 bytes)
 ROW_DTYPE = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa_type", "u1"),
@@ -761,16 +761,10 @@ class TableCache:
     def _disk_ok(self) -> bool:
         """The cache directory exists (made 0700 if not), is root's and writable by nobody else."""
         assert self.disk_dir is not None
-        try:
-            self.disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.lstat(self.disk_dir)
-        except OSError as e:
-            self._disk_error(f"{self.disk_dir}: {e}")
-            return False
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            self._disk_error(f"{self.disk_dir}: not a directory of uid {os.geteuid()} writable by it alone")
-            return False
-        return True
+        problem = own_directory_problem(self.disk_dir, 0o022)
+        if problem:
+            self._disk_error(problem)
+        return not problem
 
     def _disk_error(self, msg: str) -> None:
         if len(self.disk_errors) < 16:

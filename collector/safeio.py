@@ -131,3 +131,17 @@ def read_user_file(path: str, *, owners: Collection[int] | None, max_bytes: int,
     if len(data) > max_bytes:
         raise UnsafeFile(f"{path}: grew past the {max_bytes} bytes read")
     return data
+
+
+def own_directory_problem(path: str | os.PathLike[str], foreign_mode_bits: int) -> str:
+    """Why the collector's own cache directory at path cannot be trusted ('' when it can): made
+    0700 when missing; it must be a directory (not a symlink) of this uid with none of
+    foreign_mode_bits set (0o022: writable by it alone; 0o077: private)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & foreign_mode_bits:
+        return f"{path}: not a directory of uid {os.geteuid()} without mode bits {foreign_mode_bits:#o}"
+    return ""
