@@ -9,6 +9,7 @@ the same on purpose, and the collector is sealed through its real control socket
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import pytest
@@ -24,6 +26,10 @@ from gpuprof.collector import config as config_mod
 from gpuprof.collector.control import request
 from gpuprof.collector.daemon import Collector, CollectorOptions
 from gpuprof.collector.sources.base import Batch, Source, SourceContext
+from gpuprof.collector.sources.bpf_collectives import BpfCollectivesSource
+from gpuprof.collector.sources.bpf_kernels import BpfKernelsSource
+from gpuprof.collector.sources.bpf_offcpu import BpfOffcpuSource
+from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 from gpuprof.collector.sources.clock import ClockSource
 
 
@@ -90,3 +96,41 @@ def test_a_counter_that_fails_at_stop_does_not_cost_the_seal(tmp_path: Path,
     with h5py.File(out, "r") as f:
         assert f.attrs["sealed"] and json.loads(f.attrs["drops_json"])["goesaway"] == 3
     assert not os.path.exists(sock)
+
+
+class FreedWithHubDouble:
+    """A test double of BpfHub for the drop counters: its per-CPU counter table reads as BCC's and
+    our own Table do ((key, [per-CPU values]) items), and raises once the hub is released, as a read
+    of a freed map did."""
+
+    class Counter:
+        def __init__(self, hub: FreedWithHubDouble, per_cpu: list[int]) -> None:
+            self.hub, self.per_cpu = hub, per_cpu
+
+        def items(self) -> list[tuple[Any, list[int]]]:
+            if self.hub.released:
+                raise IndexError("list index out of range")
+            return [(ctypes.c_int(0), self.per_cpu)]
+
+    def __init__(self, counter: bytes, per_cpu: list[int]) -> None:
+        self.released = False
+        self.bpf = {counter: self.Counter(self, per_cpu)}
+
+    def release(self) -> None:
+        self.released = True
+
+
+@pytest.mark.parametrize("make, counter", [
+    (lambda: BpfStacksSource(), b"gp_cpu_drops"),
+    (lambda: BpfOffcpuSource(), b"gp_off_drops"),
+    (lambda: BpfKernelsSource(), b"gp_launch_drops"),
+    (lambda: BpfCollectivesSource(), b"gp_coll_drops"),
+], ids=["stacks", "offcpu", "kernels", "collectives"])
+def test_a_bpf_source_keeps_its_drops_after_stop(make: Any, counter: bytes) -> None:
+    """Each BPF source's drop counter lives in its BPF object, which goes at stop: the count read
+    at stop is what drops() answers after it (the seal's drops_json), not 0 and not an error."""
+    src = make()
+    src.hub = FreedWithHubDouble(counter, [2, 0, 5])
+    assert src.drops() == 7
+    src.stop()
+    assert src.drops() == 7

@@ -212,7 +212,8 @@ class BpfCollectivesSource(Source):
         return self._rows(now_ns, final=True)
 
     def drops(self) -> int:
-        return sum(read_ring_drops(self.hub.bpf[b"gp_coll_drops"])) if self.hub else self.dropped_total
+        hub = self.hub
+        return sum(read_ring_drops(hub.bpf[b"gp_coll_drops"])) if hub is not None else self.dropped_total
 
     def summary(self) -> dict[str, Any] | None:
         return self.hub.summary() if self.hub is not None else None

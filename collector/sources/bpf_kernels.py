@@ -68,6 +68,7 @@ class BpfKernelsSource(Source):
         self.store: StackStore | None = None
         self.attached: set[tuple[str, str]] = set()
         self.checked: set[str] = set()
+        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
         self._launches: list[tuple[Any, ...]] = []
         self._kfuncs: list[tuple[int, int, int, int, int, str]] = []
         self.names: dict[tuple[int, int], tuple[str, int]] = {}  # (pid, handle) -> (name, source)
@@ -225,11 +226,13 @@ class BpfKernelsSource(Source):
 
     def drops(self) -> int:
         """Launch and handle records lost because a ring was full."""
-        return sum(read_ring_drops(self.hub.bpf[b"gp_launch_drops"])) if self.hub else 0
+        hub = self.hub
+        return sum(read_ring_drops(hub.bpf[b"gp_launch_drops"])) if hub is not None else self.dropped_total
 
     def stop(self) -> None:
         if self.hub is None:
             return
+        self.dropped_total = self.drops()  # the counter goes with the BPF object: its last value
 
         def detach(bpf: Any, path: bytes, sym: bytes) -> None:
             if sym.decode() in LOOKUP_PROBES:

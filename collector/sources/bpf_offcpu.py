@@ -163,6 +163,7 @@ class BpfOffcpuSource(Source):
         self.users: UserStacks | None = None  # shared with the stacks source
         self.cfi_walk = False  # the CFI walk's continuation is loaded (blocked stacks walked by CFI)
         self.run_queue: RunQueueTime | None = None
+        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -309,14 +310,16 @@ class BpfOffcpuSource(Source):
 
     def drops(self) -> int:
         """Off-CPU episodes lost because a kernel map was full."""
-        if self.hub is None:
-            return 0
-        return sum(read_ring_drops(self.hub.bpf[b"gp_off_drops"]))
+        hub = self.hub
+        if hub is None:
+            return self.dropped_total
+        return sum(read_ring_drops(hub.bpf[b"gp_off_drops"]))
 
     def stop(self) -> None:
         if self.run_queue is not None:
             self.run_queue.close()
         if self.hub is not None:
+            self.dropped_total = self.drops()  # the counter goes with the BPF object: its last value
             if self.users is not None:
                 self.users.release(self.name)  # the last of the two sources closes the CFI unwinder
             self.hub.release()

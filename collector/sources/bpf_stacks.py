@@ -561,6 +561,7 @@ class BpfStacksSource(Source):
         self.store: StackStore | None = None
         self._attached = False
         self.samples_total = 0
+        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
         self.unwind_status: dict[str, Any] | None = None  # the CFI unwinder's last status, for the file
 
     def start(self, ctx: SourceContext) -> None:
@@ -664,15 +665,18 @@ class BpfStacksSource(Source):
     def drops(self) -> int:
         """Samples not counted because the counts map was full (stacks not stored are rows with
         user_stack or kernel_stack = not captured)."""
-        if self.hub is None:
-            return 0
-        return read_ring_drops(self.hub.bpf[b"gp_cpu_drops"])[0]
+        hub = self.hub
+        if hub is None:
+            return self.dropped_total
+        return read_ring_drops(hub.bpf[b"gp_cpu_drops"])[0]
 
     def summary(self) -> dict[str, Any] | None:
         return self.hub.summary() if self.hub is not None else None
 
     def stop(self) -> None:
         if self.hub is not None:
+            # the counter goes with the BPF object: keep its last value for the seal's status
+            self.dropped_total = self.drops()
             if self._attached:
                 self.hub.bpf.detach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK)
                 self._attached = False
