@@ -640,17 +640,26 @@ def kernel_at_least(major: int, minor: int) -> bool:
     return m is not None and (int(m[1]), int(m[2])) >= (major, minor)
 
 
-def defines_for_all(switches: tuple[str, ...]) -> dict[str, str]:
-    """Compile-time constants of every BPF source (the program is compiled once for all of them)."""
+def defines_for_all(switches: tuple[str, ...], ring_pages: int = 256) -> dict[str, str]:
+    """Compile-time constants of every BPF source (the program is compiled once for all of them);
+    ring_pages: sources.collectives.ring_pages, the calls ring's pages per CPU."""
     out: dict[str, str] = {}
     if "GP_WITH_COLLECTIVES" in switches:
         out.update(collectives_defines())
+        pages = ring_pages * (os.cpu_count() or 1)
+        out["GP_CALLS_PAGES"] = str(1 << max(0, pages - 1).bit_length())  # a power of two
     if "GP_WITH_CFI" in switches and kernel_at_least(5, 5):
         out["GP_CFI_ROWS_MMAPABLE"] = "1"  # BPF_F_MMAPABLE arrays came with 5.5
     offsets = task_run_queue_offsets()
     if "GP_WITH_OFFCPU" in switches and not isinstance(offsets, str):
         out["GP_TASK_RUN_DELAY"], out["GP_TASK_PCOUNT"] = str(offsets[0]), str(offsets[1])
     return out
+
+
+def defines_of(config: dict[str, Any]) -> Callable[[tuple[str, ...]], dict[str, str]]:
+    """defines_for_all with the node's config: every BPF source passes this to BpfHub.acquire, as
+    whichever starts first compiles the object for all of them."""
+    return functools.partial(defines_for_all, ring_pages=int(config["sources.collectives"]["ring_pages"]))
 
 
 def pid_alive(pid: int) -> bool:

@@ -194,3 +194,33 @@ def test_full_bpf_ring_counts_its_drops(tmp_path: Path) -> None:
     assert src.dropped_total > 0 and src.drops() == src.dropped_total
     assert allreduce < n and allreduce + src.dropped_total >= n, (allreduce, src.dropped_total)
     assert len(calls) + src.dropped_total <= n + 10  # the loop's calls and a few of MPI_Init's
+
+
+def test_the_calls_ring_is_the_configs_whichever_source_compiles_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stacks and collectives sources share one BPF object, compiled by whichever starts first:
+    both hand BpfHub.acquire the same constants, the calls ring's size from the config included
+    (it once came from the collectives source alone, so a stacks-first compile had 256 pages)."""
+    import os
+    from types import SimpleNamespace
+
+    from gpuprof.collector import config as config_mod
+    from gpuprof.collector.bpf_support import BpfHub
+    from gpuprof.collector.sources import bpf_stacks
+
+    cfg = config_mod.defaults()
+    cfg["sources.collectives"] = {**cfg["sources.collectives"], "ring_pages": 4, "mpi_path": "uprobe"}
+    seen: list[dict[str, str]] = []
+
+    def acquire(modes: Any, defines_for: Any, unwinder: str, images_dir: Any = None) -> Any:
+        seen.append(defines_for(("GP_WITH_STACKS", "GP_WITH_COLLECTIVES")))
+        raise RuntimeError("acquire seen")  # stops start() here: the constants are what this test wants
+
+    monkeypatch.setattr(BpfHub, "acquire", acquire)
+    ctx = SimpleNamespace(modes=("stacks", "collectives"), config=cfg)
+    with pytest.raises(RuntimeError, match="acquire seen"):
+        bpf_stacks.acquire_hub(ctx, "stacks")
+    with pytest.raises(RuntimeError, match="acquire seen"):
+        bc.BpfCollectivesSource(("mpi",)).start(ctx)
+    pages = 4 * (os.cpu_count() or 1)
+    want = str(1 << (pages - 1).bit_length())
+    assert [d["GP_CALLS_PAGES"] for d in seen] == [want, want] and seen[0] == seen[1]

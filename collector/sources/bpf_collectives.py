@@ -17,7 +17,7 @@ from gpuprof.collector.bpf_support import (
     BpfHub,
     attach_symbols,
     defined_functions,
-    defines_for_all,
+    defines_of,
     detach_symbols,
     images_dir_for,
     mapped_libraries,
@@ -69,15 +69,8 @@ class BpfCollectivesSource(Source):
             self.libraries = tuple(lib for lib in ("mpi", "nccl") if paths[lib] == "uprobe")
         if not self.libraries:
             raise SourceUnavailable("collectives of every library go through the fast path (config)")
-        pages = int(ctx.config.get("sources.collectives", {}).get("ring_pages", 256)) * (os.cpu_count() or 1)
-
-        def defines(switches: tuple[str, ...]) -> dict[str, str]:
-            d = defines_for_all(switches)
-            d["GP_CALLS_PAGES"] = str(1 << max(0, pages - 1).bit_length())  # a power of two
-            return d
-
         self.hub = BpfHub.acquire(ctx.modes if "collectives" in ctx.modes else (*ctx.modes, "collectives"),
-                                  defines, stack_unwinder(ctx.config), images_dir_for(ctx.config))
+                                  defines_of(ctx.config), stack_unwinder(ctx.config), images_dir_for(ctx.config))
         if not self.hub.has("GP_WITH_COLLECTIVES"):
             raise SourceUnavailable("the shared BPF object was compiled without collectives")
         b = self.hub.bpf

@@ -35,7 +35,7 @@ from gpuprof.collector import native, schema
 from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import (
     BpfHub,
-    defines_for_all,
+    defines_of,
     images_dir_for,
     kernel_member_offset,
     read_maps,
@@ -71,7 +71,8 @@ def stack_store(hub: BpfHub, ctx: SourceContext) -> StackStore:
 
 def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
     modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
-    return BpfHub.acquire(modes, defines_for_all, stack_unwinder(ctx.config, unwinder), images_dir_for(ctx.config))
+    return BpfHub.acquire(modes, defines_of(ctx.config), stack_unwinder(ctx.config, unwinder),
+                          images_dir_for(ctx.config))
 
 
 class WindowedCounts:

@@ -150,9 +150,9 @@ PROBE_IDS = {p.symbol: i for i, p in enumerate(PROBES)}
 
 
 def collectives_defines() -> dict[str, str]:
-    """-D values for bpf/collectives.c: probe numbers, the entry programs to generate, ring size."""
+    """-D values for bpf/collectives.c: probe numbers and the entry programs to generate (the ring's
+    size is the config's: bpf_support.defines_for_all)."""
     out = {f"GP_PROBE_{p.symbol}": str(i) for i, p in enumerate(PROBES)}
     out["GP_PROBE_LIST"] = " ".join(f"GP_ENTRY({p.symbol})" for p in PROBES)
-    out.setdefault("GP_CALLS_PAGES", "256")
     return out
 
