@@ -142,7 +142,7 @@ class Table:
     def __init__(self, owner: BpfObject, spec: dict[str, Any], fd: int) -> None:
         self.owner = owner
         self.name = spec["name"]
-        self.map_fd = fd
+        self._fd = fd
         self.map_type = int(spec["type"])
         self.max_entries = int(spec["max_entries"])
         self.flags = int(spec["flags"])
@@ -157,7 +157,15 @@ class Table:
         self._lib = libbpf()
 
     def __repr__(self) -> str:
-        return f"<bpf map {self.name} fd {self.map_fd}>"
+        return f"<bpf map {self.name} fd {self._fd}{' (freed)' if self.owner.closed else ''}>"
+
+    @property
+    def map_fd(self) -> int:
+        """The map's descriptor; BpfError once the object is freed: its number is closed then and
+        may already name another file or map, which a late read or write would reach instead."""
+        if self.owner.closed:
+            raise BpfError(f"map {self.name}: its BPF object is freed")
+        return self._fd
 
     def _raise(self, rc: int, what: str) -> None:
         raise BpfError(f"map {self.name}: {what}: {os.strerror(-rc)}")

@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gpuprof.collector.bpf_object import libbpf
+from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import BpfHub, parse_maps, read_maps_text, stack_unwinder
 from gpuprof.collector.cfitables import (
     ROW_DTYPE,
@@ -686,8 +686,9 @@ class CfiUnwinder:
         """Counters of the BPF side (all CPUs), by name."""
         from gpuprof.collector.bpf_support import read_ring_drops
 
-        c = read_ring_drops(self.counters)
-        if len(c) != len(self.last_counts):  # the map is gone (the source stopped): as of the last drain
+        try:
+            c = read_ring_drops(self.counters)
+        except BpfError:  # the object is freed (the source stopped): as of the last read, at close()
             c = self.last_counts
         self.last_counts = c
         out = {"walks": c[0], "stored": c[1], "not_stored_map_full": c[2], "no_user_registers": c[3],
