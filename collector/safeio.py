@@ -143,5 +143,6 @@ def own_directory_problem(path: str | os.PathLike[str], foreign_mode_bits: int) 
     except OSError as e:
         return f"{path}: {e.strerror or e}"
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & foreign_mode_bits:
-        return f"{path}: not a directory of uid {os.geteuid()} without mode bits {foreign_mode_bits:#o}"
+        want = "mode 0700: only it reads or writes" if foreign_mode_bits & 0o044 else "writable by it alone"
+        return f"{path}: not a directory of uid {os.geteuid()} with {want}"
     return ""
