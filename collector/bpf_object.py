@@ -287,6 +287,7 @@ class BpfObject:
     def __init__(self, reply: dict[str, Any], fds: list[int], cost: CompileCost,
                  symbol_offset: Callable[[str, str], int | None] | None = None) -> None:
         self.cost = cost
+        self.image_key = ""  # the key of its kept image, when one is kept (compile's `images`)
         # (file, function) -> the function's file offset, where its uprobe goes
         self._symbol_offset = symbol_offset
         self._fds = list(fds)
@@ -320,8 +321,7 @@ class BpfObject:
         if why:
             raise BpfError(why)
         calls = tail_calls or []
-        request: dict[str, Any] = {"source": source, "cflags": cflags, "program_types": program_types or {},
-                                   "tail_calls": calls}
+        request = compile_request(source, cflags, program_types, calls)
         key = image_key(request) if images is not None else ""
         if images is not None:
             entry = images.load(key)
@@ -335,14 +335,18 @@ class BpfObject:
                 else:
                     cost = CompileCost(cpu_s=time.thread_time() - cpu0, peak_rss_mb=0.0,
                                        wall_s=time.monotonic() - t0, from_image=True)
-                    return cls(reply, fds, cost, symbol_offset)
+                    obj = cls(reply, fds, cost, symbol_offset)
+                    obj.image_key = key
+                    return obj
             request["image"] = True
         reply, fds, wall_s = _compile_in_child(request)
         if images is not None:
             images.store(key, reply)
         cost = CompileCost(cpu_s=float(reply["cost"]["cpu_s"]), peak_rss_mb=float(reply["cost"]["peak_rss_mb"]),
                            wall_s=wall_s)
-        return cls(reply, fds, cost, symbol_offset)
+        obj = cls(reply, fds, cost, symbol_offset)
+        obj.image_key = key if images is not None and images.path(key).is_file() else ""
+        return obj
 
     def __getitem__(self, name: bytes | str) -> Table:
         key = name.decode() if isinstance(name, bytes) else name
@@ -484,6 +488,12 @@ class BpfObject:
         for fd in probes + self._fds:
             os.close(fd)
         self._callbacks.clear()
+
+
+def compile_request(source: str, cflags: list[str], program_types: dict[str, str] | None,
+                    tail_calls: list[tuple[str, int, str]]) -> dict[str, Any]:
+    """What the compile child is asked for, and what a kept image's key digests (image_key)."""
+    return {"source": source, "cflags": cflags, "program_types": program_types or {}, "tail_calls": tail_calls}
 
 
 # --- the child -----------------------------------------------------------------------------------------

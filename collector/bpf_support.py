@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from gpuprof.collector import schema
-from gpuprof.collector.bpf_image import ImageCache
-from gpuprof.collector.bpf_object import BpfError, BpfObject, libbpf_missing
+from gpuprof.collector.bpf_image import ImageCache, image_key
+from gpuprof.collector.bpf_object import BpfError, BpfObject, compile_request, libbpf_missing
 from gpuprof.collector.debuginfo import offset_to_vaddr, vaddr_to_offset
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
 from gpuprof.collector.schema import INTERNAL_COMM_OPS
@@ -530,6 +530,34 @@ def tail_calls_for(switches: tuple[str, ...]) -> list[tuple[str, int, str]]:
     return out
 
 
+def hub_cflags(switches: tuple[str, ...], defines: dict[str, str]) -> list[str]:
+    return ([f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"] + [f"-D{s}=1" for s in switches]
+            + [f"-D{k}={v}" for k, v in defines.items()])
+
+
+def kept_image(config: dict[str, Any], modes: Iterable[str]) -> str | None:
+    """The kept image (bpf_image.py) a job of `modes` would load on this node: its path, '' when
+    none is kept (that job compiles; `gpuprof prepare` would keep it), None when the cache is off or
+    the modes use no BPF object. Nothing is compiled or loaded."""
+    images = images_dir_for(config)
+    switches = hub_switches(modes, stack_unwinder(config))
+    if images is None or not switches:
+        return None
+    request = compile_request(inline_includes(MAIN_SOURCE), hub_cflags(switches, defines_of(config)(switches)),
+                              PROGRAM_TYPES, tail_calls_for(switches))
+    path = ImageCache(images).path(image_key(request))
+    return str(path) if path.is_file() else ""
+
+
+def hub_switches(modes: Iterable[str], unwinder: str) -> tuple[str, ...]:
+    """The compile switches of the shared object for a job of `modes` (empty: no BPF object)."""
+    modes = tuple(modes)
+    switches = tuple(s for m in modes for s in MODE_SWITCHES.get(m, ()))
+    if "stacks" in modes and unwinder == "cfi":
+        switches += ("GP_WITH_CFI",)
+    return switches
+
+
 class BpfHub:
     """One BPF object per collector for all BPF sources of the job: the first source to start
     compiles gpuprof.c with the switches of every BPF mode of the job (BCC, in a child process:
@@ -542,9 +570,7 @@ class BpfHub:
         reason = bpf_unavailable_reason()
         if reason:
             raise SourceUnavailable(reason)
-        cflags = [f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"]
-        cflags += [f"-D{s}=1" for s in switches]
-        cflags += [f"-D{k}={v}" for k, v in defines.items()]
+        cflags = hub_cflags(switches, defines)
         self.switches = switches
         self.users = 0
         self.attach_lock = threading.Lock()
@@ -570,10 +596,7 @@ class BpfHub:
         images_dir_for's, where compiled objects are kept)."""
         with cls._lock:
             if cls._instance is None:
-                modes = tuple(modes)
-                switches = tuple(s for m in modes for s in MODE_SWITCHES.get(m, ()))
-                if "stacks" in modes and unwinder == "cfi":
-                    switches += ("GP_WITH_CFI",)
+                switches = hub_switches(modes, unwinder)
                 cls._instance = BpfHub(switches, defines_for(switches), images_dir)
             cls._instance.users += 1
             return cls._instance

@@ -326,6 +326,42 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@click.command("prepare")
+@click.option("--modes", default=None, metavar="MODES",
+              help="The job modes to prepare for, as --profile-gpu takes them (default: metrics,stacks,collectives).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as one JSON object.")
+@click.pass_context
+def prepare(ctx: click.Context, modes: str | None, as_json: bool) -> None:
+    """Do ahead what a node's first profiled job would do at its start: compile the BPF object and keep
+    its image, and compile the CFI tables of the node's runtime libraries (run as root at boot, and
+    after an upgrade of gpuprof or BCC: etc/gpuprof-prepare.service). Exit 1, saying why, when BPF
+    cannot run here or collector.bpf_object_cache is off."""
+    from gpuprof.collector.prepare import prepare_node
+    from gpuprof.collector.sources.base import SourceUnavailable
+
+    cfg = _config(ctx)
+    try:
+        done = prepare_node(cfg, _modes(modes))
+    except SourceUnavailable as e:
+        click.echo(f"gpuprof prepare: no BPF object kept: {e}", err=True)
+        ctx.exit(1)
+    if as_json:
+        click.echo(json.dumps(done, sort_keys=True))
+    else:
+        line = f"gpuprof prepare: modes {done['modes']}: {done['state']}"
+        if "cpu_s" in done:
+            line += f" ({done['cpu_s']} s CPU, {done['wall_s']} s){': ' + done['image'] if done['kept'] else ''}"
+        if "cfi_prewarm_files" in done:
+            line += (f"; CFI prewarm {done['cfi_prewarm']}: {done['cfi_prewarm_files']} runtime libraries, "
+                     f"{done['cfi_tables_compiled']} tables compiled now ({done['cfi_prewarm_wall_s']} s)")
+        elif "cfi_prewarm" in done:
+            line += f"; CFI prewarm {done['cfi_prewarm']}"
+        click.echo(line)
+        for problem in done.get("problems", []):
+            click.echo(f"gpuprof prepare: {problem}", err=True)
+    ctx.exit(0 if done["kept"] or not done["switches"] else 1)
+
+
 @click.command("inspect")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("gpuprof.slurm_hooks.commands", "config_cmd"),
     "dcgm": ("gpuprof.slurm_hooks.commands", "dcgm"),
     "collect": ("gpuprof.collector.cli", "collect"),
+    "prepare": ("gpuprof.collector.cli", "prepare"),
     "inspect": ("gpuprof.collector.cli", "inspect"),
     "status": ("gpuprof.collector.cli", "status"),
     "merge": ("gpuprof.mpi_merge.cli", "merge"),

@@ -160,8 +160,18 @@ def run_checks(config_path: str | None) -> tuple[list[Check], dict[str, Any] | N
 
     from gpuprof.collector.bpf_support import bpf_doctor
 
-    for name, ok, fix in bpf_doctor():
+    bpf_checks = bpf_doctor()
+    for name, ok, fix in bpf_checks:
         checks.append(Check(name, ok, "ok" if ok else "unavailable", fix, required=False))
+    if cfg and all(ok for _, ok, _ in bpf_checks):
+        from gpuprof.collector.bpf_support import kept_image
+        from gpuprof.collector.modes import DEFAULT_MODES
+
+        image = kept_image(cfg, DEFAULT_MODES)
+        if image is not None:
+            checks.append(Check("bpf-object-prepared", bool(image), image or (
+                "no BPF object kept for the default modes: the node's next profiled job compiles it at its start"),
+                "gpuprof prepare (at boot: etc/gpuprof-prepare.service)", required=False))
 
     nvml = ctypes.util.find_library("nvidia-ml") or env.get(env.GPUPROF_NVML_LIBRARY)
     checks.append(Check("nvml", bool(nvml), nvml or "libnvidia-ml not found",

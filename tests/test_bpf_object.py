@@ -4,6 +4,7 @@ held, read and attached with libbpf and perf events, with no BCC or LLVM in the 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -426,3 +427,49 @@ def test_kept_images_are_the_most_recently_used(tmp_path: Path) -> None:
     left = {p.stem for p in (tmp_path / "bpf-objects").glob("*.json")}
     assert len(left) == KEEP_IMAGES and keys[0] in left and keys[1] not in left and keys[-1] in left
     assert images.errors == []
+
+
+def test_prepare_keeps_the_object_a_jobs_sources_load(skip_without_bpf: None, tmp_path: Path) -> None:
+    """`gpuprof prepare` on a node (etc/gpuprof-prepare.service): the default modes' object compiled
+    and its image kept, the CFI prewarm run to its end; run again, loaded from the image, the tables
+    found; a job's BPF sources, acquiring the object for those modes with the same config, load it
+    too (no compile on the node's first job), and `doctor`'s kept_image finds it.
+    Metrics alone need no object; with collector.bpf_object_cache off nothing would be kept: exit 1."""
+    from click.testing import CliRunner
+
+    from gpuprof.collector import config as config_mod
+    from gpuprof.collector.bpf_support import BpfHub, defines_of, images_dir_for, kept_image, stack_unwinder
+    from gpuprof.collector.modes import DEFAULT_MODES
+    from gpuprof.slurm_hooks.cli import cli
+
+    cfg = tmp_path / "gpuprof.toml"
+    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n')
+    config = config_mod.load(str(cfg))
+    assert kept_image(config, DEFAULT_MODES) == ""  # `gpuprof doctor`: not prepared
+    first = CliRunner().invoke(cli, ["--config", str(cfg), "prepare", "--json"])
+    assert first.exit_code == 0, first.output
+    done = json.loads(first.output)
+    assert done["state"] == "compiled and kept" and done["problems"] == [], done
+    assert Path(done["image"]).is_file() and Path(done["image"]).parent == tmp_path / "state" / "bpf-objects"
+    assert kept_image(config, DEFAULT_MODES) == done["image"]
+    doctor = CliRunner().invoke(cli, ["--config", str(cfg), "doctor", "--json"])
+    prepared = next(c for c in json.loads(doctor.stdout) if c["name"] == "bpf-object-prepared")
+    assert prepared["ok"] and prepared["detail"] == done["image"], prepared
+    # the prewarm ran to its end: the runtime libraries' tables are in the host's disk cache now
+    assert done["cfi_prewarm"] == "done" and done["cfi_prewarm_files"] >= 2, done
+    assert done["cfi_tables_compiled"] >= 1 and any((tmp_path / "state" / "cfi-tables").iterdir()), done
+    again = CliRunner().invoke(cli, ["--config", str(cfg), "prepare"])
+    assert again.exit_code == 0 and "kept already: loaded from its image" in again.output, again.output
+    assert "0 tables compiled now" in again.output, again.output  # found on disk
+
+    hub = BpfHub.acquire(DEFAULT_MODES, defines_of(config), stack_unwinder(config), images_dir_for(config))
+    try:
+        assert hub.bpf.cost.from_image and hub.bpf.image_key == Path(done["image"]).stem
+    finally:
+        hub.release()
+
+    metrics = CliRunner().invoke(cli, ["--config", str(cfg), "prepare", "--modes", "metrics"])
+    assert metrics.exit_code == 0 and "nothing to prepare" in metrics.output, metrics.output
+    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[collector]\nbpf_object_cache = false\n')
+    off = CliRunner().invoke(cli, ["--config", str(cfg), "prepare"])
+    assert off.exit_code == 1 and "collector.bpf_object_cache is false" in off.output, off.output

@@ -51,7 +51,8 @@ def test_wheel_has_one_namespace_and_the_native_parts(wheel_venv: tuple[Path, Pa
         assert need in names, need
     assert not any(n.startswith("gpuprof/__init__") for n in names), "gpuprof must stay a namespace package"
     data = [n for n in names if ".data/data/etc/" in n]
-    assert {Path(n).name for n in data} >= {"prolog", "epilog", "task-prolog", "epilog-slurmctld", "gpuprof.toml"}
+    assert {Path(n).name for n in data} >= {"prolog", "epilog", "task-prolog", "epilog-slurmctld", "gpuprof.toml",
+                                           "gpuprof-continuous.service", "gpuprof-prepare.service"}
 
 
 def test_installed_cli_doctor_and_merge_without_source_tree(wheel_venv: tuple[Path, Path], tmp_path: Path) -> None:
