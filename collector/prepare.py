@@ -3,9 +3,9 @@
 A collector compiles the shared BPF object its job's modes need (BCC, in a child: 7-13 s of CPU on
 the development VMs while the prolog waits) and keeps its image (bpf_image.py), and the CFI unwinder
 compiles the tables of the node's common runtime libraries into the host's disk cache (the prewarm,
-sources.stacks.cfi_prewarm: about a minute of most of a core). Every later job finds both. Run at
-boot (etc/gpuprof-prepare.service) and after an upgrade of gpuprof or BCC, the first job is like
-the others.
+sources.stacks.cfi_prewarm: 25 s of a core here, beside the job's first minute). Every later job
+finds both. Run at boot (etc/gpuprof-prepare.service) and after an upgrade of gpuprof or BCC, the
+first job is like the others.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from gpuprof.collector.bpf_support import BpfHub, defines_of, hub_switches, imag
 from gpuprof.collector.cfiunwind import start_compiler
 from gpuprof.collector.sources.base import SourceUnavailable
 
-PREWARM_TIMEOUT_S = 900.0  # the prewarm of a node with a large libpython and OpenBLAS took ~60 s here
+# the prewarm of this VM's 12 runtime libraries (libpython and OpenBLAS the largest) took 25 s
+PREWARM_TIMEOUT_S = 900.0
 
 
 class _PrepareContext:
@@ -39,7 +40,8 @@ def prepare_node(config: dict[str, Any], modes: tuple[str, ...]) -> dict[str, An
     when BPF cannot run here or collector.bpf_object_cache is off (nothing would be kept)."""
     images = images_dir_for(config)
     if images is None:
-        raise SourceUnavailable("collector.bpf_object_cache is false: no image would be kept")
+        raise SourceUnavailable("collector.bpf_object_cache is false or paths.state_dir is empty: "
+                                "no image would be kept")
     unwinder = stack_unwinder(config)
     out: dict[str, Any] = {"modes": ",".join(modes), "switches": list(hub_switches(modes, unwinder)),
                            "images_dir": images}
