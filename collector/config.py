@@ -51,6 +51,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "seal_timeout_s": Key((int, float), 10.0, "epilog waits this long for the collector to seal"),
         "collector_nice": Key(int, 10, "nice value of the collector (low priority)"),
         "collector_python": Key(str, "", "python that runs the collector ('' = the one running the hook)"),
+        "undelivered_max_mb": Key(
+            int, 4096,
+            "node files root keeps when they could not reach the user (<state_dir>/undelivered): "
+            "the oldest are removed past this size",
+        ),
     },
     "dcgm": {
         "enabled": Key(bool, True, "pause DCGM profiling while profiled jobs run"),

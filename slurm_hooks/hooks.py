@@ -376,6 +376,8 @@ def reap_orphans(cfg: dict[str, Any], node: str, current_job: str, log: logging.
                 kept = str(undelivered / f"{job_id}@{node}.h5")
             except (OSError, PlacementError) as e:
                 log.error("orphaned node file %s cannot be kept: %s", trace, getattr(e, "strerror", None) or e)
+            else:
+                _trim_undelivered(undelivered, int(cfg["hooks"]["undelivered_max_mb"]) << 20, Path(kept), log)
         shutil.rmtree(d, ignore_errors=True)
         _remove_ring_dir(job_id, node, log)
         _remove_task_plan(job_id, node, log)
@@ -694,7 +696,36 @@ def _keep_undelivered(cfg: dict[str, Any], job_id: str, node: str, src: Path, lo
             dst.unlink()
         return ""
     log.warning("node file kept at %s (not delivered to the job's user)", dst)
+    _trim_undelivered(undelivered, int(cfg["hooks"]["undelivered_max_mb"]) << 20, dst, log)
     return str(dst)
+
+
+def _trim_undelivered(undelivered: Path, max_bytes: int, newest: Path, log: logging.Logger) -> None:
+    """The node files root keeps for users they could not reach, held to hooks.undelivered_max_mb:
+    the oldest removed first, the one just kept never (a node whose deliveries keep failing would
+    otherwise fill the state directory the collectors write to)."""
+    kept: list[tuple[int, int, Path]] = []
+    try:
+        with os.scandir(undelivered) as entries:
+            for e in entries:
+                if e.name.endswith(".h5") and e.is_file(follow_symlinks=False) and e.path != str(newest):
+                    st = e.stat(follow_symlinks=False)
+                    kept.append((st.st_mtime_ns, st.st_size, Path(e.path)))
+        total = sum(size for _, size, _ in kept) + newest.stat().st_size
+    except OSError as e:
+        log.warning("undelivered node files in %s not trimmed: %s", undelivered, e.strerror or e)
+        return
+    for _, size, path in sorted(kept):
+        if total <= max_bytes:
+            break
+        try:
+            path.unlink()
+        except OSError as e:
+            log.warning("undelivered node file %s not removed: %s", path, e.strerror)
+            continue
+        total -= size
+        log.warning("undelivered node file %s removed (%d MB): %s holds more than hooks.undelivered_max_mb",
+                    path, size >> 20, undelivered)
 
 
 def _place_note(cfg: dict[str, Any], job_id: str, node: str, problems: list[str], placed: Path | None,

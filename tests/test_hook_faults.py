@@ -441,3 +441,27 @@ def test_results_file_lines_are_json(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("GPUPROF_FAULTS_RESULTS", str(out))
     FaultOutcome("x", result="complete").check()
     assert json.loads(out.read_text())["case"] == "x"
+
+
+def test_undelivered_node_files_are_held_to_their_limit(tmp_path: Path) -> None:
+    """A node whose deliveries keep failing (an output file system full for days) keeps root's copies
+    within hooks.undelivered_max_mb: the oldest go first, the one just kept never, and what is not a
+    node file of root's (a symlink, another file) is left alone."""
+    import logging
+
+    from gpuprof.slurm_hooks.hooks import _trim_undelivered
+
+    d = tmp_path / "undelivered"
+    d.mkdir()
+    mb = 1 << 20
+    files = {name: d / f"{name}.h5" for name in ("oldest", "middle", "newest")}
+    for i, path in enumerate(files.values()):
+        path.write_bytes(b"\0" * 2 * mb)
+        os.utime(path, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    (d / "notes.txt").write_bytes(b"\0" * 3 * mb)
+    (d / "link.h5").symlink_to(files["oldest"])
+    log = logging.getLogger("test-undelivered")
+    _trim_undelivered(d, 5 * mb, files["newest"], log)
+    assert sorted(p.name for p in d.iterdir()) == ["link.h5", "middle.h5", "newest.h5", "notes.txt"]
+    _trim_undelivered(d, 1 * mb, files["newest"], log)  # below the newest alone: it stays all the same
+    assert sorted(p.name for p in d.iterdir()) == ["link.h5", "newest.h5", "notes.txt"]
