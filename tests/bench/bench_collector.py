@@ -7,6 +7,9 @@ double (tests/nvml_double), so every line says "emulated": true: they are costs,
                                                                10-minute default-rate file
     .venv/bin/python tests/bench/bench_collector.py --chunks   also the calls table's chunk rows
                                                                at call rates of 1 to 13 000 a second
+    .venv/bin/python tests/bench/bench_collector.py --prepared `gpuprof prepare` on the bench's fresh
+                                                               state directory first: every run is a
+                                                               job of a node prepared at boot
 
 collector_cpu: `gpuprof collect` as the prolog starts it (--job --node --uid, the config's nice
 value, a control socket; 8 emulated GPUs) on a busy job of 16 processes: `mpirun -n 16
@@ -36,6 +39,8 @@ runs interleaved (default, metrics, default, ...), each figure the median with m
                        none of it for good
   drops                read back from the sealed node file (/diagnostics/drops, the last value of
                        each counter: rings of ours, BPF ring buffers, the interposers' rings)
+  prepared             with --prepared: what `gpuprof prepare` did and cost (wall, CPU of it and its
+                       children) before the first run
 """
 
 from __future__ import annotations
@@ -254,7 +259,25 @@ def spread(values: list[float], nd: int = 3) -> dict[str, float]:
             "max": round(max(values), nd)}
 
 
-def bench_collector(window_s: float, runs: int, tmp: Path) -> None:
+def prepare_node(config: Path, base_env: dict[str, str]) -> dict[str, Any]:
+    """`gpuprof prepare` as etc/gpuprof-prepare.service runs it at boot, on the bench's state directory."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "gpuprof.slurm_hooks.cli", "--config", str(config), "prepare", "--json"],
+                       env=base_env, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"gpuprof prepare failed ({p.returncode}): {p.stderr[-2000:]}")
+    done = json.loads(p.stdout)
+    return {"state": done["state"], "cfi_prewarm": done.get("cfi_prewarm"),
+            "cfi_tables_compiled": done.get("cfi_tables_compiled"), "wall_s": round(wall, 2),
+            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)}
+
+
+def bench_collector(window_s: float, runs: int, tmp: Path, prepared: bool = False) -> None:
     build()
     lib = double.build()
     conf = double.write_config(tmp / "fake.conf", gpus=8, pids=[])
@@ -270,6 +293,7 @@ def bench_collector(window_s: float, runs: int, tmp: Path) -> None:
                     GPUPROF_CONFIG=str(config))
     from gpuprof.collector.config import defaults
 
+    prepare = prepare_node(config, base_env) if prepared else None
     nice = int(defaults()["hooks"]["collector_nice"])
     results: dict[str, list[dict[str, Any]]] = {DEFAULT_MODES: [], "metrics": []}
     for k in range(runs):  # interleaved: the machine's other load hits both alike
@@ -306,7 +330,10 @@ def bench_collector(window_s: float, runs: int, tmp: Path) -> None:
             "goal_met": cpu["median"] <= GOAL_CPU_PERCENT and rss["median"] <= GOAL_RSS_MB,
             "runs": len(rs), "interleaved": True, "window_s": round(statistics.median(r["window_s"] for r in rs), 1),
             "nice": nice, "cores": os.cpu_count(), "emulated": True, "gpus": 8,
+            "node": "prepared at boot (gpuprof prepare)" if prepared else "fresh: its first profiled job is this bench's first run",
         }
+        if prepare is not None:
+            line["prepared"] = prepare
         threads = sorted({k for r in rs for k in r["by_thread"]})
         by_thread = {k: round(statistics.median(r["by_thread"].get(k, 0.0) for r in rs), 3) for k in threads}
         line["cpu_percent_by_thread_median"] = {k: v for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])
@@ -508,6 +535,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=None, help="runs per mode, interleaved (default 3, quick 1)")
     ap.add_argument("--filters", action="store_true", help="compare HDF5 filters on a 10-minute file")
     ap.add_argument("--chunks", action="store_true", help="only the calls table's chunk rows, by call rate")
+    ap.add_argument("--prepared", action="store_true",
+                    help="run `gpuprof prepare` on the fresh state directory first (a node prepared at boot)")
     a = ap.parse_args()
     if a.chunks:  # no root, no MPI: the writer's files only
         with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
@@ -520,7 +549,7 @@ def main() -> None:
     window = a.window or (8.0 if a.quick else 40.0)
     with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
         tmp = Path(d)
-        bench_collector(window, a.runs or (1 if a.quick else 3), tmp)
+        bench_collector(window, a.runs or (1 if a.quick else 3), tmp, a.prepared)
         bench_bytes(10.0 if a.quick else 60.0, tmp)
         bench_writer(tmp, 1.0 if a.quick else 5.0)
         if a.filters:
