@@ -121,14 +121,15 @@ class ImageCache:
             self.errors.append(f"{path}: {e.strerror} (not marked as used)")
         return entry
 
-    def store(self, key: str, reply: dict[str, Any]) -> None:
+    def store(self, key: str, reply: dict[str, Any]) -> bool:
         """Keep the compile's reply (maps, programs, image) under key: written aside, then renamed,
-        so that a collector reading it meanwhile finds the old file or the whole new one."""
+        so that a collector reading it meanwhile finds the old file or the whole new one. False
+        (why in errors) when it was not kept."""
         if not isinstance(reply.get("image"), dict):
             self.errors.append(f"object not kept: {reply.get('image', 'no image in the reply')}")
-            return
+            return False
         if not self._dir_ok():
-            return
+            return False
         entry = {"version": IMAGE_VERSION, "key": key, "maps": reply["maps"], "programs": reply["programs"],
                  "program_errors": reply["program_errors"], "attached": reply["attached"], "image": reply["image"]}
         path = self.path(key)
@@ -141,8 +142,9 @@ class ImageCache:
         except OSError as e:
             self.errors.append(f"{path}: {e.strerror}")
             tmp.unlink(missing_ok=True)
-            return
+            return False
         self._trim()
+        return True
 
     def _trim(self) -> None:
         kept = []

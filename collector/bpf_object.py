@@ -340,12 +340,11 @@ class BpfObject:
                     return obj
             request["image"] = True
         reply, fds, wall_s = _compile_in_child(request)
-        if images is not None:
-            images.store(key, reply)
+        kept = images is not None and images.store(key, reply)
         cost = CompileCost(cpu_s=float(reply["cost"]["cpu_s"]), peak_rss_mb=float(reply["cost"]["peak_rss_mb"]),
                            wall_s=wall_s)
         obj = cls(reply, fds, cost, symbol_offset)
-        obj.image_key = key if images is not None and images.path(key).is_file() else ""
+        obj.image_key = key if kept else ""
         return obj
 
     def __getitem__(self, name: bytes | str) -> Table:

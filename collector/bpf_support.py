@@ -530,9 +530,13 @@ def tail_calls_for(switches: tuple[str, ...]) -> list[tuple[str, int, str]]:
     return out
 
 
-def hub_cflags(switches: tuple[str, ...], defines: dict[str, str]) -> list[str]:
-    return ([f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"] + [f"-D{s}=1" for s in switches]
-            + [f"-D{k}={v}" for k, v in defines.items()])
+def hub_compile_args(switches: tuple[str, ...], defines: dict[str, str]) -> tuple[str, list[str], dict[str, str],
+                                                                                 list[tuple[str, int, str]]]:
+    """What BpfObject.compile gets for the shared object of these switches: the source, its flags,
+    the program types and the tail calls (BpfHub compiles it; kept_image digests the same)."""
+    cflags = ([f"-I{BPF_DIR}", "-Wno-macro-redefined", "-Wno-unused-function"] + [f"-D{s}=1" for s in switches]
+              + [f"-D{k}={v}" for k, v in defines.items()])
+    return inline_includes(MAIN_SOURCE), cflags, PROGRAM_TYPES, tail_calls_for(switches)
 
 
 def kept_image(config: dict[str, Any], modes: Iterable[str]) -> str | None:
@@ -543,9 +547,7 @@ def kept_image(config: dict[str, Any], modes: Iterable[str]) -> str | None:
     switches = hub_switches(modes, stack_unwinder(config))
     if images is None or not switches:
         return None
-    request = compile_request(inline_includes(MAIN_SOURCE), hub_cflags(switches, defines_of(config)(switches)),
-                              PROGRAM_TYPES, tail_calls_for(switches))
-    path = ImageCache(images).path(image_key(request))
+    path = ImageCache(images).path(image_key(compile_request(*hub_compile_args(switches, defines_of(config)(switches)))))
     return str(path) if path.is_file() else ""
 
 
@@ -570,14 +572,12 @@ class BpfHub:
         reason = bpf_unavailable_reason()
         if reason:
             raise SourceUnavailable(reason)
-        cflags = hub_cflags(switches, defines)
         self.switches = switches
         self.users = 0
         self.attach_lock = threading.Lock()
         self.images = ImageCache(images_dir) if images_dir else None
         try:
-            self.bpf = BpfObject.compile(inline_includes(MAIN_SOURCE), cflags, PROGRAM_TYPES,
-                                         tail_calls_for(switches), function_file_offset, self.images)
+            self.bpf = BpfObject.compile(*hub_compile_args(switches, defines), function_file_offset, self.images)
         except BpfError as e:
             raise SourceUnavailable(f"BPF program did not load: {str(e).strip()[:300]}") from None
         self.job_pids = self.bpf[b"gp_job_pids"]
