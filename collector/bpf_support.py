@@ -31,7 +31,7 @@ from gpuprof.collector.bpf_object import BpfError, BpfObject, compile_request, l
 from gpuprof.collector.debuginfo import offset_to_vaddr, vaddr_to_offset
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file, read_user_file
 from gpuprof.collector.schema import INTERNAL_COMM_OPS
-from gpuprof.collector.sources.base import SourceUnavailable
+from gpuprof.collector.sources.base import Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.probe_table import collectives_defines
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
@@ -637,6 +637,61 @@ class BpfHub:
         for pid in now - self._known:
             table[table.Key(pid)] = one
         self._known = now
+
+
+def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
+    """The job's shared BPF object for a source of `mode` (added to the job's modes when the source
+    runs for another mode's sake: off-CPU for stacks' object, collectives on the uprobe path). Every
+    source passes the same defines and unwinder, as whichever starts first compiles for all."""
+    modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
+    return BpfHub.acquire(modes, defines_of(ctx.config), stack_unwinder(ctx.config, unwinder),
+                          images_dir_for(ctx.config))
+
+
+class HubSource(Source):
+    """A source on the job's shared BPF object. What every such source does alike: it counts its
+    drops in a per-CPU array of the object (`drops_map`, the slots `drops_slots` of it), and as the
+    counters go with the object, `stop` reads them once more before it lets the object go and
+    `drops` answers that value after. Subclasses take `hub` in start and undo their attaches in
+    `detach`."""
+
+    drops_map: bytes = b""
+    drops_slots = slice(None)
+    hub: BpfHub | None = None
+    dropped_total = 0  # the counters' last value, read at stop
+
+    def take_hub(self, ctx: SourceContext, mode: str, switch: str, what: str, unwinder: str | None = None) -> BpfHub:
+        """acquire_hub's object, held as self.hub; let go again (SourceUnavailable) when it was
+        compiled without `switch` (what: the part it lacks, for the message)."""
+        hub = self.hub = acquire_hub(ctx, mode, unwinder)
+        if not hub.has(switch):
+            self.stop()
+            raise SourceUnavailable(f"the shared BPF object was compiled without {what}")
+        return hub
+
+    def drops(self) -> int:
+        hub = self.hub  # once: stop() may clear it meanwhile, in another thread
+        if hub is None:
+            return self.dropped_total
+        return sum(read_ring_drops(hub.bpf[self.drops_map])[self.drops_slots])
+
+    def summary(self) -> dict[str, Any] | None:
+        hub = self.hub
+        return hub.summary() if hub is not None else None
+
+    def detach(self, hub: BpfHub) -> None:
+        """Undo the source's own attaches on the object, at stop while it still holds it."""
+
+    def stop(self) -> None:
+        hub = self.hub
+        if hub is None:
+            return
+        self.dropped_total = self.drops()
+        try:
+            self.detach(hub)
+        finally:
+            self.hub = None
+            hub.release()
 
 
 def images_dir_for(config: dict[str, dict[str, Any]]) -> str | None:

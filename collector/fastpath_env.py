@@ -168,7 +168,7 @@ def render_task_plan(plan: list[tuple[str, str]], task_env: Mapping[str, str]) -
                              "out and records nothing through it")
             else:
                 lines.append(f"export {var}={value}")
-        elif key not in PLAN_KEYS:
+        else:  # every key of PLAN_KEYS is one of the branches above
             raise ValueError(f"task plan: unknown key {key!r}")
     return lines
 

@@ -204,8 +204,7 @@ def test_the_calls_ring_is_the_configs_whichever_source_compiles_first(monkeypat
     from types import SimpleNamespace
 
     from gpuprof.collector import config as config_mod
-    from gpuprof.collector.bpf_support import BpfHub
-    from gpuprof.collector.sources import bpf_stacks
+    from gpuprof.collector.bpf_support import BpfHub, acquire_hub
 
     cfg = config_mod.defaults()
     cfg["sources.collectives"] = {**cfg["sources.collectives"], "ring_pages": 4, "mpi_path": "uprobe"}
@@ -218,7 +217,7 @@ def test_the_calls_ring_is_the_configs_whichever_source_compiles_first(monkeypat
     monkeypatch.setattr(BpfHub, "acquire", acquire)
     ctx = SimpleNamespace(modes=("stacks", "collectives"), config=cfg)
     with pytest.raises(RuntimeError, match="acquire seen"):
-        bpf_stacks.acquire_hub(ctx, "stacks")
+        acquire_hub(ctx, "stacks")
     with pytest.raises(RuntimeError, match="acquire seen"):
         bc.BpfCollectivesSource(("mpi",)).start(ctx)
     pages = 4 * (os.cpu_count() or 1)

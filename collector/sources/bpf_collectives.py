@@ -15,19 +15,16 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import (
     BpfHub,
+    HubSource,
     attach_symbols,
     defined_functions,
-    defines_of,
     detach_symbols,
-    images_dir_for,
     mapped_libraries,
     read_environ,
     read_maps,
-    read_ring_drops,
-    stack_unwinder,
 )
 from gpuprof.collector.fastpath_env import resolve_paths
-from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.base import Batch, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import (
     CALL_DTYPE,
     CALL_FIELDS,
@@ -38,20 +35,19 @@ from gpuprof.collector.sources.collective_calls import (
 from gpuprof.collector.sources.probe_table import LIB_CODES, LIBRARY_PATTERNS, MPICH_COMM_WORLD, PROBES, Probe
 
 
-class BpfCollectivesSource(Source):
+class BpfCollectivesSource(HubSource):
     """Uprobes on the MPI and NCCL libraries mapped into the job's processes."""
 
     name = "collectives_uprobe"
     attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS)
     interval_s = 0.2
+    drops_map = b"gp_coll_drops"  # [0] calls ring full, [1] communicators ring full
 
     def __init__(self, libraries: tuple[str, ...] | None = None) -> None:
         # libraries: which to probe; None = those the config routes to uprobes.
         self.libraries = libraries
-        self.hub: BpfHub | None = None
         self.attached: set[tuple[str, str]] = set()
-        self.dropped_total = 0  # records lost in the BPF ring buffers (full), as read at stop
         self.missing: dict[str, set[str]] = {}
         self._calls: list[Any] = []
         self._comms: list[Any] = []
@@ -69,10 +65,7 @@ class BpfCollectivesSource(Source):
             self.libraries = tuple(lib for lib in ("mpi", "nccl") if paths[lib] == "uprobe")
         if not self.libraries:
             raise SourceUnavailable("collectives of every library go through the fast path (config)")
-        self.hub = BpfHub.acquire(ctx.modes if "collectives" in ctx.modes else (*ctx.modes, "collectives"),
-                                  defines_of(ctx.config), stack_unwinder(ctx.config), images_dir_for(ctx.config))
-        if not self.hub.has("GP_WITH_COLLECTIVES"):
-            raise SourceUnavailable("the shared BPF object was compiled without collectives")
+        self.take_hub(ctx, "collectives", "GP_WITH_COLLECTIVES", "collectives")
         b = self.hub.bpf
         descs = b[b"gp_descs"]
         for i, p in enumerate(PROBES):
@@ -204,24 +197,12 @@ class BpfCollectivesSource(Source):
     def final(self, now_ns: int) -> list[Batch]:
         return self._rows(now_ns, final=True)
 
-    def drops(self) -> int:
-        hub = self.hub
-        return sum(read_ring_drops(hub.bpf[b"gp_coll_drops"])) if hub is not None else self.dropped_total
+    def detach(self, hub: BpfHub) -> None:
+        def detach(bpf: Any, path: bytes, sym: bytes) -> None:
+            bpf.detach_uretprobe(name=path, sym=sym)
+            bpf.detach_uprobe(name=path, sym=sym)
 
-    def summary(self) -> dict[str, Any] | None:
-        return self.hub.summary() if self.hub is not None else None
-
-    def stop(self) -> None:
-        if self.hub is not None:
-            # the counters go with the BPF program: keep their last value (as the fast path does)
-            self.dropped_total = self.drops()
-            def detach(bpf: Any, path: bytes, sym: bytes) -> None:
-                bpf.detach_uretprobe(name=path, sym=sym)
-                bpf.detach_uprobe(name=path, sym=sym)
-
-            detach_symbols(self.hub, self.attached, detach)
-            self.hub.release()
-            self.hub = None
+        detach_symbols(hub, self.attached, detach)
 
 
 def now_ns() -> int:

@@ -21,15 +21,15 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_support import (
     BpfHub,
+    HubSource,
     attach_symbols,
     detach_symbols,
     dynamic_functions,
     elf_symbols,
     read_maps,
-    read_ring_drops,
 )
-from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
-from gpuprof.collector.sources.bpf_stacks import acquire_hub, own_stack, stack_store
+from gpuprof.collector.sources.base import Batch, SourceContext
+from gpuprof.collector.sources.bpf_stacks import own_stack, stack_store
 from gpuprof.collector.symbolize import StackStore, demangle
 
 # symbol -> BPF program (the _ptsz forms take the same arguments)
@@ -54,7 +54,7 @@ NAME_SOURCES = schema.KERNEL_FUNCTIONS.enums["source"]
 
 
 
-class BpfKernelsSource(Source):
+class BpfKernelsSource(HubSource):
     """CUDA launch uprobes of the job's processes."""
 
     name = "kernels"
@@ -62,13 +62,12 @@ class BpfKernelsSource(Source):
     tables = (schema.KERNEL_LAUNCHES, schema.KERNEL_FUNCTIONS, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 0.2  # the 2 MiB launch ring holds about 0.2 s at 100,000 launches/s
     scan_interval_s = 1.0  # new libraries of job processes are looked for this often
+    drops_map = b"gp_launch_drops"  # [0] launches ring full, [1] kernel functions ring full
 
     def __init__(self) -> None:
-        self.hub: BpfHub | None = None
         self.store: StackStore | None = None
         self.attached: set[tuple[str, str]] = set()
         self.checked: set[str] = set()
-        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
         self._launches: list[tuple[Any, ...]] = []
         self._kfuncs: list[tuple[int, int, int, int, int, str]] = []
         self.names: dict[tuple[int, int], tuple[str, int]] = {}  # (pid, handle) -> (name, source)
@@ -79,11 +78,7 @@ class BpfKernelsSource(Source):
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
-        self.hub = acquire_hub(ctx, "kernels")
-        if not self.hub.has("GP_WITH_KERNELS"):
-            self.hub.release()
-            self.hub = None
-            raise SourceUnavailable("the shared BPF object was compiled without kernels")
+        self.take_hub(ctx, "kernels", "GP_WITH_KERNELS", "kernels")
         self.store = stack_store(self.hub, ctx)
         b = self.hub.bpf
         b[b"gp_launches"].open_ring_buffer(self._on_launch)
@@ -224,24 +219,13 @@ class BpfKernelsSource(Source):
     def final(self, now_ns: int) -> list[Batch]:
         return self._drain()
 
-    def drops(self) -> int:
-        """Launch and handle records lost because a ring was full."""
-        hub = self.hub
-        return sum(read_ring_drops(hub.bpf[b"gp_launch_drops"])) if hub is not None else self.dropped_total
-
-    def stop(self) -> None:
-        if self.hub is None:
-            return
-        self.dropped_total = self.drops()  # the counter goes with the BPF object: its last value
-
+    def detach(self, hub: BpfHub) -> None:
         def detach(bpf: Any, path: bytes, sym: bytes) -> None:
             if sym.decode() in LOOKUP_PROBES:
                 bpf.detach_uretprobe(name=path, sym=sym)
             bpf.detach_uprobe(name=path, sym=sym)
 
-        detach_symbols(self.hub, self.attached, detach)
-        self.hub.release()
-        self.hub = None
+        detach_symbols(hub, self.attached, detach)
 
     def at_seal(self, f: Any) -> None:
         path = schema.KERNEL_FUNCTIONS.path

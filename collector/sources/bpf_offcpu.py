@@ -25,12 +25,11 @@ import numpy as np
 
 from gpuprof.collector import schema
 from gpuprof.collector.bpf_object import BpfError, libbpf
-from gpuprof.collector.bpf_support import BpfHub, read_ring_drops, task_run_queue_offsets
-from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.bpf_support import BpfHub, HubSource, task_run_queue_offsets
+from gpuprof.collector.sources.base import Batch, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.bpf_stacks import (
     UserStacks,
     WindowedCounts,
-    acquire_hub,
     lookup_all,
     nonzero_ids,
     shared_user_stacks,
@@ -145,25 +144,24 @@ class RunQueueTime:
         self.fds.clear()
 
 
-class BpfOffcpuSource(Source):
+class BpfOffcpuSource(HubSource):
     """Blocked and run-queue time of the job's threads, with the blocking stack."""
 
     name = "offcpu"
     attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.OFFCPU_INTERVALS, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0
+    drops_map = b"gp_off_drops"
 
     def __init__(self, flush_interval_s: float | None = None, python_frames: bool = True) -> None:
         # flush_interval_s: window length; None = sources.offcpu.flush_interval_s of the config
         # python_frames: False = native stacks only
         self.flush_interval_s = flush_interval_s
         self.python_frames = python_frames
-        self.hub: BpfHub | None = None
         self.store: StackStore | None = None
         self.users: UserStacks | None = None  # shared with the stacks source
         self.cfi_walk = False  # the CFI walk's continuation is loaded (blocked stacks walked by CFI)
         self.run_queue: RunQueueTime | None = None
-        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -172,11 +170,7 @@ class BpfOffcpuSource(Source):
         if not 0.05 <= every <= 3600:
             raise SourceUnavailable(f"sources.offcpu.flush_interval_s = {every} is out of range [0.05, 3600]")
         self.interval_s = every
-        self.hub = acquire_hub(ctx, "stacks")
-        if not self.hub.has("GP_WITH_OFFCPU"):
-            self.hub.release()
-            self.hub = None
-            raise SourceUnavailable("the shared BPF object was compiled without off-CPU tracepoints")
+        self.take_hub(ctx, "stacks", "GP_WITH_OFFCPU", "off-CPU tracepoints")
         self.store = stack_store(self.hub, ctx)
         self.hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
@@ -308,22 +302,14 @@ class BpfOffcpuSource(Source):
     def final(self, now_ns: int) -> list[Batch]:
         return self._drain(now_ns, final=True)
 
-    def drops(self) -> int:
-        """Off-CPU episodes lost because a kernel map was full."""
-        hub = self.hub
-        if hub is None:
-            return self.dropped_total
-        return sum(read_ring_drops(hub.bpf[b"gp_off_drops"]))
-
     def stop(self) -> None:
         if self.run_queue is not None:
             self.run_queue.close()
-        if self.hub is not None:
-            self.dropped_total = self.drops()  # the counter goes with the BPF object: its last value
-            if self.users is not None:
-                self.users.release(self.name)  # the last of the two sources closes the CFI unwinder
-            self.hub.release()
-            self.hub = None
+        super().stop()
+
+    def detach(self, hub: BpfHub) -> None:
+        if self.users is not None:
+            self.users.release(self.name)  # the last of the two sources closes the CFI unwinder
 
     def at_seal(self, f: Any) -> None:
         if self.store is not None:

@@ -35,12 +35,10 @@ from gpuprof.collector import native, schema
 from gpuprof.collector.bpf_object import BpfError, libbpf
 from gpuprof.collector.bpf_support import (
     BpfHub,
-    defines_of,
-    images_dir_for,
+    HubSource,
     kernel_member_offset,
     read_maps,
     read_ring_drops,
-    stack_unwinder,
 )
 from gpuprof.collector.cfiunwind import CfiUnwinder, start_compiler, start_unwinder
 from gpuprof.collector.pyframes import (
@@ -52,7 +50,7 @@ from gpuprof.collector.pyframes import (
     find_interpreter,
     named_like_interpreter,
 )
-from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.base import Batch, SourceContext, SourceUnavailable
 from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, StackStore, _exe
 
 PERF_TYPE_SOFTWARE = 1
@@ -67,12 +65,6 @@ def stack_store(hub: BpfHub, ctx: SourceContext) -> StackStore:
         if store is None:
             store = hub.shared["stack_store"] = StackStore(ctx.config["sources.stacks"]["debug_roots"])
         return store
-
-
-def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
-    modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
-    return BpfHub.acquire(modes, defines_of(ctx.config), stack_unwinder(ctx.config, unwinder),
-                          images_dir_for(ctx.config))
 
 
 class WindowedCounts:
@@ -542,13 +534,15 @@ def shared_user_stacks(hub: BpfHub, ctx: SourceContext, source: str, python_fram
     return users
 
 
-class BpfStacksSource(Source):
+class BpfStacksSource(HubSource):
     """99 Hz (configurable) CPU stack sampling of the job's threads."""
 
     name = "stacks"
     attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0  # one window per drain
+    drops_map = b"gp_cpu_drops"  # [0] counts map full; [1] stack not stored, which rows show
+    drops_slots = slice(0, 1)
 
     def __init__(self, rate_hz: float | None = None, python_frames: bool = True, unwinder: str | None = None) -> None:
         # rate_hz: samples per second per CPU; None = sources.stacks.rate_hz of the config
@@ -558,11 +552,9 @@ class BpfStacksSource(Source):
         self.python_frames = python_frames
         self.unwinder = unwinder
         self.users: UserStacks | None = None  # shared with the off-CPU source (kept after stop: status)
-        self.hub: BpfHub | None = None
         self.store: StackStore | None = None
         self._attached = False
         self.samples_total = 0
-        self.dropped_total = 0  # the BPF counter's last value, read at stop (it goes with the object)
         self.unwind_status: dict[str, Any] | None = None  # the CFI unwinder's last status, for the file
 
     def start(self, ctx: SourceContext) -> None:
@@ -573,17 +565,11 @@ class BpfStacksSource(Source):
         self.rate_hz = rate
         compiler = start_compiler(ctx, self.unwinder)  # tables (the prewarm) while the BPF object compiles
         try:
-            self.hub = acquire_hub(ctx, "stacks", self.unwinder)
+            self.take_hub(ctx, "stacks", "GP_WITH_STACKS", "stacks", self.unwinder)
         except BaseException:
             if compiler is not None:
                 compiler.close()
             raise
-        if not self.hub.has("GP_WITH_STACKS"):
-            self.hub.release()
-            self.hub = None
-            if compiler is not None:
-                compiler.close()
-            raise SourceUnavailable("the shared BPF object was compiled without stacks")
         self.store = stack_store(self.hub, ctx)
         self.hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
@@ -663,30 +649,14 @@ class BpfStacksSource(Source):
     def final(self, now_ns: int) -> list[Batch]:
         return self._drain(now_ns)
 
-    def drops(self) -> int:
-        """Samples not counted because the counts map was full (stacks not stored are rows with
-        user_stack or kernel_stack = not captured)."""
-        hub = self.hub
-        if hub is None:
-            return self.dropped_total
-        return read_ring_drops(hub.bpf[b"gp_cpu_drops"])[0]
-
-    def summary(self) -> dict[str, Any] | None:
-        return self.hub.summary() if self.hub is not None else None
-
-    def stop(self) -> None:
-        if self.hub is not None:
-            # the counter goes with the BPF object: keep its last value for the seal's status
-            self.dropped_total = self.drops()
-            if self._attached:
-                self.hub.bpf.detach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK)
-                self._attached = False
-            if self.users is not None:
-                if self.users.cfi is not None:  # while registered and the maps exist (at_seal comes after)
-                    self.unwind_status = self.users.cfi.status()
-                self.users.release(self.name)  # the last of the two sources closes the unwinder
-            self.hub.release()
-            self.hub = None
+    def detach(self, hub: BpfHub) -> None:
+        if self._attached:
+            hub.bpf.detach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK)
+            self._attached = False
+        if self.users is not None:
+            if self.users.cfi is not None:  # while registered and the maps exist (at_seal comes after)
+                self.unwind_status = self.users.cfi.status()
+            self.users.release(self.name)  # the last of the two sources closes the unwinder
 
     def at_seal(self, f: Any) -> None:
         if self.store is not None:
