@@ -10,6 +10,7 @@ CLOCK_REALTIME. A metric that could not be read is NaN in its column and the rea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,8 +84,10 @@ class Table:
     def path(self) -> str:
         return f"/{self.group}/{self.name}"
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype:
+        # once: every drain and append asks for it (cached_property writes the instance's
+        # __dict__ directly, which a frozen dataclass allows)
         return np.dtype([(c.name, c.dtype) for c in self.columns])
 
     def empty(self, n: int = 0) -> np.ndarray:

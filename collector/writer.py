@@ -20,6 +20,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+from isal import isal_zlib
 
 from gpuprof.collector import __version__, schema
 from gpuprof.collector.errors import TraceFormatError
@@ -37,6 +38,13 @@ CHUNK_ROWS = 64
 BUSY_CHUNK_ROWS = 512
 BUSY_TABLES = frozenset({schema.COLLECTIVE_CALLS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_LAUNCHES.path})
 GZIP_LEVEL = 2
+# With gzip, the busy tables' chunks are deflated here by ISA-L (isal: zlib's format, any HDF5
+# reads it) and written whole (DirectChunks), not by HDF5's filter on the writer thread: at hpcc's
+# 13 000 calls a second zlib's deflate was most of the writer's CPU, and on a node whose every core
+# runs a rank each of its milliseconds is one the job waits. On hpcc's real call rows, 52 000
+# rows (one 4 s flush), shuffle included: zlib level 2 28.1 ms, 0.420 MB; ISA-L level 1 10.9 ms,
+# 0.440 MB (docs/trace-format.md, "The busy tables' chunks deflated by ISA-L").
+ISAL_LEVEL = 1
 
 
 def chunk_rows(table_path: str) -> int:
@@ -75,6 +83,61 @@ def compression_kwargs(name: str) -> dict[str, Any]:
     raise ValueError(f"unknown compression {name!r}: use gzip, lzf or none")
 
 
+class DirectChunks:
+    """One busy table of a gzip file, written a whole chunk at a time: the rows shuffled (HDF5's
+    shuffle filter: byte k of every row together) and deflated here, then handed to HDF5 as the
+    chunk's stored bytes (H5Dwrite_chunk), which readers undo through the dataset's own filters.
+    Rows short of a whole chunk wait in memory and are written, padded, at each flush that has new
+    ones, to the same chunk again once it is full. The table's extent covers the rows whose chunk
+    is in the file, never those still waiting: a reader, or the recovery of a killed collector,
+    sees only rows that are there."""
+
+    def __init__(self, ds_id: h5py.h5d.DatasetID, dtype: np.dtype, rows_per_chunk: int) -> None:
+        self.ds_id = ds_id
+        self.dtype = dtype
+        self.rows_per_chunk = rows_per_chunk
+        self.whole = 0  # rows in whole chunks written
+        self.pending = np.zeros(0, dtype)  # rows after them, fewer than a chunk
+        self.pending_written = True  # the padded chunk of `pending` is in the file as it is now
+        self.extent = 0
+
+    @property
+    def rows(self) -> int:
+        return self.whole + len(self.pending)
+
+    def _chunk(self, rows: np.ndarray) -> bytes:
+        if len(rows) < self.rows_per_chunk:
+            padded = np.zeros(self.rows_per_chunk, self.dtype)
+            padded[: len(rows)] = rows
+            rows = padded
+        shuffled = np.ascontiguousarray(rows.view(np.uint8).reshape(self.rows_per_chunk, self.dtype.itemsize).T)
+        return isal_zlib.compress(shuffled.data, ISAL_LEVEL)
+
+    def _extend(self, rows: int) -> None:
+        if rows > self.extent:
+            self.ds_id.set_extent((rows,))
+            self.extent = rows
+
+    def append(self, rows: np.ndarray) -> None:
+        if len(self.pending):
+            rows = np.concatenate((self.pending, rows))
+        c = self.rows_per_chunk
+        full = len(rows) // c * c
+        if full:
+            self._extend(self.whole + full)
+            for k in range(0, full, c):
+                self.ds_id.write_direct_chunk((self.whole + k,), self._chunk(rows[k:k + c]))
+            self.whole += full
+        self.pending = rows[full:].copy()
+        self.pending_written = len(self.pending) == 0
+
+    def flush(self) -> None:
+        if not self.pending_written:
+            self._extend(self.rows)
+            self.ds_id.write_direct_chunk((self.whole,), self._chunk(self.pending))
+            self.pending_written = True
+
+
 class NodeTraceWriter:
     """Append-only writer of one node file. Not thread-safe: the collector's writer thread owns it."""
 
@@ -95,6 +158,7 @@ class NodeTraceWriter:
         # per table: the dataset (low-level id) and its file type, used as the memory type of the
         # writes (append)
         self._datasets: dict[str, tuple[h5py.h5d.DatasetID, h5py.h5t.TypeID]] = {}
+        self._direct: dict[str, DirectChunks] = {}  # the busy tables, when the file is gzip's
         filters = compression_kwargs(compression)
         f = h5py.File(self.path, "w", libver="latest")
         try:
@@ -126,6 +190,8 @@ class NodeTraceWriter:
                     ds.attrs[f"unit:{c.name}"] = c.unit
                 for col, names in t.enums.items():
                     ds.attrs[f"{col}_names"] = np.array(names, dtype=h5py.string_dtype())
+                if compression == "gzip" and t.path in BUSY_TABLES:
+                    self._direct[t.path] = DirectChunks(ds.id, t.dtype, chunk_rows(t.path))
             f.swmr_mode = True
         except BaseException:
             f.close()
@@ -143,6 +209,11 @@ class NodeTraceWriter:
             raise TraceFormatError(f"{self.path}: table {table_path} is not in this file's modes")
         if rows.dtype != t.dtype:
             rows = rows.astype(t.dtype)
+        direct = self._direct.get(table_path)
+        if direct is not None:
+            direct.append(rows)
+            self._rows[table_path] = direct.rows
+            return
         opened = self._datasets.get(table_path)
         if opened is None:
             # kept open: closing a dataset writes its cached chunks, and an error there (ENOSPC) is
@@ -169,6 +240,8 @@ class NodeTraceWriter:
         """Write every table's cached chunks (H5Dflush raises a write error such as ENOSPC, which a
         plain file flush in SWMR mode may leave unreported), then the file's metadata."""
         if self._file is not None:
+            for direct in self._direct.values():
+                direct.flush()
             for ds_id, _ in self._datasets.values():
                 ds_id.flush()
             self._file.flush()
@@ -185,6 +258,7 @@ class NodeTraceWriter:
             return
         self.flush()
         self._datasets.clear()
+        self._direct.clear()
         self._file.close()
         self._file = None
         with h5py.File(self.path, "r+") as f:
@@ -201,8 +275,11 @@ class NodeTraceWriter:
         if self._file is not None:
             self._datasets.clear()
             try:
+                for direct in self._direct.values():
+                    direct.flush()
                 self._file.flush()
             finally:
+                self._direct.clear()
                 self._file.close()
                 self._file = None
 

@@ -65,3 +65,61 @@ def test_the_tables_of_one_row_per_call_or_kernel_have_larger_chunks(tmp_path: P
         chunks = {t.path: f[t.path].chunks for t in schema.ALL_TABLES}
     assert {p: c for p, c in chunks.items() if p in busy} == {p: (BUSY_CHUNK_ROWS,) for p in busy}
     assert all(c == (CHUNK_ROWS,) for p, c in chunks.items() if p not in busy), chunks
+
+
+def test_busy_tables_are_deflated_here_and_readers_see_only_rows_in_the_file(tmp_path: Path) -> None:
+    """With gzip, the busy tables' chunks are shuffled and deflated by the writer (ISA-L) and
+    written whole: each stored chunk is zlib's format under the dataset's own filters (mask 0), so
+    any HDF5 reads it. Rows short of a chunk wait for the next flush, and until then the table's
+    extent leaves them out (a SWMR reader or a recovery never reads a chunk not written yet); a
+    flush with nothing new rewrites nothing."""
+    import zlib
+
+    rng = np.random.default_rng(11)
+    t = schema.COLLECTIVE_CALLS
+    meta = NodeMeta(job_id="1", node="n1", modes=("collectives",), rates={}, config=None, job_nodelist="")
+    path = tmp_path / "n1.h5"
+    w = NodeTraceWriter(path, meta, [t])
+    first = random_rows(t, BUSY_CHUNK_ROWS + 10, rng)
+    w.append(t.path, first)
+    assert w.rows(t.path) == BUSY_CHUNK_ROWS + 10  # accepted, counted
+    with h5py.File(path, "r", swmr=True) as f:
+        assert f[t.path].shape == (BUSY_CHUNK_ROWS,)  # the whole chunk only: the 10 are not in the file yet
+        assert f[t.path][()].tobytes() == first[:BUSY_CHUNK_ROWS].tobytes()
+    w.flush()
+    size = path.stat().st_size
+    w.flush()
+    assert path.stat().st_size == size
+    with h5py.File(path, "r", swmr=True) as f:
+        ds = f[t.path]
+        assert ds.shape == (BUSY_CHUNK_ROWS + 10,)
+        assert ds[()].tobytes() == first.tobytes()
+        mask, stored = ds.id.read_direct_chunk((0,))
+        assert mask == 0
+        shuffled = np.frombuffer(zlib.decompress(stored), np.uint8).reshape(t.dtype.itemsize, BUSY_CHUNK_ROWS)
+        assert shuffled.T.tobytes() == first[:BUSY_CHUNK_ROWS].tobytes()
+    # the waiting chunk grows in place, then fills
+    second = random_rows(t, BUSY_CHUNK_ROWS, rng)
+    w.append(t.path, second)
+    w.seal(drops={})
+    with h5py.File(path, "r") as f:
+        assert f[t.path].compression == "gzip" and f[t.path].shuffle
+        assert f[t.path][()].tobytes() == np.concatenate([first, second]).tobytes()
+
+
+def test_other_compressions_keep_hdf5s_own_filters(tmp_path: Path) -> None:
+    """lzf and none go through HDF5's filters for every table, the busy ones too."""
+    rng = np.random.default_rng(3)
+    t = schema.COLLECTIVE_CALLS
+    meta = NodeMeta(job_id="1", node="n1", modes=("collectives",), rates={}, config=None, job_nodelist="")
+    for name in ("lzf", "none"):
+        path = tmp_path / f"{name}.h5"
+        w = NodeTraceWriter(path, meta, [t], compression=name)
+        rows = random_rows(t, 700, rng)
+        w.append(t.path, rows)
+        with h5py.File(path, "r", swmr=True) as f:
+            assert f[t.path].shape == (700,)  # HDF5's path extends at every append
+        w.seal(drops={})
+        with h5py.File(path, "r") as f:
+            assert f[t.path].compression == (None if name == "none" else name)
+            assert f[t.path][()].tobytes() == rows.tobytes()
