@@ -17,19 +17,28 @@ Three layouts, all printed by default (--layouts):
   bound.
 
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks] [--bpf-time]
-        [--layouts node,shared,nodes] [--control] [--hpcc-n 2400]
+        [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200]
 
---hpcc-n sets HPL's N (1200 by default, about 6 s in the node layout; 2400 about 23 s): what a job
-pays once, when it starts (the collector registers its processes, the interposer loads), weighs
-less in a longer run, so two sizes tell the cost per job from the cost per second.
+hpcc runs at two sizes, one line each (--hpcc-n, HPL's N; every other part of HPCC sizes itself
+from it): N=3600, a run of about 30 s in the node layout on this VM on a slow day (10 s on a fast
+one), the job the 1 % goal is read on; and N=1200, 3 to 6 s (1.6 s on a fast day), a job so short
+that what the collector does once, when the job's processes start (it registers them, reads
+their maps, writes their first rows), is most of what it costs. From the two sizes a
+job_slowdown_split line tells the collector's CPU in the run as a cost per job plus a cost per
+second (a line fitted through the sizes' medians), so a site can work out what its own job
+lengths pay. Real jobs run minutes to hours; a run of 3 s is the worst case, printed beside the
+figure, not instead of it.
 
 --control runs every pair plain twice (the same alternation, nothing profiled): the spread the
 bench itself has on this machine, the floor under which a `median_percent` says nothing.
 
-One line per application:
-    {"bench": "job_slowdown", "app": ..., "median_percent": (median profiled / median plain - 1) * 100,
+One line per application (and hpcc size) and layout:
+    {"bench": "job_slowdown", "app": ..., "hpl_n": ..., "median_percent": (median profiled / median plain - 1) * 100,
      "pair_percent": {"median", "min", "max"}, "plain_s": [...], "profiled_s": [...],
      "collector_cpu_ms_in_run": {"median", "min", "max"}, "collector_cpu_percent_of_run": ..., ...}
+and, for hpcc at two sizes or more in a layout:
+    {"bench": "job_slowdown_split", "app": "hpcc", "layout": ..., "collector_cpu_ms_once": ...,
+     "collector_cpu_ms_per_s": ..., "sizes": [{"hpl_n", "profiled_s_median", "collector_cpu_ms_in_run_median"}, ...]}
 
 collector_cpu_ms_in_run: the CPU the job's collectors on this host used inside the timed mpirun
 line (sampled from here every 0.1 s: CollectorCpu), collector_cpu_ms_in_run_by_thread_median the
@@ -198,6 +207,9 @@ def timed_script(app: apps_mod.App, layout: str) -> str:
 
 
 LAYOUTS = ("node", "shared", "nodes")
+# hpcc's sizes by default (HPL's N): a job of about 30 s in the node layout here on a slow day,
+# and a job of 3 to 6 s (module docstring)
+HPCC_SIZES = (3600, apps_mod.HPCC_N)
 
 
 def ranks(app: apps_mod.App, layout: str) -> int:
@@ -283,7 +295,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     per_pair = [(p / q - 1) * 100 for p, q in zip(prof, plain, strict=True)]
     nodes = app.nodes if layout == "nodes" else 1
     n = ranks(app, layout)
-    size = {"hpl_n": hpcc_n or 1200} if app.name == "hpcc" else {}
+    size = {"hpl_n": hpcc_n or apps_mod.HPCC_N} if app.name == "hpcc" else {}
     if control:
         return {"bench": "job_slowdown_control", "app": app.name, **size, "layout": layout,
                 "modes": "none (plain vs plain)",
@@ -315,6 +327,28 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "what": "the application's mpirun line, timed inside the batch script"}
 
 
+def split_line(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The collector's CPU inside the run as once + per_s * seconds: the least-squares line through
+    the sizes' (median profiled run, median collector CPU in it); None with fewer than two sizes
+    measured (or a control run, which profiles nothing)."""
+    sizes = [line for line in lines if line.get("bench") == "job_slowdown" and line.get("median_percent") is not None
+             and "hpl_n" in line]
+    if len(sizes) < 2:
+        return None
+    xs = [statistics.median(line["profiled_s"]) for line in sizes]
+    ys = [line["collector_cpu_ms_in_run"]["median"] for line in sizes]
+    if max(xs) - min(xs) < 1.0:
+        return None  # runs of the same length: nothing to split
+    per_s, once = statistics.linear_regression(xs, ys)
+    return {"bench": "job_slowdown_split", "app": sizes[0]["app"], "layout": sizes[0]["layout"],
+            "modes": sizes[0]["modes"],
+            "collector_cpu_ms_once": round(once, 1), "collector_cpu_ms_per_s": round(per_s, 2),
+            "sizes": [{"hpl_n": line["hpl_n"], "profiled_s_median": round(x, 3), "collector_cpu_ms_in_run_median": y,
+                       "median_percent": line["median_percent"]} for line, x, y in zip(sizes, xs, ys, strict=True)],
+            "what": "the collector's CPU inside the timed run as a cost per job (once) and per second of the "
+                    "application, a line through the sizes' medians"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one pair of one application")
@@ -326,13 +360,18 @@ def main() -> int:
                     "shared (the application's 4 ranks on one node) and nodes (one rank per virtual node: four "
                     "collectors on this host); default all three")
     ap.add_argument("--control", action="store_true", help="both arms plain: the bench's own spread (an A/A run)")
-    ap.add_argument("--hpcc-n", type=int, default=None, help="HPL's N for hpcc (default 1200, about 6 s in the "
-                    "node layout): a longer run tells what a job pays once from what it pays a second")
+    ap.add_argument("--hpcc-n", default=",".join(map(str, HPCC_SIZES)),
+                    help="HPL's N for hpcc, a comma list, one line each (default %(default)s: a run of about 30 s "
+                    "and one of 3 to 6 s in the node layout): two sizes or more also print job_slowdown_split")
     ap.add_argument("--bpf-time", action="store_true", help="also the run time of the collectors' BPF programs "
                     "inside the timed line (turns kernel.bpf_stats_enabled on for the bench, which costs the "
                     "programs a little)")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
+    try:
+        hpcc_sizes = [int(n) for n in a.hpcc_n.split(",")]
+    except ValueError:
+        ap.error(f"--hpcc-n: {a.hpcc_n!r} is not a comma list of integers")
     for layout in layouts:
         if layout not in LAYOUTS:
             ap.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -350,13 +389,19 @@ def main() -> int:
         for name in names:
             app = apps_mod.get(name)
             for layout in layouts:
-                try:
-                    app.check()
-                    line = bench_app(app, pairs, base, a.modes, layout, a.control, a.hpcc_n, a.bpf_time)
-                except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
-                    line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
-                            "missing": str(e)[:500]}
-                print(json.dumps(line), flush=True)
+                lines = []
+                for n in (hpcc_sizes if app.name == "hpcc" else [None]):
+                    try:
+                        app.check()
+                        line = bench_app(app, pairs, base, a.modes, layout, a.control, n, a.bpf_time)
+                    except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
+                        line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
+                                "missing": str(e)[:500], **({"hpl_n": n} if n else {})}
+                    print(json.dumps(line), flush=True)
+                    lines.append(line)
+                split = split_line(lines)
+                if split is not None:
+                    print(json.dumps(split), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         if stats_before is not None:

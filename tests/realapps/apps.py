@@ -51,23 +51,27 @@ class App:
             raise AppUnavailable(f"hpcc: {HPCC_EXAMPLE} missing (reinstall the hpcc package)")
 
 
+HPCC_N = 1200  # HPL's N in _hpcc_input's file
+
+
 def _hpcc_input(work: Path) -> None:
-    """A tiny hpccinf.txt from the package's example: HPL at N=1200 on a 2x2 grid (every other part
-    of HPCC sizes itself from it), about 20 s on 2 cores."""
+    """A tiny hpccinf.txt from the package's example: HPL at N=HPCC_N on a 2x2 grid (every other
+    part of HPCC sizes itself from it), about 20 s on 4 virtual nodes of 2 cores."""
     text = HPCC_EXAMPLE.read_text()
     if "1000         Ns" not in text:
         raise AppUnavailable(f"hpcc: {HPCC_EXAMPLE} has no '1000         Ns' line to resize")
-    (work / "hpccinf.txt").write_text(text.replace("1000         Ns", "1200         Ns"))
+    (work / "hpccinf.txt").write_text(text.replace("1000         Ns", f"{HPCC_N:<13}Ns"))
 
 
 def hpcc_size(work: Path, n: int) -> None:
-    """HPL's N in work/hpccinf.txt (_hpcc_input's is 1200): every other part of HPCC sizes itself
+    """HPL's N in work/hpccinf.txt (_hpcc_input's is HPCC_N): every other part of HPCC sizes itself
     from the memory HPL's matrix takes, so the whole run grows with it (HPL as N^3)."""
     path = work / "hpccinf.txt"
     text = path.read_text()
-    if "1200         Ns" not in text:
-        raise AppUnavailable(f"hpcc: {path} has no '1200         Ns' line to resize")
-    path.write_text(text.replace("1200         Ns", f"{n:<13}Ns"))
+    line = f"{HPCC_N:<13}Ns"
+    if line not in text:
+        raise AppUnavailable(f"hpcc: {path} has no {line!r} line to resize")
+    path.write_text(text.replace(line, f"{n:<13}Ns"))
 
 
 def hpcc_grid(work: Path, p: int, q: int) -> None:
