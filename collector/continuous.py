@@ -253,7 +253,7 @@ class Retention:
         with self._lock:
             seg = None
             if self._open_t0 is not None and (force or now - self._open_t0 >= self.segment_ns):
-                tables = {p: (parts[0] if len(parts) == 1 else np.concatenate(parts)) for p, parts in self._open.items()}
+                tables = {p: schema.concat_rows(parts) for p, parts in self._open.items()}
                 seg = Segment(self._open_t0, now, self._open_bytes, tables, None,
                               {p: len(r) for p, r in tables.items()})
                 self._open = {}
@@ -349,8 +349,8 @@ class Retention:
                 elif seg.path is not None:
                     parts.append(seg.path)
             if self._open_t0 is not None and self._open_t0 <= t_to_ns:
-                parts.append({p: np.concatenate(v) for p, v in self._open.items()})
-            static = {p: np.concatenate(v) for p, v in self._static.items()}
+                parts.append({p: schema.concat_rows(v) for p, v in self._open.items()})
+            static = {p: schema.concat_rows(v) for p, v in self._static.items()}
             all_pairs = [s.tables.get(schema.CLOCK_PAIRS.path) for s in self._segments if s.tables is not None]
         collected: dict[str, list[np.ndarray]] = {}
         before_pair: np.ndarray | None = None
@@ -376,10 +376,10 @@ class Retention:
             for pairs in all_pairs:
                 if pairs is not None and len(pairs) and int(pairs["monotonic_ns"][0]) < t_from_ns:
                     before_pair = pairs[:1]
-        out = {p: np.concatenate(v) for p, v in collected.items()}
+        out = {p: schema.concat_rows(v) for p, v in collected.items()}
         if before_pair is not None:
             cp = schema.CLOCK_PAIRS.path
-            out[cp] = np.concatenate([before_pair, out[cp]]) if cp in out else before_pair
+            out[cp] = schema.concat_rows([before_pair, out[cp]]) if cp in out else before_pair
         for path, rows in static.items():
             table = self.tables[path]
             if pids is not None and has_pid(table):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuprof.collector.schema import Table
+from gpuprof.collector.schema import Table, concat_rows
 
 MIN_CAPACITY_BYTES = 64 * 1024
 
@@ -101,7 +101,7 @@ class Ring:
             grouped.setdefault(table.path, []).append(rows)
             tables[table.path] = table
         out = {
-            p: (tables[p], parts[0] if len(parts) == 1 else np.concatenate(parts))
+            p: (tables[p], concat_rows(parts))
             for p, parts in grouped.items()
         }
         return Drained(out, dropped)

@@ -11,6 +11,7 @@ CLOCK_REALTIME. A metric that could not be read is NaN in its column and the rea
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,19 @@ class Table:
 
     def empty(self, n: int = 0) -> np.ndarray:
         return np.zeros(n, dtype=self.dtype)
+
+
+def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """np.concatenate of table rows, as bytes when every part has the same structured dtype: numpy
+    concatenates structured arrays field by field, about 20 times a byte copy (two halves of a 4 s
+    flush of hpcc's calls, 26 000 rows each: 4.4 ms against 0.22). The writer and the fast path
+    concatenate every call row at least once."""
+    if len(parts) == 1:
+        return parts[0]
+    dt = parts[0].dtype
+    if dt.names is None or any(part.dtype != dt for part in parts):
+        return np.concatenate(parts)
+    return np.concatenate([np.ascontiguousarray(part).view(np.uint8) for part in parts]).view(dt)
 
 
 def C(name: str, dtype: str, unit: str, doc: str, absent_reads_as: int | None = None) -> Column:

@@ -120,7 +120,7 @@ class DirectChunks:
 
     def append(self, rows: np.ndarray) -> None:
         if len(self.pending):
-            rows = np.concatenate((self.pending, rows))
+            rows = schema.concat_rows((self.pending, rows))
         c = self.rows_per_chunk
         full = len(rows) // c * c
         if full:
@@ -136,6 +136,7 @@ class DirectChunks:
             self._extend(self.rows)
             self.ds_id.write_direct_chunk((self.whole,), self._chunk(self.pending))
             self.pending_written = True
+        self.ds_id.flush()  # the chunk index: its write error raised here (NodeTraceWriter.flush)
 
 
 class NodeTraceWriter:

@@ -123,3 +123,20 @@ def test_other_compressions_keep_hdf5s_own_filters(tmp_path: Path) -> None:
         with h5py.File(path, "r") as f:
             assert f[t.path].compression == (None if name == "none" else name)
             assert f[t.path][()].tobytes() == rows.tobytes()
+
+
+def test_concat_rows_is_numpys_concatenate_for_table_rows() -> None:
+    """schema.concat_rows (the writer's and the fast path's concatenation, done as bytes) gives
+    exactly np.concatenate's rows: parts of one table, a strided part among them, empty parts,
+    one part alone (returned as it is), and parts of two dtypes (left to numpy)."""
+    rng = np.random.default_rng(5)
+    t = schema.COLLECTIVE_CALLS
+    a, b = random_rows(t, 300, rng), random_rows(t, 41, rng)
+    strided = random_rows(t, 90, rng)[::3]
+    parts = [a, t.empty(), strided, b]
+    got = schema.concat_rows(parts)
+    assert got.dtype == t.dtype and got.tobytes() == np.concatenate(parts).tobytes()
+    assert schema.concat_rows([a]) is a
+    other = schema.PROCESS_EVENTS.empty(2)
+    with np.testing.assert_raises(TypeError):  # as np.concatenate: no common dtype
+        schema.concat_rows([a, other])

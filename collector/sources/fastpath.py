@@ -616,11 +616,11 @@ class FastpathSource(Source):
                     rows.append(self.registry.call_rows(calls, "fastpath"))
             self._gpu_rows(ring, final, rows, comm_rows, device_rows, nvtx_rows, string_rows)
             self._kernel_rows(ring, final, kernel_rows, name_rows, launch_rows)
-        calls_rows = (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else schema.COLLECTIVE_CALLS.empty()
+        calls_rows = schema.concat_rows(rows) if rows else schema.COLLECTIVE_CALLS.empty()
         comm_rows.insert(0, self.registry.communicator_rows(now_ns, final))
 
         def cat(table: schema.Table, parts: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(parts) if parts else table.empty()
+            return schema.concat_rows(parts) if parts else table.empty()
 
         return [(schema.COLLECTIVE_CALLS, calls_rows),
                 (schema.COMMUNICATORS, cat(schema.COMMUNICATORS, comm_rows)),
@@ -866,7 +866,7 @@ class GpuRecords:
                 self.pending.setdefault(pid, []).append(dev[gpu])
         held = self.pending.get(pid)
         if held:
-            waiting = np.concatenate(held)
+            waiting = schema.concat_rows(held)
             if final or len(waiting) > self.MAX_PENDING:
                 ready = np.ones(len(waiting), bool)
             else:

@@ -312,6 +312,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
             "collector_cpu_ms_in_run": {"median": round(statistics.median(collector_ms), 1), "min": min(collector_ms),
                                         "max": max(collector_ms)},
+            "collector_cpu_ms_each_run": collector_ms,  # in profiled_s's order: a slow run beside its collector's
             "collector_cpu_ms_in_run_by_thread_median": {
                 n: round(statistics.median(t.get(n, 0.0) for t in by_thread), 1)
                 for n in sorted({n for t in by_thread for n in t})},
