@@ -665,7 +665,8 @@ class HubSource(Source):
         compiled without `switch` (what: the part it lacks, for the message)."""
         hub = self.hub = acquire_hub(ctx, mode, unwinder)
         if not hub.has(switch):
-            self.stop()
+            self.hub = None  # not stop(): an object without the switch has none of its maps
+            hub.release()
             raise SourceUnavailable(f"the shared BPF object was compiled without {what}")
         return hub
 

@@ -120,6 +120,46 @@ class FreedWithHubDouble:
         self.released = True
 
 
+class WithoutSwitchHubDouble:
+    """A test double of BpfHub compiled without any source's switch: it has none of their maps
+    (any read raises KeyError, as BCC's and our object's do) and counts its releases."""
+
+    def __init__(self) -> None:
+        self.releases = 0
+        self.bpf: dict[bytes, Any] = {}
+
+    def has(self, switch: str) -> bool:
+        return False
+
+    def release(self) -> None:
+        self.releases += 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BpfStacksSource(unwinder="frame_pointers"),
+    lambda: BpfOffcpuSource(),
+    lambda: BpfKernelsSource(),
+    lambda: BpfCollectivesSource(("mpi",)),
+], ids=["stacks", "offcpu", "kernels", "collectives"])
+def test_a_bpf_source_lets_go_an_object_compiled_without_its_part(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's BPF object was compiled for other modes: the source says it is unavailable and
+    lets the object go at once (the last user frees it), reading none of the maps it lacks."""
+    from types import SimpleNamespace
+
+    from gpuprof.collector import bpf_support
+    from gpuprof.collector.sources.base import SourceUnavailable
+
+    hub = WithoutSwitchHubDouble()
+    monkeypatch.setattr(bpf_support, "acquire_hub", lambda ctx, mode, unwinder=None: hub)
+    src = make()
+    ctx = SimpleNamespace(modes=("metrics",), config=config_mod.defaults(), pids=lambda: set())
+    with pytest.raises(SourceUnavailable, match="compiled without"):
+        src.start(ctx)
+    assert hub.releases == 1 and src.hub is None
+    src.stop()  # the daemon stops every source it started or tried: nothing more to let go
+    assert hub.releases == 1 and src.drops() == 0
+
+
 @pytest.mark.parametrize("make, counter", [
     (lambda: BpfStacksSource(), b"gp_cpu_drops"),
     (lambda: BpfOffcpuSource(), b"gp_off_drops"),
