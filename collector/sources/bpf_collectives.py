@@ -65,8 +65,8 @@ class BpfCollectivesSource(HubSource):
             self.libraries = tuple(lib for lib in ("mpi", "nccl") if paths[lib] == "uprobe")
         if not self.libraries:
             raise SourceUnavailable("collectives of every library go through the fast path (config)")
-        self.take_hub(ctx, "collectives", "GP_WITH_COLLECTIVES", "collectives")
-        b = self.hub.bpf
+        hub = self.take_hub(ctx, "collectives", "GP_WITH_COLLECTIVES", "collectives")
+        b = hub.bpf
         descs = b[b"gp_descs"]
         for i, p in enumerate(PROBES):
             leaf = descs.Leaf()

@@ -78,13 +78,13 @@ class BpfKernelsSource(HubSource):
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
-        self.take_hub(ctx, "kernels", "GP_WITH_KERNELS", "kernels")
-        self.store = stack_store(self.hub, ctx)
-        b = self.hub.bpf
+        hub = self.take_hub(ctx, "kernels", "GP_WITH_KERNELS", "kernels")
+        self.store = stack_store(hub, ctx)
+        b = hub.bpf
         b[b"gp_launches"].open_ring_buffer(self._on_launch)
         b[b"gp_kfuncs"].open_ring_buffer(self._on_kfunc)
         self.stacks = b[b"gp_launch_stacks"]
-        self.hub.set_pids(ctx.pids())
+        hub.set_pids(ctx.pids())
         from gpuprof.collector.sources.collective_calls import system_libraries
 
         for path in system_libraries(SYSTEM_LIBRARIES):

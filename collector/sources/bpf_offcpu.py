@@ -170,13 +170,13 @@ class BpfOffcpuSource(HubSource):
         if not 0.05 <= every <= 3600:
             raise SourceUnavailable(f"sources.offcpu.flush_interval_s = {every} is out of range [0.05, 3600]")
         self.interval_s = every
-        self.take_hub(ctx, "stacks", "GP_WITH_OFFCPU", "off-CPU tracepoints")
-        self.store = stack_store(self.hub, ctx)
-        self.hub.set_pids(ctx.pids())
+        hub = self.take_hub(ctx, "stacks", "GP_WITH_OFFCPU", "off-CPU tracepoints")
+        self.store = stack_store(hub, ctx)
+        hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
-        b = self.hub.bpf
+        b = hub.bpf
         try:
-            self.users = shared_user_stacks(self.hub, ctx, self.name, self.python_frames)
+            self.users = shared_user_stacks(hub, ctx, self.name, self.python_frames)
             if self.users.cfi is not None:
                 self._load_cfi_walk(ctx)
         except BaseException:

@@ -565,19 +565,19 @@ class BpfStacksSource(HubSource):
         self.rate_hz = rate
         compiler = start_compiler(ctx, self.unwinder)  # tables (the prewarm) while the BPF object compiles
         try:
-            self.take_hub(ctx, "stacks", "GP_WITH_STACKS", "stacks", self.unwinder)
+            hub = self.take_hub(ctx, "stacks", "GP_WITH_STACKS", "stacks", self.unwinder)
         except BaseException:
             if compiler is not None:
                 compiler.close()
             raise
-        self.store = stack_store(self.hub, ctx)
-        self.hub.set_pids(ctx.pids())
+        self.store = stack_store(hub, ctx)
+        hub.set_pids(ctx.pids())
         self.store.watch(ctx.pids())
-        self.counts = WindowedCounts(self.hub.bpf, b"gp_cpu_counts", b"gp_cpu_gen", b"gp_cpu_stacks")
-        self.users = shared_user_stacks(self.hub, ctx, self.name, self.python_frames, self.unwinder, compiler)
+        self.counts = WindowedCounts(hub.bpf, b"gp_cpu_counts", b"gp_cpu_gen", b"gp_cpu_stacks")
+        self.users = shared_user_stacks(hub, ctx, self.name, self.python_frames, self.unwinder, compiler)
         try:
-            self.hub.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
-                                           fn_name=b"gp_cpu_sample", sample_freq=round(rate))
+            hub.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
+                                      fn_name=b"gp_cpu_sample", sample_freq=round(rate))
         except BpfError as e:
             self.stop()
             raise SourceUnavailable(f"perf event sampling unavailable: {str(e).strip()[:200]}") from None
