@@ -639,13 +639,11 @@ class BpfHub:
         self._known = now
 
 
-def acquire_hub(ctx: SourceContext, mode: str, unwinder: str | None = None) -> BpfHub:
-    """The job's shared BPF object for a source of `mode` (added to the job's modes when the source
-    runs for another mode's sake: off-CPU for stacks' object, collectives on the uprobe path). Every
-    source passes the same defines and unwinder, as whichever starts first compiles for all."""
-    modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
-    return BpfHub.acquire(modes, defines_of(ctx.config), stack_unwinder(ctx.config, unwinder),
-                          images_dir_for(ctx.config))
+def acquire_hub(modes: Iterable[str], config: dict[str, Any], unwinder: str | None = None) -> BpfHub:
+    """The shared BPF object of a job of `modes`, as the node's config compiles it: every BPF
+    source and `gpuprof prepare` ask through here, as whichever comes first compiles for all, and
+    the image prepare keeps must be the one a job's collector looks up."""
+    return BpfHub.acquire(modes, defines_of(config), stack_unwinder(config, unwinder), images_dir_for(config))
 
 
 class HubSource(Source):
@@ -663,7 +661,10 @@ class HubSource(Source):
     def take_hub(self, ctx: SourceContext, mode: str, switch: str, what: str, unwinder: str | None = None) -> BpfHub:
         """acquire_hub's object, held as self.hub; let go again (SourceUnavailable) when it was
         compiled without `switch` (what: the part it lacks, for the message)."""
-        hub = self.hub = acquire_hub(ctx, mode, unwinder)
+        # mode joins the job's when the source runs for another mode's sake (off-CPU in stacks'
+        # object, collectives on the uprobe path)
+        modes = ctx.modes if mode in ctx.modes else (*ctx.modes, mode)
+        hub = self.hub = acquire_hub(modes, ctx.config, unwinder)
         if not hub.has(switch):
             self.hub = None  # not stop(): an object without the switch has none of its maps
             hub.release()

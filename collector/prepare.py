@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from gpuprof.collector.bpf_support import BpfHub, defines_of, hub_switches, images_dir_for, stack_unwinder
+from gpuprof.collector.bpf_support import acquire_hub, hub_switches, images_dir_for, stack_unwinder
 from gpuprof.collector.cfiunwind import start_compiler
 from gpuprof.collector.sources.base import SourceUnavailable
 
@@ -47,7 +47,7 @@ def prepare_node(config: dict[str, Any], modes: tuple[str, ...]) -> dict[str, An
                            "images_dir": images}
     if not out["switches"]:
         return {**out, "state": "nothing to prepare: these modes use no BPF object", "kept": False}
-    hub = BpfHub.acquire(modes, defines_of(config), unwinder, images)
+    hub = acquire_hub(modes, config)
     try:
         cost, key = hub.bpf.cost, hub.bpf.image_key
         problems = list(hub.images.errors) if hub.images is not None else []

@@ -217,7 +217,7 @@ def test_the_calls_ring_is_the_configs_whichever_source_compiles_first(monkeypat
     monkeypatch.setattr(BpfHub, "acquire", acquire)
     ctx = SimpleNamespace(modes=("stacks", "collectives"), config=cfg)
     with pytest.raises(RuntimeError, match="acquire seen"):
-        acquire_hub(ctx, "stacks")
+        acquire_hub(ctx.modes, cfg)
     with pytest.raises(RuntimeError, match="acquire seen"):
         bc.BpfCollectivesSource(("mpi",)).start(ctx)
     pages = 4 * (os.cpu_count() or 1)

@@ -150,7 +150,7 @@ def test_a_bpf_source_lets_go_an_object_compiled_without_its_part(make: Any, mon
     from gpuprof.collector.sources.base import SourceUnavailable
 
     hub = WithoutSwitchHubDouble()
-    monkeypatch.setattr(bpf_support, "acquire_hub", lambda ctx, mode, unwinder=None: hub)
+    monkeypatch.setattr(bpf_support, "acquire_hub", lambda modes, config, unwinder=None: hub)
     src = make()
     ctx = SimpleNamespace(modes=("metrics",), config=config_mod.defaults(), pids=lambda: set())
     with pytest.raises(SourceUnavailable, match="compiled without"):
