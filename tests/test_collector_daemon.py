@@ -379,3 +379,60 @@ def test_collector_leaves_while_a_daemon_thread_holds_h5pys_lock(how: str) -> No
             subprocess.run(cmd, check=False, timeout=5, capture_output=True)
     else:
         assert subprocess.run(cmd, check=False, timeout=30, capture_output=True).returncode == 3
+
+
+# A busy loop pinned to CPU 0 for SPIN_S, in a session of its own, lowered by lower_priority when
+# asked; it prints the share of the CPU it got and its autogroup line.
+SPINNER = """
+import os, sys, time
+from gpuprof.collector.daemon import lower_priority
+os.sched_setaffinity(0, {0})
+nice = int(sys.argv[1])
+if nice:
+    problems = lower_priority(nice)
+    assert not problems, problems
+t0, c0 = time.monotonic(), time.process_time()
+while time.monotonic() - t0 < float(sys.argv[2]):
+    pass
+auto = open("/proc/self/autogroup").read().strip() if os.path.exists("/proc/self/autogroup") else "-"
+print(f"{(time.process_time() - c0) / (time.monotonic() - t0):.3f} {os.getpriority(os.PRIO_PROCESS, 0)} {auto}")
+"""
+
+
+def test_the_lowered_collector_yields_its_core_to_a_job_in_another_session() -> None:
+    """The prolog starts the collector in a session of its own (hooks._start_collector): with
+    the kernel's autogroups on, a nice value alone weighs nothing against the job's session."""
+    procs = [subprocess.Popen([sys.executable, "-c", SPINNER, str(nice), "2.0"], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True) for nice in (0, 10)]
+    (job_share, job_nice, _), (collector_share, collector_nice, collector_group) = (
+        (float(out.split()[0]), int(out.split()[1]), out.split(maxsplit=2)[2].strip())
+        for out in (p.communicate(timeout=30)[0] for p in procs))
+    assert (job_nice, collector_nice) == (0, 10)
+    if collector_group != "-":
+        assert collector_group.endswith(" nice 10"), collector_group
+    # nice 10 against 0 is a weight of 110 against 1024: about a tenth; the same weight, a half
+    assert collector_share < job_share / 3, (collector_share, job_share)
+
+
+def test_lower_priority_leaves_the_session_it_was_started_from_alone() -> None:
+    """Not a session leader (run by hand from a shell): the shell's autogroup keeps its nice. The
+    child leads a session of its own, so that a failure cannot lower the test run's."""
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("kernel without autogroups (CONFIG_SCHED_AUTOGROUP)")
+    code = """
+import os, sys
+from gpuprof.collector.daemon import lower_priority
+before = open("/proc/self/autogroup").read().strip()
+pid = os.fork()
+if pid == 0:
+    problems = lower_priority(5)
+    os._exit(0 if not problems and os.getpriority(os.PRIO_PROCESS, 0) == 5 else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), before, "|", open("/proc/self/autogroup").read().strip())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                         start_new_session=True, check=True).stdout
+    rc, groups = out.split(maxsplit=1)
+    before, after = (g.strip() for g in groups.split("|"))
+    assert rc == "0"
+    assert before == after and before.endswith(" nice 0"), (before, after)
