@@ -17,7 +17,7 @@ Three layouts, all printed by default (--layouts):
   bound.
 
     .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks] [--bpf-time]
-        [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200]
+        [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200] [--displaced]
 
 hpcc runs at two sizes, one line each (--hpcc-n, HPL's N; every other part of HPCC sizes itself
 from it): N=3600, a run of about 30 s in the node layout on this VM on a slow day (10 s on a fast
@@ -49,6 +49,12 @@ about what the collector takes from the job directly; the rest of median_percent
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
 points here; this figure does not).
 
+--displaced adds collector_displaced_ms_in_run: the collector threads' run time inside the timed
+line split by what each displaced when it ran (tests/bench/displaced.py: a rank running its own
+code, a rank polling in sched_yield, an idle CPU, anything else), from a BCC program on
+sched_switch attached for the whole bench (both arms alike). The first is what the collector takes
+from the job's compute, which the slowdown's noise hides; a rank that only yielded loses little.
+
 --bpf-time adds bpf_programs_ms_in_run: the run time of the collectors' BPF programs inside the
 timed line (run_time_ns of each program the collector holds, from its fdinfo every 0.5 s, with
 kernel.bpf_stats_enabled on for the bench and restored after). The programs run in the job's own
@@ -71,6 +77,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +85,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bpf_fdinfo import bpf_fdinfos  # beside this file
+from displaced import CLASSES, Displacement
 from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
@@ -104,7 +112,7 @@ class CollectorCpu:
     programs took in the job's own context (sampling, switches, forks), which the collector's
     threads do not show."""
 
-    def __init__(self, job: str, bpf_time: bool = False) -> None:
+    def __init__(self, job: str, bpf_time: bool = False, displacement: Displacement | None = None) -> None:
         self.needle = b"\0collect\0--job\0" + job.encode() + b"\0"
         self.samples: list[tuple[float, int]] = []  # (time.time(), total ns so far)
         # (time.time(), thread name -> its threads' ns so far): which thread took the job's time
@@ -112,6 +120,8 @@ class CollectorCpu:
         self._names: dict[tuple[int, int], str] = {}
         self.bpf_samples: list[tuple[float, int]] = []  # (time.time(), the programs' total ns so far)
         self._bpf_time = bpf_time
+        self._displacement = displacement
+        self.displaced_samples: list[tuple[float, dict[str, int]]] = []  # (time.time(), class -> ns so far)
         self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
         self._last_prog: dict[str, int] = {}  # prog_id -> its run_time_ns
         self._pids: list[int] = []
@@ -158,6 +168,8 @@ class CollectorCpu:
                 name = self._names.get(key, "?")
                 named[name] = named.get(name, 0) + ns
             self.by_thread.append((now, named))
+            if self._displacement is not None:
+                self.displaced_samples.append((now, self._displacement.totals()))
             if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
                 for pid in self._pids:
                     self._read_programs(pid)
@@ -181,9 +193,16 @@ class CollectorCpu:
         first, last = inside[0][1], inside[-1][1]
         return {n: round((v - first.get(n, 0)) / 1e6, 1) for n, v in last.items() if v - first.get(n, 0) >= 500_000}
 
-    def at(self, t: float, bpf: bool = False) -> float:
-        """The total (ns) at time t, linear between the samples around it (bpf: the programs')."""
-        samples = self.bpf_samples if bpf else self.samples
+    def displaced_ms(self, t0: float, t1: float) -> dict[str, float]:
+        """The collector's run time between t0 and t1 (ms) by what it displaced (--displaced)."""
+        return {c: round((self.at(t1, [(ts, d[c]) for ts, d in self.displaced_samples])
+                          - self.at(t0, [(ts, d[c]) for ts, d in self.displaced_samples])) / 1e6, 1)
+                for c in CLASSES}
+
+    def at(self, t: float, samples: list[tuple[float, int]] | None = None) -> float:
+        """The total (ns) at time t, linear between the samples around it (of the collectors' CPU,
+        or of the samples given: the programs', a class of displaced time)."""
+        samples = self.samples if samples is None else samples
         before = [(ts, v) for ts, v in samples if ts <= t]
         after = [(ts, v) for ts, v in samples if ts > t]
         if not before or not after:
@@ -225,12 +244,18 @@ def placement(app: apps_mod.App, layout: str) -> list[str]:
     raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
+@dataclass
+class Run:
+    seconds: float  # the mpirun line's
+    collector_ms: float  # the CPU the job's collectors used inside it
+    bpf_ms: float | None  # with bpf_time, their BPF programs' run time inside it
+    by_thread_ms: dict[str, float]  # the collectors' CPU by thread name, 0.5 ms and more, between the samples inside it
+    displaced_ms: dict[str, float] | None  # with a displacement, the collectors' run time by what it displaced
+
+
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
-            hpcc_n: int | None = None,
-            bpf_time: bool = False) -> tuple[float, float, float | None, dict[str, float]]:
-    """(the mpirun line's seconds, the CPU milliseconds the job's collectors used inside it, with
-    bpf_time their BPF programs' milliseconds inside it, and the collectors' milliseconds by thread
-    name, 0.5 ms and more, at the 0.1 s samples inside it)"""
+            hpcc_n: int | None = None, bpf_time: bool = False, displacement: Displacement | None = None) -> Run:
+    """One run of the application, profiled or plain, timed inside its batch script."""
     pw = pwd.getpwnam(slurm.TEST_USER)
     work = base / f"{app.name}-{layout}-{k}-{'prof' if profiled else 'plain'}"
     work.mkdir(mode=0o755)
@@ -245,7 +270,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
     args = [*placement(app, layout), f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
-    cpu = CollectorCpu(job, bpf_time)
+    cpu = CollectorCpu(job, bpf_time, displacement)
     try:
         info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
     finally:
@@ -260,35 +285,41 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     w = WINDOW.search(text)
     if w is None:
         raise RuntimeError(f"{out}: no bench_app_window line:\n{text[-1500:]}")
-    ms = (cpu.at(float(w.group(2))) - cpu.at(float(w.group(1)))) / 1e6
-    bpf_ms = ((cpu.at(float(w.group(2)), bpf=True) - cpu.at(float(w.group(1)), bpf=True)) / 1e6
-              if bpf_time and profiled else None)
-    threads = cpu.by_thread_ms(float(w.group(1)), float(w.group(2)))
+    t0, t1 = float(w.group(1)), float(w.group(2))
+    ms = (cpu.at(t1) - cpu.at(t0)) / 1e6
+    bpf_ms = (cpu.at(t1, cpu.bpf_samples) - cpu.at(t0, cpu.bpf_samples)) / 1e6 if bpf_time and profiled else None
+    threads = cpu.by_thread_ms(t0, t1)
+    displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return float(m.group(1)), ms, bpf_ms, threads
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced)
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
-              control: bool = False, hpcc_n: int | None = None, bpf_time: bool = False) -> dict[str, Any]:
+              control: bool = False, hpcc_n: int | None = None, bpf_time: bool = False,
+              displacement: Displacement | None = None) -> dict[str, Any]:
     """control: the second arm runs plain too (its runs in a work directory of their own)."""
     plain: list[float] = []
     prof: list[float] = []
     collector_ms: list[float] = []
     bpf_ms: list[float] = []
     by_thread: list[dict[str, float]] = []
+    displaced: list[dict[str, float]] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            t, ms, prog_ms, threads = one_run(app, second_arm and not control, base,
-                                     k if not (control and second_arm) else pairs + k, modes, layout, hpcc_n, bpf_time)
+            run = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
+                          modes, layout, hpcc_n, bpf_time, displacement)
+            t = run.seconds
             (prof if second_arm else plain).append(t)
             if second_arm and not control:
-                collector_ms.append(round(ms, 1))
-                by_thread.append(threads)
-                if prog_ms is not None:
-                    bpf_ms.append(round(prog_ms, 1))
+                collector_ms.append(round(run.collector_ms, 1))
+                by_thread.append(run.by_thread_ms)
+                if run.bpf_ms is not None:
+                    bpf_ms.append(round(run.bpf_ms, 1))
+                if run.displaced_ms is not None:
+                    displaced.append(run.displaced_ms)
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
@@ -322,6 +353,14 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                                            "max": max(bpf_ms)},
                 "bpf_stats": "kernel.bpf_stats_enabled=1 (--bpf-time): the programs' own time, a little more "
                              "with the counting on"} if bpf_ms else {}),
+            **({"collector_displaced_ms_in_run": {
+                c: {"median": round(statistics.median(d[c] for d in displaced), 1),
+                    "min": min(d[c] for d in displaced), "max": max(d[c] for d in displaced)} for c in CLASSES},
+                "collector_displaced_ms_each_run": displaced,
+                "collector_preempted_rank_percent_of_run": round(
+                    100 * statistics.median(d["preempted_rank"] for d in displaced) / (1000 * statistics.median(prof)), 3),
+                "displaced": "tests/bench/displaced.py: the collector threads' run time by what was on the CPU "
+                             "before them; preempted_rank is what the job's compute lost"} if displaced else {}),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
             "cores": os.cpu_count(),
@@ -367,6 +406,9 @@ def main() -> int:
     ap.add_argument("--bpf-time", action="store_true", help="also the run time of the collectors' BPF programs "
                     "inside the timed line (turns kernel.bpf_stats_enabled on for the bench, which costs the "
                     "programs a little)")
+    ap.add_argument("--displaced", action="store_true", help="also the collector threads' run time inside the "
+                    "timed line by what each displaced (a rank computing, a rank yielding, an idle CPU, other): a BCC "
+                    "program on every context switch, in both arms")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     try:
@@ -386,15 +428,20 @@ def main() -> int:
     stats_before = BPF_STATS.read_text() if a.bpf_time else None
     if a.bpf_time:
         BPF_STATS.write_text("1\n")
+    displacement = None
     try:
         for name in names:
             app = apps_mod.get(name)
+            if a.displaced:
+                if displacement is not None:
+                    displacement.close()
+                displacement = Displacement(Path(app.argv[0]).name)
             for layout in layouts:
                 lines = []
                 for n in (hpcc_sizes if app.name == "hpcc" else [None]):
                     try:
                         app.check()
-                        line = bench_app(app, pairs, base, a.modes, layout, a.control, n, a.bpf_time)
+                        line = bench_app(app, pairs, base, a.modes, layout, a.control, n, a.bpf_time, displacement)
                     except (apps_mod.AppUnavailable, slurm.SlurmError, RuntimeError, TimeoutError) as e:
                         line = {"bench": "job_slowdown", "app": name, "layout": layout, "median_percent": None,
                                 "missing": str(e)[:500], **({"hpl_n": n} if n else {})}
@@ -404,6 +451,8 @@ def main() -> int:
                 if split is not None:
                     print(json.dumps(split), flush=True)
     finally:
+        if displacement is not None:
+            displacement.close()
         shutil.rmtree(base, ignore_errors=True)
         if stats_before is not None:
             BPF_STATS.write_text(stats_before)
