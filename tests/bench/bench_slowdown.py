@@ -121,7 +121,8 @@ class CollectorCpu:
         self.bpf_samples: list[tuple[float, int]] = []  # (time.time(), the programs' total ns so far)
         self._bpf_time = bpf_time
         self._displacement = displacement
-        self.displaced_samples: list[tuple[float, dict[str, int]]] = []  # (time.time(), class -> ns so far)
+        # (time.time(), (thread name, class) -> ns so far)
+        self.displaced_samples: list[tuple[float, dict[tuple[str, str], int]]] = []
         self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
         self._last_prog: dict[str, int] = {}  # prog_id -> its run_time_ns
         self._pids: list[int] = []
@@ -169,7 +170,7 @@ class CollectorCpu:
                 named[name] = named.get(name, 0) + ns
             self.by_thread.append((now, named))
             if self._displacement is not None:
-                self.displaced_samples.append((now, self._displacement.totals()))
+                self.displaced_samples.append((now, self._displacement.by_thread()))
             if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
                 for pid in self._pids:
                     self._read_programs(pid)
@@ -193,11 +194,21 @@ class CollectorCpu:
         first, last = inside[0][1], inside[-1][1]
         return {n: round((v - first.get(n, 0)) / 1e6, 1) for n, v in last.items() if v - first.get(n, 0) >= 500_000}
 
+    def _displaced_ms(self, t0: float, t1: float, keys: set[tuple[str, str]]) -> float:
+        series = [(ts, sum(ns for key, ns in d.items() if key in keys)) for ts, d in self.displaced_samples]
+        return round((self.at(t1, series) - self.at(t0, series)) / 1e6, 1)
+
     def displaced_ms(self, t0: float, t1: float) -> dict[str, float]:
         """The collector's run time between t0 and t1 (ms) by what it displaced (--displaced)."""
-        return {c: round((self.at(t1, [(ts, d[c]) for ts, d in self.displaced_samples])
-                          - self.at(t0, [(ts, d[c]) for ts, d in self.displaced_samples])) / 1e6, 1)
-                for c in CLASSES}
+        seen = {key for _, d in self.displaced_samples for key in d}
+        return {c: self._displaced_ms(t0, t1, {key for key in seen if key[1] == c}) for c in CLASSES}
+
+    def preempting_ms_by_thread(self, t0: float, t1: float) -> dict[str, float]:
+        """The collector's run time between t0 and t1 (ms) on a computing rank's core, by thread
+        name, 0.5 ms and more (--displaced)."""
+        names = {key[0] for _, d in self.displaced_samples for key in d if key[1] == "preempted_rank"}
+        by_name = {n: self._displaced_ms(t0, t1, {(n, "preempted_rank")}) for n in names}
+        return {n: ms for n, ms in sorted(by_name.items()) if ms >= 0.5}
 
     def at(self, t: float, samples: list[tuple[float, int]] | None = None) -> float:
         """The total (ns) at time t, linear between the samples around it (of the collectors' CPU,
@@ -251,6 +262,7 @@ class Run:
     bpf_ms: float | None  # with bpf_time, their BPF programs' run time inside it
     by_thread_ms: dict[str, float]  # the collectors' CPU by thread name, 0.5 ms and more, between the samples inside it
     displaced_ms: dict[str, float] | None  # with a displacement, the collectors' run time by what it displaced
+    preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
@@ -290,10 +302,11 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     bpf_ms = (cpu.at(t1, cpu.bpf_samples) - cpu.at(t0, cpu.bpf_samples)) / 1e6 if bpf_time and profiled else None
     threads = cpu.by_thread_ms(t0, t1)
     displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
+    preempting = cpu.preempting_ms_by_thread(t0, t1) if displacement is not None and profiled else None
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced)
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting)
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
@@ -306,6 +319,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     bpf_ms: list[float] = []
     by_thread: list[dict[str, float]] = []
     displaced: list[dict[str, float]] = []
+    preempting: list[dict[str, float]] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
@@ -318,8 +332,9 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 by_thread.append(run.by_thread_ms)
                 if run.bpf_ms is not None:
                     bpf_ms.append(round(run.bpf_ms, 1))
-                if run.displaced_ms is not None:
+                if run.displaced_ms is not None and run.preempting_ms is not None:
                     displaced.append(run.displaced_ms)
+                    preempting.append(run.preempting_ms)
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
@@ -357,6 +372,9 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 c: {"median": round(statistics.median(d[c] for d in displaced), 1),
                     "min": min(d[c] for d in displaced), "max": max(d[c] for d in displaced)} for c in CLASSES},
                 "collector_displaced_ms_each_run": displaced,
+                "collector_preempted_rank_ms_by_thread_median": {
+                    n: round(statistics.median(t.get(n, 0.0) for t in preempting), 1)
+                    for n in sorted({n for t in preempting for n in t})},
                 "collector_preempted_rank_percent_of_run": round(
                     100 * statistics.median(d["preempted_rank"] for d in displaced) / (1000 * statistics.median(prof)), 3),
                 "displaced": "tests/bench/displaced.py: the collector threads' run time by what was on the CPU "

@@ -27,9 +27,10 @@ CLASSES = ("preempted_rank", "yielded_rank", "idle", "other")
 
 PROGRAM = r"""
 struct on_cpu { u64 since; u32 cls; };
+struct by_thread { char comm[16]; u32 cls; };
 BPF_HASH(collector_on, u32, struct on_cpu, 4096);  /* collector tid -> since when, what it displaced */
 BPF_HASH(yielding, u32, u8, 65536);                /* tids inside sched_yield */
-BPF_ARRAY(total_ns, u64, 4);                       /* by class, CLASSES' order */
+BPF_HASH(total_ns, struct by_thread, u64, 1024);   /* (thread name, class: CLASSES' order) -> ns */
 
 static __always_inline int is_collector(const char *comm) {
     return comm[0] == 'g' && comm[1] == 'p' && comm[2] == '-';
@@ -67,11 +68,14 @@ TRACEPOINT_PROBE(sched, sched_switch) {
         u32 tid = args->prev_pid;
         struct on_cpu *was = collector_on.lookup(&tid);
         if (was) {
-            u32 cls = was->cls;
-            u64 *sum = total_ns.lookup(&cls);
+            struct by_thread key = {};
+            bpf_get_current_comm(key.comm, sizeof(key.comm));  /* current is still prev here */
+            key.cls = was->cls;
+            u64 zero = 0;
+            u64 *sum = total_ns.lookup_or_try_init(&key, &zero);
             if (sum)
                 __sync_fetch_and_add(sum, now - was->since);
-            inherited = cls;
+            inherited = was->cls;
             collector_on.delete(&tid);
         }
     }
@@ -100,8 +104,8 @@ TRACEPOINT_PROBE(sched, sched_switch) {
 
 
 class Displacement:
-    """The program attached until close(); totals() the ns of collector run time by class so far
-    (a thread still on a CPU is counted when it leaves)."""
+    """The program attached until close(); by_thread() the collector's run time so far by thread
+    name and class (a thread still on a CPU is counted when it leaves)."""
 
     def __init__(self, rank_comm: str) -> None:
         from bcc import BPF  # python3-bpfcc
@@ -110,8 +114,9 @@ class Displacement:
         self._bpf: Any = BPF(text=PROGRAM, cflags=[f'-DRANK_COMM="{comm}"'])
         self._totals = self._bpf[b"total_ns"]
 
-    def totals(self) -> dict[str, int]:
-        return {name: int(self._totals[self._totals.Key(i)].value) for i, name in enumerate(CLASSES)}
+    def by_thread(self) -> dict[tuple[str, str], int]:
+        """(collector thread name, class) -> ns so far."""
+        return {(k.comm.decode(errors="replace"), CLASSES[k.cls]): int(v.value) for k, v in self._totals.items()}
 
     def close(self) -> None:
         self._bpf.cleanup()
