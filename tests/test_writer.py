@@ -28,7 +28,7 @@ def random_rows(t: schema.Table, n: int, rng: np.random.Generator) -> np.ndarray
 
 
 def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> None:
-    """Every table of the schema, appended in four pieces of different sizes (crossing the 64 row
+    """Every table of the schema, appended in five pieces of different sizes (crossing the 64 row
     chunks, and the busy tables' 512 row ones), then sealed: h5py reads back exactly the rows given, in order. The appends write
     the rows' bytes with the file's own type as the memory type, so a table whose dtype h5py would
     store in another layout would show here."""
@@ -39,7 +39,7 @@ def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> 
     path = tmp_path / "n1.h5"
     w = NodeTraceWriter(path, meta, tables)
     written: dict[str, list[np.ndarray]] = {}
-    for size in (1, 100, 37, 600):
+    for size in (1, 100, 37, 600, 1100):
         for t in tables:
             rows = random_rows(t, size, rng)
             w.append(t.path, rows)

@@ -53,7 +53,12 @@ points here; this figure does not).
 line split by what each displaced when it ran (tests/bench/displaced.py: a rank running its own
 code, a rank polling in sched_yield, an idle CPU, anything else), from a BCC program on
 sched_switch attached for the whole bench (both arms alike). The first is what the collector takes
-from the job's compute, which the slowdown's noise hides; a rank that only yielded loses little.
+from the job's compute, which the slowdown's noise hides. A rank that yielded loses only if its
+message arrived meanwhile: collector_yielded_rank_ms_by_outcome splits that time by what the rank
+did when it got its core back (went on polling, or had work: an upper bound of its loss), and
+collector_taken_from_ranks_percent_of_run adds the second to the preempted time: what the ranks may
+have lost to the collector, at most. A job_slowdown_displaced_control line comes first: the same
+program on a rank that only polls (displaced.control), whose time should all come out "polled".
 
 --bpf-time adds bpf_programs_ms_in_run: the run time of the collectors' BPF programs inside the
 timed line (run_time_ns of each program the collector holds, from its fdinfo every 0.5 s, with
@@ -85,7 +90,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bpf_fdinfo import bpf_fdinfos  # beside this file
-from displaced import CLASSES, Displacement
+from displaced import CLASSES, OUTCOMES, Displacement
+from displaced import control as displaced_control
 from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
@@ -123,6 +129,7 @@ class CollectorCpu:
         self._displacement = displacement
         # (time.time(), (thread name, class) -> ns so far)
         self.displaced_samples: list[tuple[float, dict[tuple[str, str], int]]] = []
+        self.outcome_samples: list[tuple[float, dict[str, int]]] = []  # (time.time(), OUTCOMES -> ns so far)
         self._last: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last run time
         self._last_prog: dict[str, int] = {}  # prog_id -> its run_time_ns
         self._pids: list[int] = []
@@ -171,6 +178,7 @@ class CollectorCpu:
             self.by_thread.append((now, named))
             if self._displacement is not None:
                 self.displaced_samples.append((now, self._displacement.by_thread()))
+                self.outcome_samples.append((now, self._displacement.yield_outcomes()))
             if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
                 for pid in self._pids:
                     self._read_programs(pid)
@@ -202,6 +210,15 @@ class CollectorCpu:
         """The collector's run time between t0 and t1 (ms) by what it displaced (--displaced)."""
         seen = {key for _, d in self.displaced_samples for key in d}
         return {c: self._displaced_ms(t0, t1, {key for key in seen if key[1] == c}) for c in CLASSES}
+
+    def yield_outcomes_ms(self, t0: float, t1: float) -> dict[str, float]:
+        """The collector's run time on a yielded rank's core between t0 and t1 (ms), by what the rank
+        did on its return (displaced.OUTCOMES; counted when decided, so a little after it ran)."""
+        out = {}
+        for name in OUTCOMES:
+            series = [(ts, d[name]) for ts, d in self.outcome_samples]
+            out[name] = round((self.at(t1, series) - self.at(t0, series)) / 1e6, 1)
+        return out
 
     def preempting_ms_by_thread(self, t0: float, t1: float) -> dict[str, float]:
         """The collector's run time between t0 and t1 (ms) on a computing rank's core, by thread
@@ -263,6 +280,7 @@ class Run:
     by_thread_ms: dict[str, float]  # the collectors' CPU by thread name, 0.5 ms and more, between the samples inside it
     displaced_ms: dict[str, float] | None  # with a displacement, the collectors' run time by what it displaced
     preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
+    outcomes_ms: dict[str, float] | None  # and of it, on a yielded rank's core, by what the rank did on its return
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
@@ -303,10 +321,11 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     threads = cpu.by_thread_ms(t0, t1)
     displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
     preempting = cpu.preempting_ms_by_thread(t0, t1) if displacement is not None and profiled else None
+    outcomes = cpu.yield_outcomes_ms(t0, t1) if displacement is not None and profiled else None
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
     shutil.rmtree(work, ignore_errors=True)
-    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting)
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes)
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
@@ -320,6 +339,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     by_thread: list[dict[str, float]] = []
     displaced: list[dict[str, float]] = []
     preempting: list[dict[str, float]] = []
+    outcomes: list[dict[str, float]] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
@@ -332,9 +352,10 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 by_thread.append(run.by_thread_ms)
                 if run.bpf_ms is not None:
                     bpf_ms.append(round(run.bpf_ms, 1))
-                if run.displaced_ms is not None and run.preempting_ms is not None:
+                if run.displaced_ms is not None and run.preempting_ms is not None and run.outcomes_ms is not None:
                     displaced.append(run.displaced_ms)
                     preempting.append(run.preempting_ms)
+                    outcomes.append(run.outcomes_ms)
             print(json.dumps({"progress": "job_slowdown run", "app": app.name, "layout": layout,
                               "profiled": second_arm and not control, "seconds": t}),
                   file=sys.stderr, flush=True)
@@ -377,8 +398,21 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                     for n in sorted({n for t in preempting for n in t})},
                 "collector_preempted_rank_percent_of_run": round(
                     100 * statistics.median(d["preempted_rank"] for d in displaced) / (1000 * statistics.median(prof)), 3),
+                "collector_yielded_rank_ms_by_outcome": {
+                    o: {"median": round(statistics.median(d[o] for d in outcomes), 1),
+                        "min": min(d[o] for d in outcomes), "max": max(d[o] for d in outcomes)} for o in OUTCOMES},
+                # what the ranks may have lost to the collector: its run time on a computing rank's
+                # core, and on a yielded rank's core when the rank had work on its return
+                # the evidence for displaced.RETURN_POLL_NS: since the bench started, all runs
+                "collector_yielded_rank_ms_by_return_gap": {
+                    k: round(ns / 1e6, 1) for k, ns in displacement.return_gaps().items()} if displacement else {},
+                "collector_taken_from_ranks_percent_of_run": round(
+                    100 * statistics.median(d["preempted_rank"] + o["worked"] for d, o in zip(displaced, outcomes, strict=True))
+                    / (1000 * statistics.median(prof)), 3),
                 "displaced": "tests/bench/displaced.py: the collector threads' run time by what was on the CPU "
-                             "before them; preempted_rank is what the job's compute lost"} if displaced else {}),
+                             "before them; preempted_rank is what the job's compute lost; of yielded_rank, "
+                             "'worked' where the rank had work on its return (an upper bound of what it "
+                             "lost), 'polled' where it went on polling"} if displaced else {}),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
             "cores": os.cpu_count(),
@@ -448,6 +482,8 @@ def main() -> int:
         BPF_STATS.write_text("1\n")
     displacement = None
     try:
+        if a.displaced:  # the classifier checked where the answer is known, before it is used
+            print(json.dumps(displaced_control()), flush=True)
         for name in names:
             app = apps_mod.get(name)
             if a.displaced:

@@ -7,6 +7,9 @@
  *   mpi_bench selfpaced N PERIOD_US : as paced, on MPI_COMM_SELF: every rank busy and calling
  *                                 collectives at its own pace, none waiting for another (the
  *                                 busy job of tests/bench/bench_collector.py, oversubscribed)
+ *   mpi_bench wait SECONDS      : rank 0 waits in one MPI_Recv while rank 1 sleeps SECONDS before
+ *                                 sending: a rank that has nothing to do but poll (the control of
+ *                                 tests/bench/displaced.py)
  * Prints one JSON line from rank 0: {"calls": N, "seconds": wall time of the loop}.
  */
 #include <mpi.h>
@@ -28,8 +31,22 @@ int main(int argc, char **argv)
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (argc < 3) {
-        fprintf(stderr, "usage: mpi_bench paced|selfpaced N PERIOD_US | tight N\n");
+        fprintf(stderr, "usage: mpi_bench paced|selfpaced N PERIOD_US | tight N | wait SECONDS\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    if (strcmp(argv[1], "wait") == 0) {
+        double secs = atof(argv[2]), t0 = now();
+        int x = 0;
+        if (rank == 1) {
+            struct timespec ts = {(time_t)secs, (long)((secs - (time_t)secs) * 1e9)};
+            nanosleep(&ts, NULL);
+            MPI_Send(&x, 1, MPI_INT, 0, 0, MPI_COMM_WORLD);
+        } else if (rank == 0) {
+            MPI_Recv(&x, 1, MPI_INT, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+            printf("{\"calls\": 1, \"seconds\": %.6f}\n", now() - t0);
+        }
+        MPI_Finalize();
+        return 0;
     }
     long n = atol(argv[2]);
     int self_paced = strcmp(argv[1], "selfpaced") == 0;
