@@ -135,7 +135,7 @@ def test_full_ring_drops_and_never_stalls(built: dict[str, Path], tmp_path: Path
 @pytest.mark.mpi
 def test_completions_of_some_of_many_requests(built: dict[str, Path], tmp_path: Path) -> None:
     """Isend/Irecv completed by MPI_Waitany, Waitsome, Testany and Testsome (as MEEP's halo exchange
-    does with Waitsome): every request gets exactly one completion row, of that call, carrying the
+    does with Waitsome), and by Testany on one request at a time (hpcc's polls): every request gets exactly one completion row, of that call, carrying the
     request's communicator, seq, peer and tag, so the merge can time the message. A test is
     recorded at its return (enter = exit: a test never waits, and the interposer reads no clock
     for the tests of a polling loop that complete nothing)."""
@@ -144,7 +144,7 @@ def test_completions_of_some_of_many_requests(built: dict[str, Path], tmp_path: 
     calls, _, _, errors = run_mpi(built, tmp_path, extra=("--completions",))
     assert not errors, errors
     ops = schema.COLLECTIVE_OPS
-    for call, tag in plan.COMPLETION_PLAN.items():
+    for call, tag, _ in plan.COMPLETION_PLAN:
         posted = calls[np.isin(calls["op"], [ops.index("MPI_Isend"), ops.index("MPI_Irecv")]) & (calls["tag"] == tag)]
         done = calls[(calls["op"] == ops.index(call)) & (calls["tag"] == tag)]
         assert len(posted) == 8, (call, len(posted))  # 4 ranks, one Isend and one Irecv each

@@ -7,6 +7,9 @@
  *   mpi_bench selfpaced N PERIOD_US : as paced, on MPI_COMM_SELF: every rank busy and calling
  *                                 collectives at its own pace, none waiting for another (the
  *                                 busy job of tests/bench/bench_collector.py, oversubscribed)
+ *   mpi_bench poll N            : N MPI_Testany on one receive that never completes (hpcc's
+ *                                 RandomAccess polls so millions of times between its updates):
+ *                                 what instrumentation adds to a test that completes nothing
  *   mpi_bench wait SECONDS      : rank 0 waits in one MPI_Recv while rank 1 sleeps SECONDS before
  *                                 sending: a rank that has nothing to do but poll (the control of
  *                                 tests/bench/displaced.py)
@@ -31,7 +34,7 @@ int main(int argc, char **argv)
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (argc < 3) {
-        fprintf(stderr, "usage: mpi_bench paced|selfpaced N PERIOD_US | tight N | wait SECONDS\n");
+        fprintf(stderr, "usage: mpi_bench paced|selfpaced N PERIOD_US | tight N | poll N | wait SECONDS\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     if (strcmp(argv[1], "wait") == 0) {
@@ -49,6 +52,21 @@ int main(int argc, char **argv)
         return 0;
     }
     long n = atol(argv[2]);
+    if (strcmp(argv[1], "poll") == 0) {
+        int x = 0, index = 0, flag = 0;
+        MPI_Request req;
+        MPI_Irecv(&x, 1, MPI_INT, 0, 4242, MPI_COMM_SELF, &req); /* nobody sends tag 4242 */
+        double t0 = now();
+        for (long i = 0; i < n; i++)
+            MPI_Testany(1, &req, &index, &flag, MPI_STATUS_IGNORE);
+        double t1 = now();
+        MPI_Cancel(&req);
+        MPI_Wait(&req, MPI_STATUS_IGNORE);
+        if (rank == 0)
+            printf("{\"calls\": %ld, \"seconds\": %.6f}\n", n, t1 - t0);
+        MPI_Finalize();
+        return 0;
+    }
     int self_paced = strcmp(argv[1], "selfpaced") == 0;
     int paced = self_paced || strcmp(argv[1], "paced") == 0;
     double period = paced && argc > 3 ? atof(argv[3]) * 1e-6 : 0;

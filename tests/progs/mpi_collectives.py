@@ -7,7 +7,8 @@ Usage: mpi_collectives.py [--repeat N] [--completions] [--create] [--persistent]
 
 --completions adds, on MPI_COMM_WORLD, a ring exchange per completion call of COMPLETION_PLAN: each
 rank posts an Irecv from its left and an Isend to its right, completed by that call (Waitany and
-Testany one request per call until both are done, Waitsome and Testsome some at a time).
+Testany one request per call until both are done, Waitsome and Testsome some at a time; and again
+Testany on a list of one request, each polled until it completes, as hpcc's RandomAccess polls).
 
 --create adds MPI_Comm_create on MPI_COMM_WORLD with disjoint groups (the lower and the upper half of
 the ranks: one communicator per group from one call) and CREATE_PLAN on each.
@@ -45,8 +46,9 @@ DUP_PLAN = {"MPI_Barrier": (2, 0, None), "MPI_Allreduce": (1, 1, np.float64)}
 CREATE_PLAN = {"MPI_Allreduce": (3, 4, np.float64)}
 PERSISTENT_STARTS, PERSISTENT_TAG = 5, 21
 SENDRECV_TAG = 7
-# completion call -> tag of its ring exchange
-COMPLETION_PLAN = {"MPI_Waitany": 21, "MPI_Waitsome": 22, "MPI_Testany": 23, "MPI_Testsome": 24}
+# (completion call, tag of its ring exchange, each request alone: the interposer's one-request path)
+COMPLETION_PLAN = (("MPI_Waitany", 21, False), ("MPI_Waitsome", 22, False), ("MPI_Testany", 23, False),
+                   ("MPI_Testsome", 24, False), ("MPI_Testany", 25, True))
 
 
 def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
@@ -83,10 +85,16 @@ def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
 def complete_some(world: MPI.Intracomm, right: int, left: int) -> None:
     from mpi4py import MPI
 
-    for call, tag in COMPLETION_PLAN.items():
+    for call, tag, alone in COMPLETION_PLAN:
         got = np.zeros(5, dtype=np.int64)
         reqs = [world.Irecv(got, source=left, tag=tag), world.Isend(np.full(5, tag, dtype=np.int64), dest=right, tag=tag)]
         done = 0
+        if alone:
+            for req in reqs:
+                index, flag = MPI.Request.Testany([req])
+                while not (flag and index != MPI.UNDEFINED):
+                    index, flag = MPI.Request.Testany([req])
+            done = len(reqs)
         while done < len(reqs):
             if call == "MPI_Waitany":
                 done += MPI.Request.Waitany(reqs) != MPI.UNDEFINED
