@@ -89,6 +89,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import numpy as np
 from bpf_fdinfo import bpf_fdinfos  # beside this file
 from displaced import CLASSES, OUTCOMES, Displacement
 from displaced import control as displaced_control
@@ -97,6 +98,9 @@ from realapps import faults as faults_mod
 from realapps import runner, slurm
 
 from gpuprof.collector import modes as modes_mod
+from gpuprof.collector import schema
+from gpuprof.collector.fastpath_env import LIBRARIES
+from gpuprof.collector.reader import open_node_trace
 
 DEFAULT_MODES = ",".join(modes_mod.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
@@ -281,6 +285,7 @@ class Run:
     displaced_ms: dict[str, float] | None  # with a displacement, the collectors' run time by what it displaced
     preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
     outcomes_ms: dict[str, float] | None  # and of it, on a yielded rank's core, by what the rank did on its return
+    interposer: tuple[int, int] | None  # profiled: (the ranks' CPU samples in the interposer, all their samples)
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
@@ -322,10 +327,40 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
     preempting = cpu.preempting_ms_by_thread(t0, t1) if displacement is not None and profiled else None
     outcomes = cpu.yield_outcomes_ms(t0, t1) if displacement is not None and profiled else None
+    interposer = None
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
+        nodes = sorted((work / f"slurm-{job}.gpuprof.d").glob("*.h5"))
+        if not nodes:
+            raise RuntimeError(f"{work}: profiled job {job} left no node file in slurm-{job}.gpuprof.d")
+        interposer = interposer_samples(nodes, Path(app.argv[0]).name)
     shutil.rmtree(work, ignore_errors=True)
-    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes)
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer)
+
+
+def interposer_samples(node_files: list[Path], rank_exe: str) -> tuple[int, int]:
+    """(CPU samples of the ranks whose innermost user frame is in the MPI interposer, all the ranks'
+    CPU samples), from the profiled job's own node files (the stacks mode's 99 Hz samples; a rank's
+    sample is one whose user stack has a frame in rank_exe). The interposer runs in the ranks, so
+    its share of their samples is what it costs them; its polls' share is in it, though a rank that
+    only polls loses nothing to them."""
+    mine = total = 0
+    interposer = LIBRARIES["mpi"].name.encode()
+    for path in node_files:
+        t = open_node_trace(path, tables=(schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path,
+                                          schema.STACK_SYMBOLS.path))
+        samples, frames, symbols = (t.table(p) for p in (schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path,
+                                                          schema.STACK_SYMBOLS.path))
+        module_of = dict(zip(symbols["symbol_id"].tolist(), symbols["module"].tolist(), strict=True))
+        modules = [module_of.get(s, b"") for s in frames["symbol_id"].tolist()]
+        exe = rank_exe.encode()
+        rank_stacks = {sid for sid, m in zip(frames["stack_id"].tolist(), modules, strict=True) if m == exe}
+        leaf_in = {sid for sid, d, m in zip(frames["stack_id"].tolist(), frames["depth"].tolist(), modules, strict=True)
+                   if d == 0 and m == interposer}
+        is_rank = np.isin(samples["user_stack"], list(rank_stacks))
+        total += int(samples["count"][is_rank].sum())
+        mine += int(samples["count"][is_rank & np.isin(samples["user_stack"], list(leaf_in))].sum())
+    return mine, total
 
 
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
@@ -340,6 +375,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     displaced: list[dict[str, float]] = []
     preempting: list[dict[str, float]] = []
     outcomes: list[dict[str, float]] = []
+    interposer: list[tuple[int, int]] = []
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
@@ -349,6 +385,8 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             (prof if second_arm else plain).append(t)
             if second_arm and not control:
                 collector_ms.append(round(run.collector_ms, 1))
+                if run.interposer is not None:
+                    interposer.append(run.interposer)
                 by_thread.append(run.by_thread_ms)
                 if run.bpf_ms is not None:
                     bpf_ms.append(round(run.bpf_ms, 1))
@@ -413,10 +451,37 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                              "before them; preempted_rank is what the job's compute lost; of yielded_rank, "
                              "'worked' where the rank had work on its return (an upper bound of what it "
                              "lost), 'polled' where it went on polling"} if displaced else {}),
+            **({"interposer_percent_of_rank_samples": spread_of([100 * a / b for a, b in interposer if b], 3),
+                "interposer_rank_samples_each_run": [list(x) for x in interposer],
+                "interposer": "the share of the ranks' CPU samples (the profiled run's own /stacks/samples, "
+                              "99 Hz) whose innermost frame is in the MPI interposer"} if interposer else {}),
+            **cost_bound(prof, bpf_ms, displaced, outcomes, interposer),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
             "cores": os.cpu_count(),
             "what": "the application's mpirun line, timed inside the batch script"}
+
+
+def spread_of(values: list[float], digits: int = 2) -> dict[str, float] | None:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)} if values else None
+
+
+def cost_bound(prof: list[float], bpf_ms: list[float], displaced: list[dict[str, float]],
+               outcomes: list[dict[str, float]], interposer: list[tuple[int, int]]) -> dict[str, Any]:
+    """What profiling can have cost each profiled run at most, from what was measured in it (with
+    --displaced and --bpf-time): the collector's time on the ranks' cores that they may have lost
+    (preempted computing, or yielded and then working), the BPF programs' time (in the ranks'
+    context: counted whole, as if every rank waited for all of it), and the interposer's share of
+    the ranks' samples. Measured, where the slowdown's median is inside this machine's noise."""
+    if not (len(prof) == len(bpf_ms) == len(displaced) == len(outcomes) == len(interposer)) or not prof:
+        return {}
+    each = [100 * (d["preempted_rank"] + o["worked"] + b) / (1000 * s) + 100 * i / max(t, 1)
+            for s, b, d, o, (i, t) in zip(prof, bpf_ms, displaced, outcomes, interposer, strict=True)]
+    return {"profiler_cost_bound_percent": spread_of(each, 3),
+            "profiler_cost_bound": "per profiled run: (collector ms on computing ranks' cores + on yielded ranks' "
+                                   "cores that then worked + BPF programs' ms) / the run, + the interposer's share "
+                                   "of the ranks' samples: an upper bound of what profiling cost the job"}
 
 
 def split_line(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
