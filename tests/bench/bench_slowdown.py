@@ -333,33 +333,32 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
         nodes = sorted((work / f"slurm-{job}.gpuprof.d").glob("*.h5"))
         if not nodes:
             raise RuntimeError(f"{work}: profiled job {job} left no node file in slurm-{job}.gpuprof.d")
-        interposer = interposer_samples(nodes, Path(app.argv[0]).name)
+        interposer = interposer_samples(nodes, app.comm)
     shutil.rmtree(work, ignore_errors=True)
     return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer)
 
 
-def interposer_samples(node_files: list[Path], rank_exe: str) -> tuple[int, int]:
+def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int]:
     """(CPU samples of the ranks whose innermost user frame is in the MPI interposer, all the ranks'
-    CPU samples), from the profiled job's own node files (the stacks mode's 99 Hz samples; a rank's
-    sample is one whose user stack has a frame in rank_exe). The interposer runs in the ranks, so
-    its share of their samples is what it costs them; its polls' share is in it, though a rank that
-    only polls loses nothing to them."""
+    CPU samples), from the profiled job's own node files (the stacks mode's 99 Hz samples of the
+    processes whose comm is rank_comm, from /processes/events). The interposer runs in the ranks,
+    so its share of their samples is what it costs them; its polls' share is in it, though a rank
+    that only polls loses nothing to them."""
     mine = total = 0
     interposer = LIBRARIES["mpi"].name.encode()
+    tables = (schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path,
+              schema.PROCESS_EVENTS.path)
     for path in node_files:
-        t = open_node_trace(path, tables=(schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path,
-                                          schema.STACK_SYMBOLS.path))
-        samples, frames, symbols = (t.table(p) for p in (schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path,
-                                                          schema.STACK_SYMBOLS.path))
+        t = open_node_trace(path, tables=tables)
+        samples, frames, symbols, procs = (t.table(p) for p in tables)
+        ranks = np.unique(procs["pid"][procs["comm"] == rank_comm[:15].encode()])
         module_of = dict(zip(symbols["symbol_id"].tolist(), symbols["module"].tolist(), strict=True))
-        modules = [module_of.get(s, b"") for s in frames["symbol_id"].tolist()]
-        exe = rank_exe.encode()
-        rank_stacks = {sid for sid, m in zip(frames["stack_id"].tolist(), modules, strict=True) if m == exe}
-        leaf_in = {sid for sid, d, m in zip(frames["stack_id"].tolist(), frames["depth"].tolist(), modules, strict=True)
-                   if d == 0 and m == interposer}
-        is_rank = np.isin(samples["user_stack"], list(rank_stacks))
+        leaf_in = [sid for sid, d, sym in zip(frames["stack_id"].tolist(), frames["depth"].tolist(),
+                                              frames["symbol_id"].tolist(), strict=True)
+                   if d == 0 and module_of.get(sym) == interposer]
+        is_rank = np.isin(samples["pid"], ranks)
         total += int(samples["count"][is_rank].sum())
-        mine += int(samples["count"][is_rank & np.isin(samples["user_stack"], list(leaf_in))].sum())
+        mine += int(samples["count"][is_rank & np.isin(samples["user_stack"], leaf_in)].sum())
     return mine, total
 
 
