@@ -38,7 +38,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -467,6 +467,10 @@ class RetentionWriter(NodeTraceWriter):
                 observe(table_path, rows)
             except (ValueError, KeyError, TypeError, FloatingPointError) as e:
                 log.warning("continuous: observer failed on %s: %s", table_path, e)
+
+    def append_parts(self, table_path: str, parts: Sequence[np.ndarray]) -> None:
+        if parts:  # one array, as the observers and the retention's segments take them
+            self.append(table_path, schema.concat_rows(parts))
 
     def rows(self, table_path: str) -> int:
         return self.retention.rows(table_path)

@@ -581,12 +581,12 @@ class Collector:
 
     def _drain_into_writer(self, w: NodeTraceWriter) -> None:
         for ring in self._rings():
-            drained = ring.drain()
-            for path, (table, rows) in drained.batches.items():
+            drained = ring.drain_parts()
+            for path, (_table, parts) in drained.batches.items():
                 if path not in w.tables:
                     self.report_error(ring.name, f"table {path} is not in this file; rows dropped")
                     continue
-                w.append(path, rows)
+                w.append_parts(path, parts)
         drops = self.drops()
         changed = [(s, n) for s, n in drops.items() if n != self._drops_written.get(s, 0)]
         if changed:

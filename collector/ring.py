@@ -28,6 +28,14 @@ class Drained:
     dropped_total: int
 
 
+@dataclass
+class DrainedParts:
+    """What one drain returns, batch by batch: per table path, its batches in arrival order."""
+
+    batches: dict[str, tuple[Table, list[np.ndarray]]]
+    dropped_total: int
+
+
 class Ring:
     """Bounded FIFO of (table, rows) batches, capacity in bytes of row data.
 
@@ -90,21 +98,22 @@ class Ring:
 
     def drain(self) -> Drained:
         """Take everything queued, concatenated per table, in arrival order."""
+        parts = self.drain_parts()
+        return Drained({p: (table, concat_rows(rows)) for p, (table, rows) in parts.batches.items()},
+                       parts.dropped_total)
+
+    def drain_parts(self) -> DrainedParts:
+        """Take everything queued, the batches of each table as they were pushed, in arrival order
+        (the writer appends the busy tables' batches one by one rather than copy them together)."""
         with self._lock:
             items = list(self._q)
             self._q.clear()
             self._bytes = 0
             dropped = self._dropped
-        grouped: dict[str, list[np.ndarray]] = {}
-        tables: dict[str, Table] = {}
+        grouped: dict[str, tuple[Table, list[np.ndarray]]] = {}
         for table, rows in items:
-            grouped.setdefault(table.path, []).append(rows)
-            tables[table.path] = table
-        out = {
-            p: (tables[p], concat_rows(parts))
-            for p, parts in grouped.items()
-        }
-        return Drained(out, dropped)
+            grouped.setdefault(table.path, (table, []))[1].append(rows)
+        return DrainedParts(grouped, dropped)
 
     @property
     def dropped(self) -> int:

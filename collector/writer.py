@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,6 +244,16 @@ class NodeTraceWriter:
         file_space.select_hyperslab((n,), (k,))
         ds_id.write(h5py.h5s.create_simple((k,)), file_space, np.ascontiguousarray(rows), mtype=file_type)
         self._rows[table_path] = n + k
+
+    def append_parts(self, table_path: str, parts: Sequence[np.ndarray]) -> None:
+        """append() of the rows of several batches, in order: a busy table's batches one by one
+        (its chunks take rows in pieces, so they are not copied together first), any other table's
+        as one array (one HDF5 write)."""
+        if table_path in self._direct:
+            for rows in parts:
+                self.append(table_path, rows)
+        elif parts:
+            self.append(table_path, schema.concat_rows(parts))
 
     def rows(self, table_path: str) -> int:
         return self._rows[table_path]

@@ -90,3 +90,22 @@ def test_split_capacity() -> None:
         split_capacity(0, ["a"])
     with pytest.raises(ValueError):
         Ring("x", 0)
+
+
+def test_drain_parts_keeps_each_tables_batches_as_pushed() -> None:
+    """drain_parts gives each table its batches in arrival order, uncopied (the writer appends the
+    busy tables' batches one by one); drain gives the same rows concatenated."""
+    ring = Ring("t", 1 << 20)
+    a, b, c = rows(0, 3), rows(3, 2), rows(5, 4)
+    ring.push(T, a)
+    ring.push(schema.DIAG_ERRORS, schema.DIAG_ERRORS.empty(1))
+    ring.push(T, b)
+    ring.push(T, c)
+    parts = ring.drain_parts()
+    table, got = parts.batches[T.path]
+    assert table is T and [p is q for p, q in zip(got, (a, b, c), strict=True)] == [True, True, True]
+    assert len(parts.batches[schema.DIAG_ERRORS.path][1]) == 1
+    assert ring.drain_parts().batches == {}  # taken
+    for r in (a, b, c):
+        ring.push(T, r)
+    assert list(ring.drain().batches[T.path][1]["monotonic_ns"]) == list(range(9))

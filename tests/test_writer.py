@@ -54,6 +54,27 @@ def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> 
             assert got.tobytes() == want.tobytes(), t.path
 
 
+def test_batches_appended_as_parts_read_back_in_order(tmp_path: Path) -> None:
+    """append_parts: a busy table's batches go into its chunks one by one, another table's as one
+    array; either way the file holds every batch's rows in order."""
+    rng = np.random.default_rng(5)
+    tables = (schema.COLLECTIVE_CALLS, schema.HOST_PROCS)
+    meta = NodeMeta(job_id="1", node="n1", modes=("metrics", "collectives"), rates={}, config=None, job_nodelist="")
+    path = tmp_path / "n1.h5"
+    w = NodeTraceWriter(path, meta, tables)
+    written: dict[str, list[np.ndarray]] = {}
+    for sizes in ((300, 0, 700), (5,), (BUSY_CHUNK_ROWS * 2 + 3, 17)):
+        for t in tables:
+            parts = [random_rows(t, n, rng) for n in sizes]
+            w.append_parts(t.path, parts)
+            written.setdefault(t.path, []).extend(parts)
+        w.flush()
+    w.seal(drops={})
+    with h5py.File(path, "r") as f:
+        for t in tables:
+            assert f[t.path][()].tobytes() == np.concatenate(written[t.path]).tobytes(), t.path
+
+
 def test_the_tables_of_one_row_per_call_or_kernel_have_larger_chunks(tmp_path: Path) -> None:
     """The tables that reach thousands of rows a second (calls, CUDA kernels and launches) are
     chunked at BUSY_CHUNK_ROWS, every other at CHUNK_ROWS (writer.py says why)."""
