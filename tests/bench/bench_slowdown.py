@@ -7,6 +7,10 @@ job_script, fault "balanced") times its mpirun line, so queueing, the prolog's w
 and the epilog are not in it (the bench of the hooks measures those), and the automatic merge job
 of a profiled run is waited for before the next run starts.
 
+The applications by default: the training program, hpcc (13 000 MPI calls a second on 2 ranks,
+and a million polls) and meep (a halo exchange: 84 000 calls a second on 2 ranks, the most
+call-intensive of the realapps).
+
 Three layouts, all printed by default (--layouts):
 - "node": one Slurm node, one rank per core (2 here): one collector for the machine, no core
   shared by two ranks; what a job pays on a site's node (smaller than theirs).
@@ -16,7 +20,7 @@ Three layouts, all printed by default (--layouts):
   collectors on its 2 cores, and ranks sharing cores): the layout of the other benches, an upper
   bound.
 
-    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc] [--pairs 3] [--modes stacks] [--bpf-time]
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc,meep] [--pairs 3] [--modes stacks] [--bpf-time]
         [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200] [--displaced]
 
 hpcc runs at two sizes, one line each (--hpcc-n, HPL's N; every other part of HPCC sizes itself
@@ -59,6 +63,12 @@ did when it got its core back (went on polling, or had work: an upper bound of i
 collector_taken_from_ranks_percent_of_run adds the second to the preempted time: what the ranks may
 have lost to the collector, at most. A job_slowdown_displaced_control line comes first: the same
 program on a rank that only polls (displaced.control), whose time should all come out "polled".
+
+Every profiled run also reads its own node file: interposer_percent_of_rank_samples is the share
+of the ranks' CPU samples (the stacks mode's, of the processes with the application's comm) whose
+innermost frame is in the MPI interposer, which runs in the ranks. With --displaced and --bpf-time,
+profiler_cost_bound_percent adds up, per run, what profiling can have taken from the ranks at most:
+the collector's time taken from them, the BPF programs' time, and the interposer's share.
 
 --bpf-time adds bpf_programs_ms_in_run: the run time of the collectors' BPF programs inside the
 timed line (run_time_ns of each program the collector holds, from its fdinfo every 0.5 s, with
@@ -508,7 +518,7 @@ def split_line(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one pair of one application")
-    ap.add_argument("--apps", default=None, help="comma list (default train,hpcc; quick: train)")
+    ap.add_argument("--apps", default=None, help="comma list (default train,hpcc,meep; quick: train)")
     ap.add_argument("--pairs", type=int, default=None, help="pairs of runs per application (default 3, quick 1)")
     ap.add_argument("--modes", default="", help="--profile-gpu=MODES for the profiled runs (default: the default "
                     "modes, plain --profile-gpu): what one mode costs")
@@ -534,7 +544,7 @@ def main() -> int:
     for layout in layouts:
         if layout not in LAYOUTS:
             ap.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
-    names = (a.apps or ("train" if a.quick else "train,hpcc")).split(",")
+    names = (a.apps or ("train" if a.quick else "train,hpcc,meep")).split(",")
     pairs = a.pairs or (1 if a.quick else 3)
     if os.geteuid() != 0:
         print(json.dumps({"bench": "job_slowdown", "app": None, "median_percent": None, "missing": "needs root"}))
