@@ -122,8 +122,8 @@ class DirectChunks:
         c = self.rows_per_chunk
         chunks: list[np.ndarray] = []
         if len(self.pending):
-            # only the rows that complete the waiting chunk are copied to it: concatenating all of
-            # a flush's rows behind it was a fifth of the writer's time at hpcc's call rate
+            # only the rows that complete the waiting chunk are copied to it, not the whole batch
+            # behind it (every call row was copied once more so)
             fill = c - len(self.pending)
             head = schema.concat_rows((self.pending, rows[:fill]))
             rows = rows[fill:]

@@ -22,8 +22,10 @@ What a yielded rank paid is told apart by what it did when it got its CPU back (
   worked  it ran longer than that before its next sched_yield (or was switched out first): its
           message arrived while the collector held its core, or it had work waiting; the
           collector's run time is what it may have lost, an upper bound (the message may have
-          arrived at the run's end) The program runs at every context switch of the machine (a few
-hundred nanoseconds each), in both arms of a pair alike, so it is off by default.
+          arrived at the run's end)
+
+The program runs at every context switch of the machine (a few hundred nanoseconds each), in both
+arms of a pair alike, so it is off by default.
 
 control() checks that split where the answer is known: a rank that waits in one MPI_Recv for a
 rank that sleeps has nothing to do but poll, so all the time a burning thread named like the
