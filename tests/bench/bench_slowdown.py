@@ -348,18 +348,20 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer)
 
 
-def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int]:
+def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int] | None:
     """(CPU samples of the ranks whose innermost user frame is in the MPI interposer, all the ranks'
     CPU samples), from the profiled job's own node files (the stacks mode's 99 Hz samples of the
     processes whose comm is rank_comm, from /processes/events). The interposer runs in the ranks,
     so its share of their samples is what it costs them; its polls' share is in it, though a rank
-    that only polls loses nothing to them."""
+    that only polls loses nothing to them. None when the modes recorded no stacks."""
     mine = total = 0
     interposer = LIBRARIES["mpi"].name.encode()
     tables = (schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path,
               schema.PROCESS_EVENTS.path)
     for path in node_files:
         t = open_node_trace(path, tables=tables)
+        if not all(t.has(p) for p in tables):
+            return None  # --modes without stacks
         samples, frames, symbols, procs = (t.table(p) for p in tables)
         ranks = np.unique(procs["pid"][procs["comm"] == rank_comm[:15].encode()])
         module_of = dict(zip(symbols["symbol_id"].tolist(), symbols["module"].tolist(), strict=True))
