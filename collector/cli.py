@@ -99,6 +99,7 @@ def collect(
     continuous: bool,
 ) -> None:
     """Record one node's trace for a job (or a process tree) until SIGINT/SIGTERM, --duration or seal."""
+    environment.single_threaded_blas()  # before the daemon's imports load numpy
     from gpuprof.collector.daemon import Collector, CollectorOptions
 
     few_malloc_arenas()

@@ -63,6 +63,22 @@ OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
 PMI_SIZE = "PMI_SIZE"
 
 
+# The thread counts of numpy's BLAS (OpenBLAS in numpy's wheels; OpenMP or MKL builds read the
+# others). OpenBLAS starts a thread per core when numpy is imported, and each spins for about 0.1 s
+# after it starts and after every BLAS call: 124 ms of CPU for the one extra thread of a bare
+# `import numpy` on this 2-core VM, and in a collector of a meep job (metrics only) 119 ms, on the
+# cores the job's ranks run on.
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def single_threaded_blas() -> None:
+    """One BLAS thread in this process, whatever the environment said: call before numpy is
+    imported (the library reads the variables when it loads). The collector and the merge's ranks
+    work on small arrays; neither has a core to spare for spinning threads."""
+    for name in BLAS_THREADS:
+        os.environ[name] = "1"
+
+
 def launched_by_mpirun() -> bool:
     return get(OMPI_COMM_WORLD_SIZE) is not None or get(PMI_SIZE) is not None
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from gpuprof.collector.environment import launched_by_mpirun
+from gpuprof.collector.environment import launched_by_mpirun, single_threaded_blas
 from gpuprof.collector.errors import GpuprofError
 
 
@@ -50,6 +50,7 @@ def _merge_config(ctx: click.Context) -> dict[str, Any]:
 def merge(ctx: click.Context, job_or_dir: str, output_stem: str | None, expect_nodes: str | None,
           reference: str | None, quiet: bool, progress: bool | None) -> None:
     """Merge a job's node files (JOB id or directory) into one job file and reports."""
+    single_threaded_blas()  # one rank per core: before numpy loads its BLAS
     from gpuprof.mpi_merge import merge as m
     from gpuprof.mpi_merge.clock import ClockParams
     from gpuprof.mpi_merge.stragglers import StragglerParams

@@ -414,6 +414,20 @@ def test_the_lowered_collector_yields_its_core_to_a_job_in_another_session() -> 
     assert collector_share < job_share / 3, (collector_share, job_share)
 
 
+def test_the_collector_runs_no_thread_it_did_not_start(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
+    """numpy's OpenBLAS starts a thread per core at import, which spins on the job's cores (0.12 s
+    of CPU here): the collector asks for one BLAS thread, whatever the environment says, so every
+    thread it has is one of its own (named) or the main thread."""
+    out = tmp_path / "n1.h5"
+    p = start(out, "--pid", str(job.pid), "--duration", "1.5", env=env_with(OPENBLAS_NUM_THREADS="4",
+                                                                          OMP_NUM_THREADS="4"))
+    assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+    with h5py.File(out, "r") as f:
+        threads = json.loads(f.attrs["collector_cpu_json"])["by_thread_s"]
+    assert "MainThread" in threads and "writer" in threads
+    assert not [name for name in threads if name.startswith("python/")], threads
+
+
 def test_lower_priority_leaves_the_session_it_was_started_from_alone() -> None:
     """Not a session leader (run by hand from a shell): the shell's autogroup keeps its nice. The
     child leads a session of its own, so that a failure cannot lower the test run's."""
