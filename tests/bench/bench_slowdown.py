@@ -450,11 +450,11 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 "collector_yielded_rank_ms_by_outcome": {
                     o: {"median": round(statistics.median(d[o] for d in outcomes), 1),
                         "min": min(d[o] for d in outcomes), "max": max(d[o] for d in outcomes)} for o in OUTCOMES},
-                # what the ranks may have lost to the collector: its run time on a computing rank's
-                # core, and on a yielded rank's core when the rank had work on its return
                 # the evidence for displaced.RETURN_POLL_NS: since the bench started, all runs
                 "collector_yielded_rank_ms_by_return_gap": {
                     k: round(ns / 1e6, 1) for k, ns in displacement.return_gaps().items()} if displacement else {},
+                # what the ranks may have lost to the collector: its run time on a computing rank's
+                # core, and on a yielded rank's core when the rank had work on its return
                 "collector_taken_from_ranks_percent_of_run": round(
                     100 * statistics.median(d["preempted_rank"] + o["worked"] for d, o in zip(displaced, outcomes, strict=True))
                     / (1000 * statistics.median(prof)), 3),
