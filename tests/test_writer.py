@@ -27,6 +27,15 @@ def random_rows(t: schema.Table, n: int, rng: np.random.Generator) -> np.ndarray
     return rows
 
 
+def assert_file_holds(path: Path, tables: tuple[schema.Table, ...], written: dict[str, list[np.ndarray]]) -> None:
+    """Each table of the file is exactly its written rows, in order, in the table's dtype."""
+    with h5py.File(path, "r") as f:
+        for t in tables:
+            got = f[t.path][()]
+            assert got.dtype == t.dtype, t.path
+            assert got.tobytes() == np.concatenate(written[t.path]).tobytes(), t.path
+
+
 def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> None:
     """Every table of the schema, appended in five pieces of different sizes (crossing the 64 row
     chunks, and the busy tables' 512 row ones), then sealed: h5py reads back exactly the rows given, in order. The appends write
@@ -46,12 +55,7 @@ def test_every_table_appended_in_pieces_reads_back_identical(tmp_path: Path) -> 
             written.setdefault(t.path, []).append(rows)
         w.flush()
     w.seal(drops={})
-    with h5py.File(path, "r") as f:
-        for t in tables:
-            got = f[t.path][()]
-            want = np.concatenate(written[t.path])
-            assert got.dtype == t.dtype, t.path
-            assert got.tobytes() == want.tobytes(), t.path
+    assert_file_holds(path, tables, written)
 
 
 def test_batches_appended_as_parts_read_back_in_order(tmp_path: Path) -> None:
@@ -70,9 +74,7 @@ def test_batches_appended_as_parts_read_back_in_order(tmp_path: Path) -> None:
             written.setdefault(t.path, []).extend(parts)
         w.flush()
     w.seal(drops={})
-    with h5py.File(path, "r") as f:
-        for t in tables:
-            assert f[t.path][()].tobytes() == np.concatenate(written[t.path]).tobytes(), t.path
+    assert_file_holds(path, tables, written)
 
 
 def test_the_tables_of_one_row_per_call_or_kernel_have_larger_chunks(tmp_path: Path) -> None:

@@ -216,9 +216,13 @@ class CollectorCpu:
         first, last = inside[0][1], inside[-1][1]
         return {n: round((v - first.get(n, 0)) / 1e6, 1) for n, v in last.items() if v - first.get(n, 0) >= 500_000}
 
-    def _displaced_ms(self, t0: float, t1: float, keys: set[tuple[str, str]]) -> float:
-        series = [(ts, sum(ns for key, ns in d.items() if key in keys)) for ts, d in self.displaced_samples]
+    def _between_ms(self, t0: float, t1: float, series: list[tuple[float, int]]) -> float:
+        """A series of ns totals' growth between t0 and t1, in ms."""
         return round((self.at(t1, series) - self.at(t0, series)) / 1e6, 1)
+
+    def _displaced_ms(self, t0: float, t1: float, keys: set[tuple[str, str]]) -> float:
+        return self._between_ms(t0, t1, [(ts, sum(ns for key, ns in d.items() if key in keys))
+                                         for ts, d in self.displaced_samples])
 
     def displaced_ms(self, t0: float, t1: float) -> dict[str, float]:
         """The collector's run time between t0 and t1 (ms) by what it displaced (--displaced)."""
@@ -228,11 +232,8 @@ class CollectorCpu:
     def yield_outcomes_ms(self, t0: float, t1: float) -> dict[str, float]:
         """The collector's run time on a yielded rank's core between t0 and t1 (ms), by what the rank
         did on its return (displaced.OUTCOMES; counted when decided, so a little after it ran)."""
-        out = {}
-        for name in OUTCOMES:
-            series = [(ts, d[name]) for ts, d in self.outcome_samples]
-            out[name] = round((self.at(t1, series) - self.at(t0, series)) / 1e6, 1)
-        return out
+        return {name: self._between_ms(t0, t1, [(ts, d[name]) for ts, d in self.outcome_samples])
+                for name in OUTCOMES}
 
     def preempting_ms_by_thread(self, t0: float, t1: float) -> dict[str, float]:
         """The collector's run time between t0 and t1 (ms) on a computing rank's core, by thread
@@ -447,9 +448,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                     for n in sorted({n for t in preempting for n in t})},
                 "collector_preempted_rank_percent_of_run": round(
                     100 * statistics.median(d["preempted_rank"] for d in displaced) / (1000 * statistics.median(prof)), 3),
-                "collector_yielded_rank_ms_by_outcome": {
-                    o: {"median": round(statistics.median(d[o] for d in outcomes), 1),
-                        "min": min(d[o] for d in outcomes), "max": max(d[o] for d in outcomes)} for o in OUTCOMES},
+                "collector_yielded_rank_ms_by_outcome": {o: spread_of([d[o] for d in outcomes], 1) for o in OUTCOMES},
                 # the evidence for displaced.RETURN_POLL_NS: since the bench started, all runs
                 "collector_yielded_rank_ms_by_return_gap": {
                     k: round(ns / 1e6, 1) for k, ns in displacement.return_gaps().items()} if displacement else {},

@@ -41,12 +41,9 @@ import os
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-MPI_BENCH_SRC = ROOT / "tests" / "progs" / "mpi_bench.c"
-MPI_BENCH = ROOT / "tests" / "progs" / "build" / "mpi_bench"
+from bench_collector import MPI_BENCH, build  # beside this file: mpi_bench, as its busy job builds it
 
 CLASSES = ("preempted_rank", "yielded_rank", "idle", "other")
 OUTCOMES = ("polled", "worked")
@@ -208,8 +205,7 @@ def control(seconds: float = 10.0, burst_s: float = 0.002, period_s: float = 0.0
     displaced by a thread named gp-burst pinned to its core that burns burst_s of CPU every
     period_s: what it took, by class and by the rank's outcome on its return. All of it should be
     yielded_rank (or preempted_rank: caught between two yields) and polled."""
-    MPI_BENCH.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mpicc", "-O2", "-o", str(MPI_BENCH), str(MPI_BENCH_SRC)], check=True)
+    build()
     d = Displacement(MPI_BENCH.name)
     stop = threading.Event()
 
