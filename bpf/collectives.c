@@ -293,6 +293,36 @@ static __always_inline int gp_enter(struct pt_regs *ctx, u32 probe)
     return 0;
 }
 
+/* Several requests outstanding at once can have one handle (Open MPI returns its one
+ * ompi_request_empty for every MPI_Isend it completed at once, a small message; MPICH a builtin
+ * request): a request is kept under (tgid, what, handle) with the first `what` of GP_REQ_SAME_HANDLE
+ * not taken, and its completion takes the lowest `what` there is, the earliest still outstanding
+ * when they complete in order. */
+#define GP_REQ_SAME_HANDLE 4
+
+static __always_inline void gp_req_put(struct gp_hkey *rk, struct gp_req *r)
+{
+    for (int w = 0; w < GP_REQ_SAME_HANDLE; w++) {
+        rk->what = w;
+        if (gp_reqs.insert(rk, r) == 0)
+            return;
+    }
+    rk->what = 0; /* all taken: the first is lost, as a request completed where no probe saw it */
+    gp_reqs.update(rk, r);
+}
+
+/* The request of rk's handle (rk->what set to the one found, for the delete); NULL if none. */
+static __always_inline struct gp_req *gp_req_find(struct gp_hkey *rk)
+{
+    for (int w = 0; w < GP_REQ_SAME_HANDLE; w++) {
+        rk->what = w;
+        struct gp_req *r = gp_reqs.lookup(rk);
+        if (r)
+            return r;
+    }
+    return NULL;
+}
+
 static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now,
                                          s64 rc, u32 nested)
 {
@@ -317,7 +347,7 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
         struct gp_hkey rk = {};
         rk.tgid = tgid;
         rk.handle = s->pre;
-        struct gp_req *r = gp_reqs.lookup(&rk);
+        struct gp_req *r = gp_req_find(&rk);
         aux = s->pre;
         if (r) {
             handle = r->handle;
@@ -338,7 +368,7 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
             struct gp_hkey rk = {};
             rk.tgid = tgid;
             rk.handle = narrow ? ((u32 *)s->buf)[i & 31] : ((u64 *)s->buf)[i & 15];
-            struct gp_req *r = gp_reqs.lookup(&rk);
+            struct gp_req *r = gp_req_find(&rk);
             struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
             if (!e) {
                 gp_drop(0);
@@ -388,7 +418,7 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
             r.peer = peer;
             r.tag = tag;
             r.bytes = bytes;
-            gp_reqs.update(&rk, &r);
+            gp_req_put(&rk, &r);
             aux = rk.handle;
         }
     }

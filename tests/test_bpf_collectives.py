@@ -16,6 +16,7 @@ from harness import (
     PROGS,
     GatedProcess,
     bpf_skip_reason,
+    check_bursts,
     check_mpi_plan,
     check_nccl,
     collect,
@@ -102,7 +103,7 @@ def mpi_run() -> tuple[Any, Any, list[str]]:
     reason = bpf_skip_reason() or mpi_skip_reason()
     if reason:
         pytest.skip(reason)
-    gated = GatedProcess(mpirun_cmd(NRANKS, [python(), str(PROGS / "mpi_collectives.py")]))
+    gated = GatedProcess(mpirun_cmd(NRANKS, [python(), str(PROGS / "mpi_collectives.py"), "--burst"]))
     # An MPI job outside the job's pid set runs at the same time: none of its calls may show up.
     outsider = GatedProcess(mpirun_cmd(1, [python(), str(PROGS / "mpi_collectives.py")]))
     errors: list[str] = []
@@ -123,6 +124,16 @@ def test_mpi_job_every_call_once(mpi_run: tuple[Any, Any, list[str]]) -> None:
     assert not errors, errors
     assert set(calls["path"]) == {0} and set(calls["library"]) == {0}
     check_mpi_plan(calls, comms, NRANKS)
+
+
+@pytest.mark.bpf
+@pytest.mark.mpi
+def test_mpi_burst_of_sends_under_one_handle(mpi_run: tuple[Any, Any, list[str]]) -> None:
+    """The uprobe path keeps several requests of one handle too (bpf/collectives.c gp_req_put); it
+    probes MPI_Waitall but not MPI_Waitsome."""
+    calls, _, errors = mpi_run
+    assert not errors, errors
+    check_bursts(calls, NRANKS, ["MPI_Waitall"])
 
 
 @pytest.mark.bpf

@@ -298,18 +298,52 @@ void gp_reset(u32 kind, u64 handle)
         __atomic_store_n(&c->value, 0, __ATOMIC_RELAXED);
 }
 
+/* A request is kept in the first free slot of GP_REQ_PROBES from its handle's: the same handle
+ * outstanding several times (fp_common.h) takes as many slots. A slot that holds the same handle
+ * written to the same variable is an earlier request completed where no wrapper saw it (a send
+ * freed by MPI_Request_free), and is reused; a full window loses its first slot's request. */
+#define GP_REQ_PROBES 8
+static u64 req_puts; /* the order of puts (a race between threads costs only a tie) */
+
 void gp_req_put(const struct gp_req_info *info)
 {
-    reqs[gp_mix(9, info->req, 0, 0) & (GP_TABLE - 1)] = *info;
+    u64 home = gp_mix(9, info->req, 0, 0);
+    struct gp_req_info *slot = &reqs[home & (GP_TABLE - 1)];
+    for (u32 i = 0; i < GP_REQ_PROBES; i++) {
+        struct gp_req_info *r = &reqs[(home + i) & (GP_TABLE - 1)];
+        if (r->req == 0 || (r->req == info->req && r->where == info->where)) {
+            slot = r;
+            break;
+        }
+    }
+    *slot = *info;
+    slot->order = ++req_puts;
 }
 
-int gp_req_take(u64 req, struct gp_req_info *out)
+/* The request of handle `req` written to `where`; else the latest of that handle in the window: a
+ * caller that waits on copies of its variables (mpi4py) has the latest one outstanding, an older
+ * one of the same handle may be a request completed where no wrapper saw it. */
+int gp_req_take(u64 req, u64 where, struct gp_req_info *out)
 {
-    struct gp_req_info *r = &reqs[gp_mix(9, req, 0, 0) & (GP_TABLE - 1)];
-    if (r->req != req || req == 0)
+    if (req == 0)
         return 0;
-    *out = *r;
-    r->req = 0;
+    u64 home = gp_mix(9, req, 0, 0);
+    struct gp_req_info *found = NULL;
+    for (u32 i = 0; i < GP_REQ_PROBES; i++) {
+        struct gp_req_info *r = &reqs[(home + i) & (GP_TABLE - 1)];
+        if (r->req != req)
+            continue;
+        if (r->where == where) {
+            found = r;
+            break;
+        }
+        if (!found || r->order > found->order)
+            found = r;
+    }
+    if (!found)
+        return 0;
+    *out = *found;
+    found->req = 0;
     return 1;
 }
 

@@ -38,7 +38,12 @@ u32 gp_pid(void);
 /* FNV-1a 64, the NCCL unique id hash (collector/sources/bpf_collectives.fnv1a64). */
 u64 gp_fnv1a64(const void *data, unsigned long len);
 
-/* Remember and take back what a non-blocking call started (MPI_Wait names its initiation). */
+/* Remember and take back what a non-blocking call started (MPI_Wait names its initiation).
+ * Several requests outstanding at once can have one handle: Open MPI returns its one
+ * ompi_request_empty for every MPI_Isend it completed at once (a small message), MPICH one builtin
+ * request; so a request is kept under its handle and `where`, the address of the caller's variable
+ * the handle was written to, and taken back by both, or by the handle alone when the caller waits
+ * on a copy (then the latest of that handle). */
 struct gp_req_info {
     u64 req;
     u64 handle;
@@ -46,9 +51,11 @@ struct gp_req_info {
     u64 bytes;
     s32 peer;
     s32 tag;
+    u64 where;
+    u64 order; /* set by gp_req_put: the later of two requests of one handle has the higher */
 };
 void gp_req_put(const struct gp_req_info *info);
-int gp_req_take(u64 req, struct gp_req_info *out);
+int gp_req_take(u64 req, u64 where, struct gp_req_info *out);
 /* A persistent request's definition (MPI_Send_init / MPI_Recv_init; seq holds GP_SEQ_SEND or
  * GP_SEQ_RECV): read at every MPI_Start, dropped by MPI_Request_free. */
 void gp_preq_put(const struct gp_req_info *info);

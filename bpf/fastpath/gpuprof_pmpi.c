@@ -173,7 +173,7 @@ static void coll(u16 op, u64 t0, int rc, H comm, u64 bytes, s32 root, H *req)
     u64 seq = gp_next(GP_SEQ_COLL, h, 0, 0);
     u64 aux = 0;
     if (req) {
-        struct gp_req_info ri = {hread(req), h, seq, bytes, root, -1};
+        struct gp_req_info ri = {hread(req), h, seq, bytes, root, -1, (u64)(uintptr_t)req};
         gp_req_put(&ri);
         aux = ri.req;
     }
@@ -187,7 +187,7 @@ static void p2p(u16 op, u32 dir, u64 t0, int rc, H comm, u64 bytes, s32 peer, s3
     u64 seq = gp_next(dir, h, peer, tag);
     u64 aux = 0;
     if (req) {
-        struct gp_req_info ri = {hread(req), h, seq, bytes, peer, tag};
+        struct gp_req_info ri = {hread(req), h, seq, bytes, peer, tag, (u64)(uintptr_t)req};
         gp_req_put(&ri);
         aux = ri.req;
     }
@@ -197,11 +197,12 @@ static void p2p(u16 op, u32 dir, u64 t0, int rc, H comm, u64 bytes, s32 peer, s3
 /* A request's completion row, from t0 to t1 (one exit time for all the requests a call completed).
  * The MPI_Test family reads no clock before the call: a test returns at once, and most tests of a
  * polling loop complete nothing (hpcc's RandomAccess polls MPI_Testany millions of times), so one
- * that completed is recorded at its return, t0 = t1: a test never waits (docs/probes.md). */
-static void completion(u16 op, u64 t0, u64 t1, int rc, u64 req)
+ * that completed is recorded at its return, t0 = t1: a test never waits (docs/probes.md). `where` is
+ * the address of the caller's variable that held the request (fp_common.h). */
+static void completion(u16 op, u64 t0, u64 t1, int rc, u64 req, u64 where)
 {
     struct gp_req_info ri;
-    if (gp_req_take(req, &ri))
+    if (gp_req_take(req, where, &ri))
         gp_emit_call_span(GP_LIB_MPI, op, t0, t1, ri.handle, ri.seq, ri.bytes, ri.peer, ri.tag, rc, req, 0);
     else
         gp_emit_call_span(GP_LIB_MPI, op, t0, t1, 0, GP_SEQ_NONE, GP_BYTES_UNKNOWN, GP_NO_PEER, -1, rc, req, 0);
@@ -492,7 +493,7 @@ GP_EXPORT int MPI_Wait(H *req, void *status)
     u64 r = hread(req);
     u64 t0 = gp_now();
     int rc = real_PMPI_Wait(req, status);
-    completion(GP_OP_MPI_Wait, t0, gp_now(), rc, r);
+    completion(GP_OP_MPI_Wait, t0, gp_now(), rc, r, (u64)(uintptr_t)req);
     return rc;
 }
 
@@ -503,7 +504,7 @@ GP_EXPORT int MPI_Test(H *req, int *flag, void *status)
     int rc = real_PMPI_Test(req, flag, status);
     if (flag && *flag) {
         u64 t = gp_now();
-        completion(GP_OP_MPI_Test, t, t, rc, r);
+        completion(GP_OP_MPI_Test, t, t, rc, r, (u64)(uintptr_t)req);
     }
     return rc;
 }
@@ -513,6 +514,12 @@ static void read_reqs(int n, const void *reqs, u64 *out)
 {
     for (int i = 0; i < n && i < GP_MAX_ALL; i++)
         out[i] = narrow ? (u64)((const u32 *)reqs)[i] : ((const u64 *)reqs)[i];
+}
+
+/* The address of reqs[i], the `where` of its request. */
+static u64 slot_of(const void *reqs, int i)
+{
+    return (u64)(uintptr_t)reqs + (u64)i * (narrow ? sizeof(u32) : sizeof(u64));
 }
 
 /* Persistent requests: MPI_Send_init / MPI_Recv_init define a message, each MPI_Start starts one.
@@ -526,14 +533,14 @@ static void persistent(u32 dir, int rc, H comm, u64 bytes, s32 peer, s32 tag, H 
     gp_preq_put(&pi);
 }
 
-static void started(u64 t0, int rc, u64 req)
+static void started(u64 t0, int rc, u64 req, u64 where)
 {
     struct gp_req_info pi;
     if (!gp_preq_get(req, &pi))
         return;
     u32 dir = (u32)pi.seq;
     seen(pi.handle);
-    struct gp_req_info ri = {req, pi.handle, gp_next(dir, pi.handle, pi.peer, pi.tag), pi.bytes, pi.peer, pi.tag};
+    struct gp_req_info ri = {req, pi.handle, gp_next(dir, pi.handle, pi.peer, pi.tag), pi.bytes, pi.peer, pi.tag, where};
     gp_req_put(&ri);
     emit_call(dir == GP_SEQ_SEND ? GP_OP_MPI_Isend : GP_OP_MPI_Irecv, t0, ri.handle, ri.seq, ri.bytes, ri.peer,
               ri.tag, rc, req, 0);
@@ -561,7 +568,7 @@ GP_EXPORT int MPI_Start(H *req)
     u64 r = hread(req);
     u64 t0 = gp_now();
     int rc = real_PMPI_Start(req);
-    started(t0, rc, r);
+    started(t0, rc, r, (u64)(uintptr_t)req);
     return rc;
 }
 
@@ -574,7 +581,7 @@ GP_EXPORT int MPI_Startall(int n, H *reqs)
     u64 t0 = gp_now();
     int rc = real_PMPI_Startall(n, reqs);
     for (int i = 0; i < n && i < GP_MAX_ALL; i++)
-        started(t0, rc, saved[i]);
+        started(t0, rc, saved[i], slot_of(reqs, i));
     return rc;
 }
 
@@ -595,7 +602,7 @@ GP_EXPORT int MPI_Waitall(int n, H *reqs, void *statuses)
     int rc = real_PMPI_Waitall(n, reqs, statuses);
     u64 t1 = gp_now();
     for (int i = 0; i < n && i < GP_MAX_ALL; i++)
-        completion(GP_OP_MPI_Waitall, t0, t1, rc, saved[i]);
+        completion(GP_OP_MPI_Waitall, t0, t1, rc, saved[i], slot_of(reqs, i));
     return rc;
 }
 
@@ -609,7 +616,7 @@ GP_EXPORT int MPI_Testall(int n, H *reqs, int *flag, void *statuses)
     if (flag && *flag) {
         u64 t = gp_now();
         for (int i = 0; i < n && i < GP_MAX_ALL; i++)
-            completion(GP_OP_MPI_Testall, t, t, rc, saved[i]);
+            completion(GP_OP_MPI_Testall, t, t, rc, saved[i], slot_of(reqs, i));
     }
     return rc;
 }
@@ -617,20 +624,21 @@ GP_EXPORT int MPI_Testall(int n, H *reqs, int *flag, void *statuses)
 /* Some of many: one completion row per request the call completed, named by the returned indices
  * (requests beyond GP_MAX_ALL are not saved, as for Waitall). MPI_UNDEFINED (no active request) is
  * negative in Open MPI and MPICH alike, so a count or index < 0 completes nothing. */
-static void completed_some(int op, u64 t0, u64 t1, int rc, int n, const u64 *saved, int count, const int *indices)
+static void completed_some(int op, u64 t0, u64 t1, int rc, int n, const void *reqs, const u64 *saved, int count,
+                           const int *indices)
 {
     for (int i = 0; indices && i < count; i++)
         if (indices[i] >= 0 && indices[i] < n && indices[i] < GP_MAX_ALL)
-            completion(op, t0, t1, rc, saved[indices[i]]);
+            completion(op, t0, t1, rc, saved[indices[i]], slot_of(reqs, indices[i]));
 }
 
 /* A test of some of many completed `count` (> 0) requests: recorded at its return. */
-static void tested_some(int op, int rc, int n, const u64 *saved, int count, const int *indices)
+static void tested_some(int op, int rc, int n, const void *reqs, const u64 *saved, int count, const int *indices)
 {
     if (count <= 0 || !indices)
         return;
     u64 t = gp_now();
-    completed_some(op, t, t, rc, n, saved, count, indices);
+    completed_some(op, t, t, rc, n, reqs, saved, count, indices);
 }
 
 GP_EXPORT int MPI_Waitany(int n, H *reqs, int *index, void *status)
@@ -642,7 +650,7 @@ GP_EXPORT int MPI_Waitany(int n, H *reqs, int *index, void *status)
     u64 t0 = gp_now();
     int rc = real_PMPI_Waitany(n, reqs, index, status);
     if (index)
-        completed_some(GP_OP_MPI_Waitany, t0, gp_now(), rc, n, saved, 1, index);
+        completed_some(GP_OP_MPI_Waitany, t0, gp_now(), rc, n, reqs, saved, 1, index);
     return rc;
 }
 
@@ -655,7 +663,7 @@ static __attribute__((noinline)) int testany_many(int n, H *reqs, int *index, in
     read_reqs(n, reqs, saved);
     int rc = real_PMPI_Testany(n, reqs, index, flag, status);
     if (flag && *flag)
-        tested_some(GP_OP_MPI_Testany, rc, n, saved, 1, index);
+        tested_some(GP_OP_MPI_Testany, rc, n, reqs, saved, 1, index);
     return rc;
 }
 
@@ -670,7 +678,7 @@ GP_EXPORT int MPI_Testany(int n, H *reqs, int *index, int *flag, void *status)
     int rc = real_PMPI_Testany(1, reqs, index, flag, status);
     if (flag && *flag && index && *index == 0) {
         u64 t = gp_now();
-        completion(GP_OP_MPI_Testany, t, t, rc, r);
+        completion(GP_OP_MPI_Testany, t, t, rc, r, (u64)(uintptr_t)reqs);
     }
     return rc;
 }
@@ -684,7 +692,7 @@ GP_EXPORT int MPI_Waitsome(int n, H *reqs, int *outcount, int *indices, void *st
     u64 t0 = gp_now();
     int rc = real_PMPI_Waitsome(n, reqs, outcount, indices, statuses);
     if (outcount)
-        completed_some(GP_OP_MPI_Waitsome, t0, gp_now(), rc, n, saved, *outcount, indices);
+        completed_some(GP_OP_MPI_Waitsome, t0, gp_now(), rc, n, reqs, saved, *outcount, indices);
     return rc;
 }
 
@@ -696,7 +704,7 @@ GP_EXPORT int MPI_Testsome(int n, H *reqs, int *outcount, int *indices, void *st
     read_reqs(n, reqs, saved);
     int rc = real_PMPI_Testsome(n, reqs, outcount, indices, statuses);
     if (outcount)
-        tested_some(GP_OP_MPI_Testsome, rc, n, saved, *outcount, indices);
+        tested_some(GP_OP_MPI_Testsome, rc, n, reqs, saved, *outcount, indices);
     return rc;
 }
 

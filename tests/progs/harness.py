@@ -135,6 +135,30 @@ def python() -> str:
 
 
 # --- the MPI plan of tests/progs/mpi_collectives.py, checked on /collectives rows ---------------------
+def check_bursts(calls: Any, nranks: int, completion_calls: list[str]) -> None:
+    """mpi_collectives.py --burst: every Isend and Irecv of each burst completed by its call, each
+    completion row naming its request (communicator, seq, peer and tag), none naming no request;
+    under Open MPI the burst's sends share one handle (ompi_request_empty)."""
+    import numpy as np
+
+    sys.path.insert(0, str(PROGS))
+    import mpi_collectives as plan
+
+    ops = schema.COLLECTIVE_OPS
+    key = ("pid", "comm_id", "seq", "root_or_peer", "tag")
+    for call, tags in plan.BURST_PLAN:
+        if call not in completion_calls:
+            continue
+        posted = calls[np.isin(calls["op"], [ops.index("MPI_Isend"), ops.index("MPI_Irecv")])
+                       & np.isin(calls["tag"], tags)]
+        done = calls[calls["op"] == ops.index(call)]
+        done = done[np.isin(done["tag"], tags) | (done["comm_id"] == 0)]
+        assert len(posted) == nranks * 2 * len(tags), (call, len(posted))
+        want = sorted(tuple(int(r[k]) for k in key) for r in posted)
+        got = sorted(tuple(int(r[k]) for k in key) for r in done)
+        assert got == want, (call, got, want)
+
+
 def check_mpi_plan(calls: Any, comms: Any, nranks: int, repeat: int = 1) -> None:
     """Assert that the rows hold every call of the plan exactly once, with contiguous sequence
     numbers per communicator, ids equal across ranks, bytes, roots, peers and tags right."""

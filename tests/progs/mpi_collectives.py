@@ -3,12 +3,17 @@
 Every rank makes exactly the calls of PLAN (tests/test_bpf_collectives.py counts them): on
 MPI_COMM_WORLD, on a communicator split by rank parity, on a dup of that split, then frees both.
 Buffers are numpy arrays so that mpi4py calls the C functions (its lower-case pickle forms do not).
-Usage: mpi_collectives.py [--repeat N] [--completions] [--create] [--persistent]
+Usage: mpi_collectives.py [--repeat N] [--completions] [--burst] [--create] [--persistent]
 
 --completions adds, on MPI_COMM_WORLD, a ring exchange per completion call of COMPLETION_PLAN: each
 rank posts an Irecv from its left and an Isend to its right, completed by that call (Waitany and
 Testany one request per call until both are done, Waitsome and Testsome some at a time; and again
 Testany on a list of one request, each polled until it completes, as hpcc's RandomAccess polls).
+
+--burst adds, on MPI_COMM_WORLD, a burst per call of BURST_PLAN: an Irecv per tag from the left,
+then an Isend of one number per tag to the right, all completed by that call. MPI completes such
+small sends at once and may return one handle for all of them (Open MPI's ompi_request_empty, MPICH's
+builtin request), as MEEP's halo exchange shows.
 
 --create adds MPI_Comm_create on MPI_COMM_WORLD with disjoint groups (the lower and the upper half of
 the ranks: one communicator per group from one call) and CREATE_PLAN on each.
@@ -49,6 +54,7 @@ SENDRECV_TAG = 7
 # (completion call, tag of its ring exchange, each request alone: the interposer's one-request path)
 COMPLETION_PLAN = (("MPI_Waitany", 21, False), ("MPI_Waitsome", 22, False), ("MPI_Testany", 23, False),
                    ("MPI_Testsome", 24, False), ("MPI_Testany", 25, True))
+BURST_PLAN = (("MPI_Waitall", (31, 32, 33)), ("MPI_Waitsome", (34, 35, 36)))
 
 
 def run_plan(comm: MPI.Intracomm, plan: dict, repeat: int) -> None:
@@ -108,10 +114,27 @@ def complete_some(world: MPI.Intracomm, right: int, left: int) -> None:
         assert int(got[0]) == tag
 
 
+def burst(world: MPI.Intracomm, right: int, left: int) -> None:
+    from mpi4py import MPI
+
+    for call, tags in BURST_PLAN:
+        got = np.zeros(len(tags), dtype=np.int64)
+        reqs = [world.Irecv(got[k:k + 1], source=left, tag=tag) for k, tag in enumerate(tags)]
+        reqs += [world.Isend(np.full(1, tag, dtype=np.int64), dest=right, tag=tag) for tag in tags]
+        if call == "MPI_Waitall":
+            MPI.Request.Waitall(reqs)
+        else:
+            done = 0
+            while done < len(reqs):
+                done += len(MPI.Request.Waitsome(reqs) or [])
+        assert got.tolist() == list(tags)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--completions", action="store_true")
+    ap.add_argument("--burst", action="store_true")
     ap.add_argument("--create", action="store_true")
     ap.add_argument("--persistent", action="store_true")
     args = ap.parse_args()
@@ -131,6 +154,8 @@ def main() -> int:
         world.Recv(np.zeros(11, dtype=np.float64), source=0, tag=3)
     if args.completions:
         complete_some(world, right, left)
+    if args.burst:
+        burst(world, right, left)
     if args.persistent:
         out, inb = np.full(6, rank, dtype=np.int32), np.zeros(6, dtype=np.int32)
         reqs = [world.Send_init(out, dest=right, tag=PERSISTENT_TAG), world.Recv_init(inb, source=left, tag=PERSISTENT_TAG)]
