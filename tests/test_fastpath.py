@@ -76,14 +76,18 @@ def fastpath_env(ring_dir: Path, job: str, lib: Path, records: int | None = None
 
 
 def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: int | None = None,
-            sample: bool = True, extra: tuple[str, ...] = ()) -> tuple[Any, Any, fp.FastpathSource, list[str]]:
+            sample: bool = True, extra: tuple[str, ...] = (), program: list[str] | None = None,
+            output: list[str] | None = None) -> tuple[Any, Any, fp.FastpathSource, list[str]]:
+    """Run mpi_collectives.py (or `program`) on 4 ranks under the interposer and the fast-path
+    source; its standard output is appended to `output`."""
     reason = mpi_skip_reason()
     if reason:
         pytest.skip(reason)
     job = f"t{uuid.uuid4().hex[:8]}"
     env = fastpath_env(tmp_path, job, built["mpi"], records)
-    gated = GatedProcess(mpirun_cmd(4, [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat),
-                                        *extra], env=env))
+    if program is None:
+        program = [python(), str(PROGS / "mpi_collectives.py"), "--repeat", str(repeat), *extra]
+    gated = GatedProcess(mpirun_cmd(4, program, env=env))
     errors: list[str] = []
     # The collector reads only rings of job processes, which its tracker finds (collector/proctrack.py):
     # here a thread keeps the process tree under mpirun, as the tracker would, while nothing is drained.
@@ -99,11 +103,13 @@ def run_mpi(built: dict[str, Path], tmp_path: Path, repeat: int = 1, records: in
     ctx = make_ctx(lambda: frozenset(seen), ("collectives",), errors=errors, config=FASTPATH, job_id=job)
     src = fp.FastpathSource(ring_dir=str(tmp_path))
     try:
-        batches, (rc, _out, err) = run_source_over(src, ctx, gated, sample=sample)
+        batches, (rc, out, err) = run_source_over(src, ctx, gated, sample=sample)
     finally:
         done.set()
         tracker.join()
     assert rc == 0, err[-2000:]
+    if output is not None:
+        output.extend(out.splitlines())
     return collect(batches, schema.COLLECTIVE_CALLS), collect(batches, schema.COMMUNICATORS), src, errors
 
 
@@ -159,6 +165,29 @@ def test_completions_of_some_of_many_requests(built: dict[str, Path], tmp_path: 
         else:
             assert (done["t_exit_ns"] >= done["t_enter_ns"]).all(), call
     check_bursts(calls, 4, [call for call, _ in plan.BURST_PLAN])
+
+
+@pytest.mark.mpi
+def test_a_completion_names_the_request_of_its_array_element(built: dict[str, Path], tmp_path: Path) -> None:
+    """tests/progs/mpi_burst.c: three small sends that may share one handle, posted out of their
+    array's order and completed one by one by MPI_Waitany: each completion row names the send of
+    the element MPI completed, in the order the program saw (not the order they were posted)."""
+    if shutil.which("mpicc") is None:
+        pytest.skip("no mpicc")
+    exe = tmp_path / "mpi_burst"
+    subprocess.run(["mpicc", "-O2", "-o", str(exe), str(PROGS / "mpi_burst.c")], check=True)
+    lines: list[str] = []
+    calls, _, _, errors = run_mpi(built, tmp_path, program=[str(exe)], output=lines)
+    assert not errors, errors
+    ranks = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(ranks) == 4
+    waitany = calls[calls["op"] == schema.COLLECTIVE_OPS.index("MPI_Waitany")]
+    assert len(waitany) == 4 * 6 and (waitany["comm_id"] != 0).all()
+    for rank in ranks:
+        mine = waitany[(waitany["pid"] == rank["pid"]) & (waitany["root_or_peer"] == rank["right"])]
+        mine = mine[np.argsort(mine["t_enter_ns"], kind="stable")]
+        assert mine["tag"].tolist() == rank["send_tags"], rank
+        assert sorted(mine["seq"].tolist()) == [0, 0, 0]  # one send on each (peer, tag) channel
 
 
 def test_exports_contract(built: dict[str, Path]) -> None:
