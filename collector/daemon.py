@@ -501,7 +501,10 @@ class Collector:
                 st.passes += 1
                 self._pass_cond.notify_all()
             now = time.monotonic()
-            st.wake.wait(next_tick(now + backoff, interval) - now)
+            wait_s = next_tick(now + backoff, interval) - now
+            if src.retry_s is not None and not backoff:
+                wait_s = min(wait_s, src.retry_s)
+            st.wake.wait(wait_s)
         if self.state != "error":
             try:
                 self._push(st, src.final(monotonic_ns()))

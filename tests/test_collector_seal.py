@@ -98,6 +98,47 @@ def test_a_counter_that_fails_at_stop_does_not_cost_the_seal(tmp_path: Path,
     assert not os.path.exists(sock)
 
 
+class Retrying(Source):
+    """Samples every 60 s, but asks to be sampled again after 20 ms (retry_s) for its first 5."""
+
+    name = "retrying"
+    interval_s = 60.0
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.retry_s = 0.02
+
+    def start(self, ctx: SourceContext) -> None:
+        self.ctx = ctx
+
+    def sample(self, now_ns: int) -> list[Batch]:
+        self.samples += 1
+        if self.samples >= 5:
+            self.retry_s = None
+        return []
+
+
+def test_a_source_that_waits_for_something_is_sampled_again_soon(tmp_path: Path,
+                                                                 sleeper: subprocess.Popen[bytes]) -> None:
+    """Source.retry_s shortens the wait to the next sample (the fast path, for a ring whose header
+    is being written); None: back to the interval."""
+    source = Retrying()
+    c = Collector(CollectorOptions(output=tmp_path / "n.h5", modes=("metrics",), config=config_mod.defaults(),
+                                   pid=sleeper.pid, control_socket=tmp_path / "c.sock", use_scontrol=False),
+                  sources=[ClockSource(1.0), source])
+    c.start()
+    try:
+        deadline = time.monotonic() + 10
+        while source.samples < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert source.samples == 5
+        time.sleep(0.5)
+        assert source.samples == 5  # the 60 s interval again
+    finally:
+        c.request_stop("test")
+        c.shutdown()
+
+
 class FreedWithHubDouble:
     """A test double of BpfHub for the drop counters: its per-CPU counter table reads as BCC's and
     our own Table do ((key, [per-CPU values]) items), and raises once the hub is released, as a read

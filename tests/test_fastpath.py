@@ -213,6 +213,33 @@ def test_foreign_and_corrupt_rings_ignored(built: dict[str, Path], tmp_path: Pat
     src.stop()
 
 
+def test_a_ring_listed_before_its_header_is_looked_at_again_soon(built: dict[str, Path], tmp_path: Path) -> None:
+    """A process creates its ring at its first call and writes the header's magic last: listed in
+    between, the ring is looked at again after RING_RETRY_S (retry_s), not at the next drain 2 s
+    later, by which time MEEP's ranks had filled theirs; one never initialized is refused after the
+    grace, with the reason."""
+    ring = tmp_path / f"gpuprof-99-{os.getpid()}"
+    ring.write_bytes(b"\0" * 100)
+    errors: list[str] = []
+    src = fp.FastpathSource(ring_dir=str(tmp_path))
+    src.start(make_ctx(lambda: frozenset({os.getpid()}), ("collectives",), errors=errors, config=FASTPATH,
+                       job_id="99"))
+    try:
+        src.sample(0)
+        assert src.retry_s == fp.RING_RETRY_S and not src.rings
+        ring.write_bytes(ring_bytes(os.getpid(), capacity=64))
+        src.sample(0)
+        assert src.retry_s is None and len(src.rings) == 1 and not errors
+        late = tmp_path / f"gpuprof-99-{os.getpid()}.1"
+        late.write_bytes(b"\0" * 100)
+        src.pid_grace_s = 0.0
+        src.sample(0)
+        assert src.retry_s is None and late.name in src.refused
+        assert len(errors) == 1 and "not initialized" in errors[0] and late.name in errors[0]
+    finally:
+        src.stop()
+
+
 def test_watch_asks_for_early_drains_only_when_needed(built: dict[str, Path], tmp_path: Path) -> None:
     """With a caller that can be asked for a sample (the daemon), Python drains once a second and
     the native watch (collector/native/ringwatch.c) asks for a drain at once when a ring is past a

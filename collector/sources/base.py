@@ -58,6 +58,10 @@ class Source(ABC):
     name: str = "source"
     tables: tuple[Table, ...] = ()
     interval_s: float = 1.0
+    # Set by a source that waits for something about to appear (the fast path: a ring whose header
+    # its process has not finished writing): its next sample comes after this many seconds instead
+    # of its interval; None: the interval.
+    retry_s: float | None = None
     # True for a probe that sees only what happens after its start (uprobes, perf events): when it
     # starts after the job's first process, the collector records it as attached late (what it
     # may have missed: docs/trace-format.md, attach_json). The fast path is not one: the
