@@ -223,7 +223,8 @@ class Collector:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise CollectorError(f"two sources share a name: {names}")
-        caps = split_capacity(int(self.cfg["memory_limit_mb"]), names + [TRACKER_RING, DIAG_RING])
+        shares = {s.name: s.ring_share for s in self.sources} | {TRACKER_RING: 1, DIAG_RING: 1}
+        caps = split_capacity(int(self.cfg["memory_limit_mb"]), shares)
         self._states = {s.name: _SourceState(s, Ring(s.name, caps[s.name])) for s in self.sources}
         self._tracker_ring = Ring(TRACKER_RING, caps[TRACKER_RING])
         self._diag_ring = Ring(DIAG_RING, caps[DIAG_RING])

@@ -83,11 +83,15 @@ def test_concurrent_producers_lose_nothing_but_counted() -> None:
 
 
 def test_split_capacity() -> None:
-    caps = split_capacity(64, ["a", "b", "c", "d"])
+    caps = split_capacity(64, {k: 1 for k in "abcd"})
     assert caps == {k: 16 * 1024 * 1024 for k in "abcd"}
-    assert split_capacity(1, [f"s{i}" for i in range(100)])["s7"] >= MIN_CAPACITY_BYTES
+    caps = split_capacity(64, {"calls": 4, "a": 1, "b": 1, "c": 1, "d": 1})  # a source of calls: 4 shares
+    assert caps["calls"] == 32 * 1024 * 1024 and caps["a"] == 8 * 1024 * 1024
+    assert split_capacity(1, {f"s{i}": 1 for i in range(100)})["s7"] >= MIN_CAPACITY_BYTES
     with pytest.raises(ValueError):
-        split_capacity(0, ["a"])
+        split_capacity(0, {"a": 1})
+    with pytest.raises(ValueError):
+        split_capacity(64, {"a": 0})
     with pytest.raises(ValueError):
         Ring("x", 0)
 

@@ -53,11 +53,17 @@ class SourceContext:
 
 Batch = tuple[Table, np.ndarray]
 
+# The ring share of the sources of collective and point-to-point calls (Source.ring_share).
+CALL_SOURCE_SHARE = 4
+
 
 class Source(ABC):
     name: str = "source"
     tables: tuple[Table, ...] = ()
     interval_s: float = 1.0
+    # Its share of collector.memory_limit_mb for the rows waiting for the writer, against 1 for
+    # each other ring (collector/ring.py split_capacity): CALL_SOURCE_SHARE for the sources of calls.
+    ring_share: int = 1
     # Set by a source that waits for something about to appear (the fast path: a ring whose header
     # its process has not finished writing): its next sample comes after this many seconds instead
     # of its interval; None: the interval.

@@ -24,7 +24,7 @@ from gpuprof.collector.bpf_support import (
     read_maps,
 )
 from gpuprof.collector.fastpath_env import resolve_paths
-from gpuprof.collector.sources.base import Batch, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.base import CALL_SOURCE_SHARE, Batch, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import (
     CALL_DTYPE,
     CALL_FIELDS,
@@ -40,6 +40,7 @@ class BpfCollectivesSource(HubSource):
 
     name = "collectives_uprobe"
     attaches = True  # sees only what happens after it started (a late start is recorded)
+    ring_share = CALL_SOURCE_SHARE  # calls come fast: collector/ring.py split_capacity
     tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS)
     interval_s = 0.2
     drops_map = b"gp_coll_drops"  # [0] calls ring full, [1] communicators ring full

@@ -51,7 +51,7 @@ from gpuprof.collector.fastpath_env import (
     resolve_paths,
 )
 from gpuprof.collector.proctrack import in_cgroups
-from gpuprof.collector.sources.base import Batch, Source, SourceContext, SourceUnavailable
+from gpuprof.collector.sources.base import CALL_SOURCE_SHARE, Batch, Source, SourceContext, SourceUnavailable
 from gpuprof.collector.sources.collective_calls import CALL_DTYPE, CommRegistry, stable_id
 from gpuprof.collector.sources.probe_table import GP_BYTES_UNKNOWN, LIB_CODES, PATH_CODES
 
@@ -281,6 +281,7 @@ class FastpathSource(Source):
     """Drains the rings of the job's processes in the job's ring directory (`job_ring_dir`)."""
 
     name = "collectives_fastpath"
+    ring_share = CALL_SOURCE_SHARE  # calls come fast: collector/ring.py split_capacity
     tables = (schema.COLLECTIVE_CALLS, schema.COMMUNICATORS, schema.DEVICE_TIMES, schema.NVTX_RANGES,
               schema.NVTX_STRINGS, schema.KERNEL_ACTIVITY, schema.KERNEL_ACTIVITY_NAMES,
               schema.KERNEL_ACTIVITY_LAUNCHES)
