@@ -34,6 +34,7 @@ import numpy as np
 
 from gpuprof.collector import environment as env
 from gpuprof.collector import schema
+from gpuprof.collector.catchup import CatchUp, autogroup_nice
 from gpuprof.collector.errors import CollectorError
 from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.ring import Ring, split_capacity
@@ -219,6 +220,7 @@ class Collector:
 
         self.opts = opts
         self.cfg = opts.config["collector"]
+        self.catch_up = CatchUp(0, None)  # lifts the lowered priority while falling behind (_apply_nice)
         self.sources = sources if sources is not None else default_sources(opts.modes, opts.config)
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -338,6 +340,7 @@ class Collector:
                 "process_tracking": self.tracker.method,
                 "pid": os.getpid(),
                 "thread_cpu_s": thread_cpu_s(),
+                "catch_up": self.catch_up.summary(),
                 **({"error": self._fatal} if self.state == "error" else {}),
             }
 
@@ -462,6 +465,7 @@ class Collector:
             st.ring.push(table, rows)
         if st.ring.queued_bytes * 2 > st.ring.capacity_bytes:
             self._writer_wake.set()  # half full: drain early rather than drop
+        self.catch_up.observe(max(st.source.fill, st.ring.queued_bytes / st.ring.capacity_bytes))
 
     def _source_loop(self, st: _SourceState) -> None:
         src = st.source
@@ -677,6 +681,7 @@ class Collector:
             "startup_s": None if self._startup_cpu_s is None else round(self._startup_cpu_s, 3),
             "after_startup_s": None if self._startup_cpu_s is None else round(total - self._startup_cpu_s, 3),
             "by_thread_s": {n: round(v, 4) for n, v in sorted(by_thread.items()) if v > 0},
+            "catch_up": self.catch_up.summary(),
         }, sort_keys=True)
         for st in self._states.values():
             try:
@@ -689,6 +694,9 @@ class Collector:
         if self.opts.nice is not None:
             for problem in lower_priority(self.opts.nice):
                 log.warning("%s", problem)
+            group = Path("/proc/self/autogroup")
+            if os.getsid(0) == os.getpid() and autogroup_nice(group) == self.opts.nice:
+                self.catch_up = CatchUp(self.opts.nice, group)
 
     @staticmethod
     def _raise_fd_limit() -> None:

@@ -129,6 +129,7 @@ def test_full_ring_drops_and_never_stalls(built: dict[str, Path], tmp_path: Path
     calls, _comms, src, _ = run_mpi(built, tmp_path, repeat=20, records=64, sample=False)
     assert 0 < len(calls) <= 4 * 64
     assert src.dropped_total > 20 * 4 * 10  # the plan makes > 25 calls per repeat and rank
+    assert src.fill == 1.0  # its last drain found a ring full: the collector's priority is lifted (catchup.py)
     # The newest records are the ones dropped: each rank kept its first calls, seq 0, 1, 2...
     import mpi_collectives as plan
 
@@ -265,9 +266,11 @@ def test_watch_asks_for_early_drains_only_when_needed(built: dict[str, Path], tm
             os.pwrite(f.fileno(), (64 // fp.WATCH_FILL + 1).to_bytes(8, "little"), head)
             assert asked.wait(2.0)
             asked.clear()
-            # no records behind that head (a hostile header): no second request until a drain
+            # no records behind that head (a hostile header): no second request until a drain,
+            # and a drain that reads none is no reason to lift the collector's priority
             assert not asked.wait(3 * fp.WATCH_INTERVAL_S)
             src.sample(0)
+            assert src.fill == 0.0
             assert asked.wait(2.0), "still past a quarter after the drain: asked again"
             os.pwrite(f.fileno(), (0).to_bytes(8, "little"), head)
         src.sample(0)

@@ -64,6 +64,9 @@ class Source(ABC):
     # Its share of collector.memory_limit_mb for the rows waiting for the writer, against 1 for
     # each other ring (collector/ring.py split_capacity): CALL_SOURCE_SHARE for the sources of calls.
     ring_share: int = 1
+    # How full its fullest buffer was at its last sample (0..1; the fast path: an interposer's
+    # ring): more than half lifts the collector's priority for a while (collector/catchup.py).
+    fill: float = 0.0
     # Set by a source that waits for something about to appear (the fast path: a ring whose header
     # its process has not finished writing): its next sample comes after this many seconds instead
     # of its interval; None: the interval.

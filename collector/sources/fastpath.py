@@ -156,6 +156,7 @@ class Ring:
         if "rec_cuda_name" in lay:  # kernel names travel as string records
             self.extra_dtypes[lay["rec_cuda_name"]] = _dtype(lay["nvtx_string"], lay["call_offset"], rs)
         self.extra: dict[int, np.ndarray] = {}
+        self.last_read = 0  # records the last drain read (collector/catchup.py)
 
     def dropped(self) -> int:
         raw = os.pread(self.fd, 8, self.dropped_offset)
@@ -169,6 +170,7 @@ class Ring:
         the collector's hot path: nothing is copied field by field."""
         rs, hs, mask = self.lay["record_size"], self.lay["header_size"], self.capacity - 1
         self.raw = self.raw[:0]
+        self.last_read = 0
         # head (written by the producers) is only a hint of how much to read: every record is
         # still checked by its own seq before it is taken.
         raw_head = os.pread(self.fd, 8, self.head_offset)
@@ -192,6 +194,9 @@ class Ring:
             if k < n:
                 break
         self.extra = {}
+        # records read, not the header's head: a fill the job's user writes in the header must not
+        # lift the collector's priority (collector/catchup.py)
+        self.last_read = sum(len(c) for c in chunks) // rs
         if not chunks:
             return np.zeros(0, dtype=CALL_DTYPE), []
         os.pwrite(self.fd, self.tail.to_bytes(8, "little"), self.tail_offset)
@@ -612,12 +617,14 @@ class FastpathSource(Source):
         kernel_rows: list[np.ndarray] = []
         name_rows: list[np.ndarray] = []
         launch_rows: list[np.ndarray] = []
+        self.fill = 0.0
         for ring in self.rings.values():
             try:
                 calls, comms = ring.drain()
             except OSError as e:
                 self.ctx.report_error(self.name, f"ring {ring.path}: {e}"[:230])
                 continue
+            self.fill = max(self.fill, ring.last_read / ring.capacity)
             # One ring is one process: its communicator records precede its calls on them, and
             # other processes' records do not matter to it (each has its own handles).
             for ev in comms:
