@@ -4,7 +4,8 @@ behind a finding").
 
 Per finding, the node files of its node and of up to PEER_NODES other nodes of its communicator
 are read (their stack tables only, the flagged windows only), each read an item dealt over the merge
-ranks (common.Task), so no rank holds more than one node's stack tables at a time. Per table
+ranks (common.Task), so no rank holds more than one node's stack tables at a time. The late
+processes are the finding's ranks; the peers, the other ranks of those nodes, its own included. Per table
 (`stacks/samples` weighted by samples, `offcpu/intervals` by blocked ns) the folded stacks are
 averaged per process: the late processes' mean against the peers' mean, in the same windows. The
 differential is walked from the root, always into the child with the largest excess, while that
@@ -170,16 +171,13 @@ class FlameReads:
         return read_folded(it, ctx.models.get(it.node), self.epoch_rt)
 
 
-def mean_per_process(parts: Sequence[dict[int, Counter[str]]], pids: Sequence[tuple[int, int]],
-                     which: Sequence[int]) -> tuple[Counter[str], int]:
+def mean_per_process(parts: Sequence[dict[int, Counter[str]]],
+                     pids: Sequence[tuple[int, int]]) -> tuple[Counter[str], int]:
     """The folded stacks of the processes (read index, pid) averaged over them; how many there were."""
     total: Counter[str] = Counter()
-    n = 0
     for ri, pid in pids:
-        if ri not in which:
-            continue
-        n += 1
         total.update(parts[ri].get(pid, Counter()))
+    n = len(pids)
     return Counter({k: v / n for k, v in total.items()}) if n else Counter(), n
 
 
@@ -259,7 +257,7 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
     the job file. A point-to-point finding (no communicator) has its spans only from its windows:
     none recorded, so it is left without."""
     items: list[NodeRead] = []
-    plan: list[tuple[int, list[tuple[int, int]], list[int], list[int]]] = []  # finding, (read, pid), late, peer reads
+    plan: list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]] = []  # finding, late and peer (read, pid)
     for fi, f in enumerate(findings):
         spans = getattr(f, "evidence_spans", None)
         if f.kind == "late sender" or spans is None or not len(spans):
@@ -270,28 +268,32 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
         node_of = np.asarray(c.node_of_rank, np.int64)
         own = {int(node_of[r]) for r in f.ranks if node_of[r] >= 0}
         others = peer_nodes([int(n) for n in node_of if n >= 0], own)
-        pids: list[tuple[int, int]] = []
-        late_reads: list[int] = []
-        peer_reads: list[int] = []
+        # The peers: the other ranks of the culprit's own nodes too (read with them), not only of
+        # other nodes; a job on one node had none and compared its late rank with nothing (MEEP:
+        # "1725.6 ms/s blocked per late process vs 0.0 per peer process (0 processes)", its MPI
+        # library's helper threads blocked, as the other rank's were).
+        late_pids: list[tuple[int, int]] = []
+        peer_pids: list[tuple[int, int]] = []
         for ni in sorted(own) + others:
-            ranks = [r for r in range(c.size) if node_of[r] == ni and (ni not in own or r in f.ranks)]
+            ranks = [r for r in range(c.size) if node_of[r] == ni]
+            late_here = {int(c.pid_of_rank[r]) for r in ranks if r in f.ranks}
             ri = len(items)
             items.append(NodeRead(node_files[ni], node_names[ni], sorted({int(c.pid_of_rank[r]) for r in ranks}),
                                   np.asarray(spans, np.float64), kernel=getattr(f, "kernel", "") if ni in own else ""))
-            pids += [(ri, int(c.pid_of_rank[r])) for r in ranks]
-            (late_reads if ni in own else peer_reads).append(ri)
-        plan.append((fi, pids, late_reads, peer_reads))
+            late_pids += [(ri, pid) for pid in sorted(late_here)]
+            peer_pids += [(ri, pid) for pid in sorted({int(c.pid_of_rank[r]) for r in ranks} - late_here)]
+        plan.append((fi, late_pids, peer_pids))
     if not items:
         return {}
     parts = list(pool.map(FlameReads(items, epoch_rt), len(items)))
     out: dict[int, dict[str, list[tuple[str, float, float]]]] = {}
-    for fi, pids, late_reads, peer_reads in plan:
+    for fi, late_pids, peer_pids in plan:
         f = findings[fi]
         out[fi] = {}
         for name, _, _ in TABLES:
             per = [p[name] for p in parts]
-            late, n_late = mean_per_process(per, pids, late_reads)
-            peers, n_peers = mean_per_process(per, pids, peer_reads)
+            late, n_late = mean_per_process(per, late_pids)
+            peers, n_peers = mean_per_process(per, peer_pids)
             if not late and not peers:
                 continue
             spans = np.asarray(f.evidence_spans, np.float64)
@@ -300,14 +302,13 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
             f.evidence.append(evidence_line(name, s))
             out[fi][name] = top_stacks(late, peers)
         gil = [p.get("gil", {}) for p in parts]
-        g = gil_summary(*(mean_per_process(gil, pids, reads)[0] for reads in (late_reads, peer_reads)))
+        g = gil_summary(*(mean_per_process(gil, group)[0] for group in (late_pids, peer_pids)))
         if g is not None:
             f.stacks["gil"] = g
             f.evidence.append(gil_line(g))
         launch: Counter[str] = Counter()
-        for ri in late_reads:
-            for c in parts[ri].get("kernel_launch", {}).values():
-                launch.update(c)
+        for ri, pid in late_pids:
+            launch.update(parts[ri].get("kernel_launch", {}).get(pid, Counter()))
         if launch:
             top, n = min(launch.items(), key=lambda kv: (-kv[1], kv[0]))
             total = sum(launch.values())

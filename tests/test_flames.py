@@ -54,3 +54,28 @@ def test_gil_shares_of_late_processes_against_peers() -> None:
     assert "held the GIL in 30% of their CPU samples, their peers in 90%" in flames.gil_line(g)
     # no Python sample of the late processes: nothing to say
     assert flames.gil_summary(Counter(), got[20]) is None
+
+
+def test_the_peers_of_a_late_rank_include_the_other_ranks_of_its_own_node() -> None:
+    """A communicator of 3 ranks, two on node 0 (rank 1 late), one on node 1: the late process is
+    rank 1's, the peers ranks 0's and 2's. Before, ranks 0 were left out, and a job on one node had
+    no peer at all. The reads are answered by a pool standing in for the merge ranks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    pids = [100, 101, 200]
+    comm = SimpleNamespace(comm_id=7, size=3, node_of_rank=np.array([0, 0, 1]), pid_of_rank=np.array(pids))
+    finding = SimpleNamespace(kind="own compute", comm_id=7, ranks=[1], evidence_spans=[(0.0, 2e9)],
+                              kernel="", stacks={}, evidence=[])
+    stacks = {100: Counter({"main;MPI_Wait": 10.0}), 101: Counter({"main;compute": 10.0}),
+              200: Counter({"main;MPI_Wait": 10.0})}
+
+    class Pool:
+        def map(self, task: flames.FlameReads, n: int) -> list[dict[str, dict[int, Counter[str]]]]:
+            return [{"cpu": {p: stacks[p] for p in it.pids}, "offcpu": {}} for it in task.items[:n]]
+
+    flames.stack_evidence([finding], [comm], ["n0.h5", "n1.h5"], ["node0", "node1"], 0, Pool())
+    cpu = finding.stacks["cpu"]
+    assert (cpu["late_processes"], cpu["peer_processes"]) == (1, 2)
+    assert cpu["path"] == ["main", "compute"] and cpu["share_of_extra"] == 1.0
