@@ -49,7 +49,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
             "prolog waits at most this long for every source to attach; late ones are marked (docs/slurm.md)",
         ),
         "seal_timeout_s": Key((int, float), 10.0, "epilog waits this long for the collector to seal"),
-        "collector_nice": Key(int, 10, "nice value of the collector (low priority): its threads' and its session's autogroup's"),
+        "collector_nice": Key(int, 10, "nice value of the collector (low priority): its threads' and its session's "
+                              "autogroup's; the session's is lifted to 0 while the collector falls behind (a buffer "
+                              "past half full) and back 30 s after (collector/catchup.py)"),
         "collector_python": Key(str, "", "python that runs the collector ('' = the one running the hook)"),
         "undelivered_max_mb": Key(
             int, 4096,
