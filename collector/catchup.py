@@ -9,9 +9,9 @@ more: MEEP's halo exchange records 130k calls a second per rank, and a fast-path
 overflowed: 49k to 413k records lost per 8 s run (docs/collector.md, "Keeping up with a
 call-intensive code"). With the session at nice 0 the same runs lost none.
 
-Lifting the priority while buffers fill does not add to what the collector takes from the job:
-every record it keeps costs the same CPU whenever it is processed; the lift only makes it keep
-them. So: when a source's sample finds one of its buffers (an interposer's ring, or the
+Lifting the priority does not change what a record costs the collector, only when it is processed:
+what the job pays more is the cost of the records that were lost before, the profile's
+completeness. So: when a source's sample finds one of its buffers (an interposer's ring, or the
 collector's own ring for that source) more than BEHIND_FILL full, the session's autogroup goes to
 nice 0; once none has been for HOLD_S, back to hooks.collector_nice. The lifts and the time spent
 lifted are in status and in the node file (collector_cpu_json)."""
