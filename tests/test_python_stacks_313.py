@@ -112,10 +112,13 @@ def run_calltree_313(here: Path, inside: str, tmp_path: Path, args: list[str]) -
 _LABEL = re.compile(r"^py::(.+) \((.+):(\d+)\)$")
 
 
-def _files_and_lines(names: dict[int, list[str]], script: str) -> dict[str, set[tuple[str, int]]]:
-    """(file, line) of each function of the program in the stacks."""
+def _files_and_lines(names: dict[int, list[str]], script: str, within: str) -> dict[str, set[tuple[str, int]]]:
+    """(file, line) of each function of the program in the stacks that run through function
+    `within` (the work: a sample of main after it, at the line printing the result, is not one)."""
     out: dict[str, set[tuple[str, int]]] = {}
     for st in names.values():
+        if not any(n.startswith(f"py::{within} (") for n in st):
+            continue
         for n in st:
             m = _LABEL.match(n)
             if m and m[2] == script:
@@ -145,7 +148,7 @@ def test_313_call_tree_single_thread(tmp_path: Path) -> None:
         start = next(i for i, t in enumerate(src_lines, 1) if after in t)
         return next(i for i, t in enumerate(src_lines, 1) if i >= start and text in t)
 
-    where = _files_and_lines(names, script)
+    where = _files_and_lines(names, script, within="run_for")
     # the line being run in each caller: its call of the next function down
     assert where["forward"] >= {(script, line_of("y = layer(x)"))}, where["forward"]
     # or at its `def` line: a frame sampled at its first instruction (RESUME is on the def line)
