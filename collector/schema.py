@@ -51,7 +51,10 @@ ROOT_ATTRS: dict[str, str] = {
                           "the BPF compile, the attaches; null when a source never finished starting), "
                           "`after_startup_s` (the rest: what recording the job cost this node), `by_thread_s` (per "
                           "thread, by the names of docs/collector.md, \"Inside\"; the threads that end before the "
-                          "seal, the sources' and the native ticks, as they were when the sources were told to stop)",
+                          "seal, the sources' and the native ticks, as they were when the sources were told to stop), "
+                          "`catch_up` (the collector's lowered priority lifted while it fell behind, "
+                          "collector/catchup.py: `nice`, `active` (false where there was nothing to lift: nice 0, not "
+                          "a session leader, or the lift refused, then `problem`), `lifts`, `lifted_s`)",
     "late_sources": "(at seal) JSON list of the sources that attached after the job's first process, or "
                     "probed a library only after job processes had mapped it",
     "fastpath_json": "(at seal, mode collectives with the fast path) JSON object: ring directory, rings "
