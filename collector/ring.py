@@ -147,8 +147,9 @@ def split_capacity(memory_limit_mb: int, shares: dict[str, int]) -> dict[str, in
     A split is deliberate: a source that floods its ring loses its own oldest rows and cannot take
     memory from the others. The shares are not even: the sources of calls take a share of
     CALL_SOURCE_SHARE (Source.ring_share), since a call-intensive code (MEEP, 250k calls a second
-    modes, 7.1 MB of 64) between two drains of the writer when it is late: with the default modes a
-    call source now holds 17 MB, the others 4.3 MB each."""
+    on a node of 2 ranks: 20 MB of rows a second) filled an even share (7.1 MB of 64 with the
+    default modes) between two drains of a late writer: a call source now holds 17 MB, the others
+    4.3 MB each."""
     if memory_limit_mb <= 0:
         raise ValueError(f"collector.memory_limit_mb must be positive, got {memory_limit_mb}")
     if not shares:

@@ -542,12 +542,14 @@ class FastpathSource(Source):
                 except (OSError, ValueError) as e:
                     # Not yet initialized (magic is written last) is retried soon, for PID_GRACE_S;
                     # anything else refused.
-                    first = self.uninitialized.setdefault(name, now)
-                    if "not initialized" in str(e) and now - first < self.pid_grace_s:
-                        self.retry_s = RING_RETRY_S
-                    elif "not initialized" in str(e) and not final:
-                        self._refuse(name, f"{e} after {self.pid_grace_s:g} s")
-                    elif "not initialized" not in str(e):
+                    if "not initialized" in str(e):
+                        first = self.uninitialized.setdefault(name, now)
+                        if now - first < self.pid_grace_s:
+                            self.retry_s = RING_RETRY_S
+                        elif not final:
+                            del self.uninitialized[name]
+                            self._refuse(name, f"{e} after {self.pid_grace_s:g} s")
+                    else:
                         why = ("a symlink" if isinstance(e, OSError) and e.errno == errno.ELOOP
                                else (e.strerror if isinstance(e, OSError) else str(e)))
                         self._refuse(name, str(why))
