@@ -158,6 +158,15 @@ def _skip_reason() -> str | None:
     return None
 
 
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process that does nothing: the pid a collector or a ring is made for."""
+    p = subprocess.Popen(["sleep", "120"])
+    yield p
+    p.kill()
+    p.wait()
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     """Start (or reuse) the local 4-node cluster; it is left running for later sessions."""

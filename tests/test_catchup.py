@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -80,14 +78,6 @@ class Behind(Source):
 
     def sample(self, now_ns: int) -> list[Batch]:
         return []
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield p
-    p.kill()
-    p.wait()
 
 
 def test_the_collector_lifts_its_priority_when_a_source_falls_behind(tmp_path: Path,

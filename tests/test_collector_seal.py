@@ -13,9 +13,7 @@ import ctypes
 import json
 import os
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +53,6 @@ class CounterGoesAway(Source):
         if self.stopping:
             raise IndexError("list index out of range")  # as read_ring_drops(...)[0] on a freed map
         return 3
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield p
-    p.kill()
-    p.wait()
 
 
 def test_a_counter_that_fails_at_stop_does_not_cost_the_seal(tmp_path: Path,

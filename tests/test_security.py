@@ -126,14 +126,6 @@ def source_over(ring_dir: Path, pids: set[int], job: str = "99", uid: int | None
     return src
 
 
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    p = subprocess.Popen(["sleep", "60"])
-    yield p
-    p.kill()
-    p.wait()
-
-
 # --- rings ---------------------------------------------------------------------------------------
 @root
 def test_ring_of_another_user_is_refused_and_counted(built: dict[str, Path], ring_dir: Path,
