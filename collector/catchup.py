@@ -29,15 +29,20 @@ HOLD_S = 30.0  # lifted this long after the last buffer found more than half ful
 # falls behind once mostly does again, and each time it may lose records before a drain sees it
 
 
-def autogroup_nice(path: Path) -> int | None:
-    """The nice of the autogroup file ("/autogroup-123 nice 10"); None when unreadable or not that."""
-    try:
-        fields = path.read_text().split()
-    except OSError:
-        return None
+def parse_autogroup(text: str) -> int | None:
+    """The nice of an autogroup file's contents ("/autogroup-123 nice 10"); None when not that."""
+    fields = text.split()
     if len(fields) != 3 or fields[1] != "nice" or not fields[2].lstrip("-").isdigit():
         return None
     return int(fields[2])
+
+
+def autogroup_nice(path: Path) -> int | None:
+    """The nice of the autogroup file; None when unreadable or not one."""
+    try:
+        return parse_autogroup(path.read_text())
+    except OSError:
+        return None
 
 
 class CatchUp:

@@ -34,7 +34,7 @@ import numpy as np
 
 from gpuprof.collector import environment as env
 from gpuprof.collector import schema
-from gpuprof.collector.catchup import CatchUp, autogroup_nice
+from gpuprof.collector.catchup import CatchUp, autogroup_nice, parse_autogroup
 from gpuprof.collector.errors import CollectorError
 from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.ring import Ring, split_capacity
@@ -86,10 +86,10 @@ def lower_priority(nice: int, proc_self: Path = Path("/proc/self")) -> list[str]
         return problems  # a kernel without CONFIG_SCHED_AUTOGROUP
     except OSError as e:
         return [*problems, f"{group}: unreadable: {e}"]
-    fields = text.split()
-    if len(fields) != 3 or fields[1] != "nice" or not fields[2].lstrip("-").isdigit():
+    current = parse_autogroup(text)
+    if current is None:
         return [*problems, f"{group}: unexpected contents {text.strip()!r}"]
-    if nice > int(fields[2]):
+    if nice > current:
         try:
             group.write_text(str(nice))
         except OSError as e:
