@@ -191,6 +191,37 @@ def test_a_completion_names_the_request_of_its_array_element(built: dict[str, Pa
         assert sorted(mine["seq"].tolist()) == [0, 0, 0]  # one send on each (peer, tag) channel
 
 
+@pytest.mark.mpi
+def test_threads_completing_requests_at_once_each_get_their_own(built: dict[str, Path], tmp_path: Path) -> None:
+    """tests/progs/mpi_threads.c, under MPI_THREAD_MULTIPLE: four threads of each rank start and
+    complete small sends (one shared handle under Open MPI) and receives at the same time, each on
+    its own tag. Every completion row a thread makes names its own request: its tag, its peer, and
+    the rounds of that channel in order; none names no request, or another thread's."""
+    if shutil.which("mpicc") is None:
+        pytest.skip("no mpicc")
+    exe = tmp_path / "mpi_threads"
+    subprocess.run(["mpicc", "-O2", "-pthread", "-o", str(exe), str(PROGS / "mpi_threads.c")], check=True)
+    rounds = 3000
+    lines: list[str] = []
+    calls, _, _, errors = run_mpi(built, tmp_path, program=[str(exe), str(rounds)], output=lines,
+                                  records=1 << 18)
+    assert not errors, errors
+    ranks = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(ranks) == 4 and all("tids" in r for r in ranks), lines
+    wait = calls[calls["op"] == schema.COLLECTIVE_OPS.index("MPI_Wait")]
+    assert len(wait) == 4 * 4 * 2 * rounds
+    for rank in ranks:
+        for t, tid in enumerate(rank["tids"]):
+            mine = wait[(wait["pid"] == rank["pid"]) & (wait["tid"] == tid)]
+            mine = mine[np.argsort(mine["t_enter_ns"], kind="stable")]
+            where = f"rank {rank['rank']} thread {t}"
+            assert (mine["comm_id"] != 0).all(), f"{where}: completions naming no request"
+            assert set(mine["tag"].tolist()) == {100 + t}, where
+            assert mine["root_or_peer"].tolist() == [rank["right"], rank["left"]] * rounds, where
+            assert mine["seq"][0::2].tolist() == list(range(rounds)), where  # its sends, in order
+            assert mine["seq"][1::2].tolist() == list(range(rounds)), where  # its receives
+
+
 def test_exports_contract(built: dict[str, Path]) -> None:
     lines = fe.fastpath_exports(("metrics", "collectives"), make_ctx(lambda: frozenset(), ()).config | FASTPATH,
                                 "77", existing_ld_preload="/opt/x.so")

@@ -56,6 +56,9 @@ struct gp_req_info {
 };
 void gp_req_put(const struct gp_req_info *info);
 int gp_req_take(u64 req, u64 where, struct gp_req_info *out);
+/* Whether several threads may call MPI at once (given MPI_THREAD_MULTIPLE): the table is then
+ * written and read under a compare-and-swap per slot. */
+void gp_req_set_concurrent(int concurrent);
 /* A persistent request's definition (MPI_Send_init / MPI_Recv_init; seq holds GP_SEQ_SEND or
  * GP_SEQ_RECV): read at every MPI_Start, dropped by MPI_Request_free. */
 void gp_preq_put(const struct gp_req_info *info);

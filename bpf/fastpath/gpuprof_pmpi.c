@@ -173,7 +173,8 @@ static void coll(u16 op, u64 t0, int rc, H comm, u64 bytes, s32 root, H *req)
     u64 seq = gp_next(GP_SEQ_COLL, h, 0, 0);
     u64 aux = 0;
     if (req) {
-        struct gp_req_info ri = {hread(req), h, seq, bytes, root, -1, (u64)(uintptr_t)req};
+        struct gp_req_info ri = {.req = hread(req), .handle = h, .seq = seq, .bytes = bytes, .peer = root, .tag = -1,
+                                 .where = (u64)(uintptr_t)req};
         gp_req_put(&ri);
         aux = ri.req;
     }
@@ -187,7 +188,8 @@ static void p2p(u16 op, u32 dir, u64 t0, int rc, H comm, u64 bytes, s32 peer, s3
     u64 seq = gp_next(dir, h, peer, tag);
     u64 aux = 0;
     if (req) {
-        struct gp_req_info ri = {hread(req), h, seq, bytes, peer, tag, (u64)(uintptr_t)req};
+        struct gp_req_info ri = {.req = hread(req), .handle = h, .seq = seq, .bytes = bytes, .peer = peer, .tag = tag,
+                                 .where = (u64)(uintptr_t)req};
         gp_req_put(&ri);
         aux = ri.req;
     }
@@ -529,7 +531,7 @@ static void persistent(u32 dir, int rc, H comm, u64 bytes, s32 peer, s32 tag, H 
 {
     if (rc != 0 || !req)
         return;
-    struct gp_req_info pi = {hread(req), hv(comm), dir, bytes, peer, tag};
+    struct gp_req_info pi = {.req = hread(req), .handle = hv(comm), .seq = dir, .bytes = bytes, .peer = peer, .tag = tag};
     gp_preq_put(&pi);
 }
 
@@ -540,7 +542,8 @@ static void started(u64 t0, int rc, u64 req, u64 where)
         return;
     u32 dir = (u32)pi.seq;
     seen(pi.handle);
-    struct gp_req_info ri = {req, pi.handle, gp_next(dir, pi.handle, pi.peer, pi.tag), pi.bytes, pi.peer, pi.tag, where};
+    struct gp_req_info ri = {.req = req, .handle = pi.handle, .seq = gp_next(dir, pi.handle, pi.peer, pi.tag),
+                             .bytes = pi.bytes, .peer = pi.peer, .tag = pi.tag, .where = where};
     gp_req_put(&ri);
     emit_call(dir == GP_SEQ_SEND ? GP_OP_MPI_Isend : GP_OP_MPI_Irecv, t0, ri.handle, ri.seq, ri.bytes, ri.peer,
               ri.tag, rc, req, 0);
@@ -733,6 +736,8 @@ GP_EXPORT int MPI_Init_thread(int *argc, char ***argv, int required, int *provid
 {
     REAL(MPI_Init_thread, int (*)(int *, char ***, int, int *));
     int rc = real_PMPI_Init_thread(argc, argv, required, provided);
+    /* MPI_THREAD_MULTIPLE is 3 in both ABIs (Open MPI's enum, MPICH's define) */
+    gp_req_set_concurrent(rc == 0 && provided && *provided == 3);
     after_init(rc);
     return rc;
 }
