@@ -20,8 +20,8 @@ Three layouts, all printed by default (--layouts):
   collectors on its 2 cores, and ranks sharing cores): the layout of the other benches, an upper
   bound.
 
-    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc,meep] [--pairs 3] [--modes stacks] [--bpf-time]
-        [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200] [--displaced]
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc,meep] [--pairs 3] [--modes stacks]
+        [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200] [--no-displaced] [--no-bpf-time]
 
 hpcc runs at two sizes, one line each (--hpcc-n, HPL's N; every other part of HPCC sizes itself
 from it): N=3600, a run of about 30 s in the node layout on this VM on a slow day (10 s on a fast
@@ -53,10 +53,10 @@ about what the collector takes from the job directly; the rest of median_percent
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
 points here; this figure does not).
 
---displaced adds collector_displaced_ms_in_run: the collector threads' run time inside the timed
-line split by what each displaced when it ran (tests/bench/displaced.py: a rank running its own
-code, a rank polling in sched_yield, an idle CPU, anything else), from a BCC program on
-sched_switch attached for the whole bench (both arms alike). The first is what the collector takes
+--displaced (on by default) adds collector_displaced_ms_in_run: the collector threads' run time
+inside the timed line split by what each displaced when it ran (tests/bench/displaced.py: a rank
+running its own code, a rank polling in sched_yield, an idle CPU, anything else), from a BCC
+program on sched_switch attached for the whole bench (both arms alike). The first is what the collector takes
 from the job's compute, which the slowdown's noise hides. A rank that yielded loses only if its
 message arrived meanwhile: collector_yielded_rank_ms_by_outcome splits that time by what the rank
 did when it got its core back (went on polling, or had work: an upper bound of its loss), and
@@ -70,11 +70,11 @@ innermost frame is in the MPI interposer, which runs in the ranks. With --displa
 profiler_cost_bound_percent adds up, per run, what profiling can have taken from the ranks at most:
 the collector's time taken from them, the BPF programs' time, and the interposer's share.
 
---bpf-time adds bpf_programs_ms_in_run: the run time of the collectors' BPF programs inside the
-timed line (run_time_ns of each program the collector holds, from its fdinfo every 0.5 s, with
-kernel.bpf_stats_enabled on for the bench and restored after). The programs run in the job's own
-context (samples, switches, forks), so the collector's threads do not show them. Off by default:
-the counting costs the programs a little.
+--bpf-time (on by default) adds bpf_programs_ms_in_run: the run time of the collectors' BPF
+programs inside the timed line (run_time_ns of each program the collector holds, from its fdinfo
+every 0.5 s, with kernel.bpf_stats_enabled on for the bench and restored after). The programs run
+in the job's own context (samples, switches, forks), so the collector's threads do not show them.
+The counting costs the programs a little (--no-bpf-time leaves it off, and the bound out).
 
 Needs root, the local cluster and the applications (apt packages named in tests/realapps/apps.py).
 """
@@ -100,7 +100,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np
-from bpf_fdinfo import bpf_fdinfos  # beside this file
+from bpf_fdinfo import bpf_fdinfos, program_fdinfo  # beside this file
 from displaced import CLASSES, OUTCOMES, Displacement
 from displaced import control as displaced_control
 from realapps import apps as apps_mod
@@ -203,6 +203,13 @@ class CollectorCpu:
         for info in bpf_fdinfos(pid, "prog"):
             if "run_time_ns" in info:
                 self._last_prog[info["prog_id"]] = int(info["run_time_ns"])
+        # a program attached by a link the collector holds without the program's own descriptor
+        # (the off-CPU source's raw tracepoint on sched_switch: BCC attaches it in the compile helper)
+        for link in bpf_fdinfos(pid, "link"):
+            if "prog_id" in link:
+                info = program_fdinfo(int(link["prog_id"]))
+                if "run_time_ns" in info:
+                    self._last_prog[link["prog_id"]] = int(info["run_time_ns"])
 
     def stop(self) -> None:
         self._stop.set()
@@ -530,12 +537,15 @@ def main() -> int:
     ap.add_argument("--hpcc-n", default=",".join(map(str, HPCC_SIZES)),
                     help="HPL's N for hpcc, a comma list, one line each (default %(default)s: a run of about 30 s "
                     "and one of 3 to 6 s in the node layout): two sizes or more also print job_slowdown_split")
-    ap.add_argument("--bpf-time", action="store_true", help="also the run time of the collectors' BPF programs "
-                    "inside the timed line (turns kernel.bpf_stats_enabled on for the bench, which costs the "
-                    "programs a little)")
-    ap.add_argument("--displaced", action="store_true", help="also the collector threads' run time inside the "
-                    "timed line by what each displaced (a rank computing, a rank yielding, an idle CPU, other): a BCC "
-                    "program on every context switch, in both arms")
+    # both on by default: together with the profiled run's own samples they give
+    # profiler_cost_bound_percent, the figure that resolves 1 % where the slowdown's median cannot
+    ap.add_argument("--bpf-time", action=argparse.BooleanOptionalAction, default=True,
+                    help="the run time of the collectors' BPF programs inside the timed line (turns "
+                    "kernel.bpf_stats_enabled on for the bench, which costs the programs a little; default on)")
+    ap.add_argument("--displaced", action=argparse.BooleanOptionalAction, default=True,
+                    help="the collector threads' run time inside the timed line by what each displaced (a rank "
+                    "computing, a rank yielding, an idle CPU, other): a BCC program on every context switch, in "
+                    "both arms (default on)")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     try:
