@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,13 +29,14 @@ struct gp_counter {
     u64 value;
 };
 static struct gp_counter counters[GP_TABLE];
-/* The requests outstanding (gp_req_put): a slot a cache line, its state (REQ_FREE...) read with it. */
+/* The requests outstanding (gp_req_put) and the persistent requests' definitions (gp_preq_put): a
+ * slot a cache line, its state (REQ_FREE...) read with it. */
 struct req_slot {
     struct gp_req_info info;
     u32 state;
 } __attribute__((aligned(64)));
 static struct req_slot reqs[GP_TABLE];
-static struct gp_req_info preqs[GP_TABLE];
+static struct req_slot preqs[GP_TABLE];
 
 u64 gp_now(void)
 {
@@ -66,6 +68,7 @@ static void gp_atfork_child(void)
     my_tid = 0;
     memset(counters, 0, sizeof(counters));
     memset(reqs, 0, sizeof(reqs));
+    memset(preqs, 0, sizeof(preqs));
 }
 
 __attribute__((constructor)) static void gp_init(void)
@@ -324,55 +327,60 @@ void gp_req_set_concurrent(int concurrent)
     req_concurrent = concurrent;
 }
 
-static inline int slot_claim(u32 i, u32 from)
+static inline int slot_claim(struct req_slot *slot, u32 from)
 {
     if (!req_concurrent) {
-        if (reqs[i].state != from)
+        if (slot->state != from)
             return 0;
-        reqs[i].state = REQ_BUSY;
+        slot->state = REQ_BUSY;
         return 1;
     }
-    return __atomic_compare_exchange_n(&reqs[i].state, &from, REQ_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+    return __atomic_compare_exchange_n(&slot->state, &from, REQ_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
 }
 
-static inline void slot_release(u32 i, u32 to)
+static inline void slot_release(struct req_slot *slot, u32 to)
 {
-    __atomic_store_n(&reqs[i].state, to, __ATOMIC_RELEASE);
+    __atomic_store_n(&slot->state, to, __ATOMIC_RELEASE);
+}
+
+static inline u32 slot_state(const struct req_slot *slot)
+{
+    return __atomic_load_n(&slot->state, __ATOMIC_ACQUIRE);
 }
 
 /* A slot's field read before the slot is claimed: another thread may be writing it (checked again
  * once claimed). */
 #define PEEK(field) __atomic_load_n(&(field), __ATOMIC_RELAXED)
 
-static inline int same_request(u32 i, u64 req, u64 where)
+static inline int same_request(const struct req_slot *slot, u64 req, u64 where)
 {
-    return PEEK(reqs[i].info.req) == req && PEEK(reqs[i].info.where) == where;
+    return PEEK(slot->info.req) == req && PEEK(slot->info.where) == where;
 }
 
 void gp_req_put(const struct gp_req_info *info)
 {
     u64 home = gp_mix(9, info->req, 0, 0);
-    u32 i = home & (GP_TABLE - 1);
-    int claimed = 0;
-    for (u32 k = 0; k < GP_REQ_PROBES && !claimed; k++) {
-        i = (home + k) & (GP_TABLE - 1);
-        u32 state = __atomic_load_n(&reqs[i].state, __ATOMIC_ACQUIRE);
-        if (state == REQ_FREE)
-            claimed = slot_claim(i, REQ_FREE);
-        else if (state == REQ_FULL && same_request(i, info->req, info->where) && slot_claim(i, REQ_FULL)) {
-            claimed = same_request(i, info->req, info->where);
-            if (!claimed)
-                slot_release(i, REQ_FULL); /* taken and put again by another thread meanwhile */
+    struct req_slot *slot = NULL;
+    for (u32 k = 0; k < GP_REQ_PROBES && !slot; k++) {
+        struct req_slot *r = &reqs[(home + k) & (GP_TABLE - 1)];
+        u32 state = slot_state(r);
+        if (state == REQ_FREE && slot_claim(r, REQ_FREE))
+            slot = r;
+        else if (state == REQ_FULL && same_request(r, info->req, info->where) && slot_claim(r, REQ_FULL)) {
+            if (same_request(r, info->req, info->where))
+                slot = r;
+            else
+                slot_release(r, REQ_FULL); /* taken and put again by another thread meanwhile */
         }
     }
-    if (!claimed) {
-        i = home & (GP_TABLE - 1); /* the window is full: its first request is lost */
-        if (!slot_claim(i, REQ_FULL))
+    if (!slot) {
+        slot = &reqs[home & (GP_TABLE - 1)]; /* the window is full: its first request is lost */
+        if (!slot_claim(slot, REQ_FULL))
             return; /* ...or, being taken or written by another thread, this one: its completion names none */
     }
-    reqs[i].info = *info;
-    reqs[i].info.order = ++req_puts;
-    slot_release(i, REQ_FULL);
+    slot->info = *info;
+    slot->info.order = ++req_puts;
+    slot_release(slot, REQ_FULL);
 }
 
 /* The request of handle `req` written to `where`; else the latest of that handle in the window: a
@@ -386,58 +394,91 @@ int gp_req_take(u64 req, u64 where, struct gp_req_info *out)
     /* A slot chosen and then claimed by another thread first is looked for again: a few times, as
      * each retry follows another thread's completed put or take. */
     for (int attempt = 0; attempt < 4; attempt++) {
-        int found = -1, exact = 0;
+        struct req_slot *found = NULL;
+        int exact = 0;
         u64 latest = 0;
         for (u32 k = 0; k < GP_REQ_PROBES; k++) {
-            u32 i = (home + k) & (GP_TABLE - 1);
-            if (__atomic_load_n(&reqs[i].state, __ATOMIC_ACQUIRE) != REQ_FULL || PEEK(reqs[i].info.req) != req)
+            struct req_slot *r = &reqs[(home + k) & (GP_TABLE - 1)];
+            if (slot_state(r) != REQ_FULL || PEEK(r->info.req) != req)
                 continue;
-            if (PEEK(reqs[i].info.where) == where) {
-                found = (int)i;
+            if (PEEK(r->info.where) == where) {
+                found = r;
                 exact = 1;
                 break;
             }
-            u64 order = PEEK(reqs[i].info.order);
-            if (found < 0 || order > latest) {
-                found = (int)i;
+            u64 order = PEEK(r->info.order);
+            if (!found || order > latest) {
+                found = r;
                 latest = order;
             }
         }
-        if (found < 0)
+        if (!found)
             return 0;
-        if (!slot_claim((u32)found, REQ_FULL))
+        if (!slot_claim(found, REQ_FULL))
             continue;
-        if (reqs[found].info.req != req || (exact && reqs[found].info.where != where)) {
-            slot_release((u32)found, REQ_FULL);
+        if (found->info.req != req || (exact && found->info.where != where)) {
+            slot_release(found, REQ_FULL);
             continue;
         }
-        *out = reqs[found].info;
-        reqs[found].info.req = 0;
-        slot_release((u32)found, REQ_FREE);
+        *out = found->info;
+        found->info.req = 0;
+        slot_release(found, REQ_FREE);
         return 1;
     }
     return 0;
 }
 
+/* A persistent request's definition: one slot a request, by its handle; a later definition of
+ * another request in the same slot replaces it (its starts then record nothing). A slot another
+ * thread holds is waited for by yielding, a few times: it holds it for a copy of 56 bytes. */
+#define PREQ_ATTEMPTS 4
+
+static inline struct req_slot *preq_slot(u64 req)
+{
+    return &preqs[gp_mix(10, req, 0, 0) & (GP_TABLE - 1)];
+}
+
 void gp_preq_put(const struct gp_req_info *info)
 {
-    preqs[gp_mix(10, info->req, 0, 0) & (GP_TABLE - 1)] = *info;
+    struct req_slot *slot = preq_slot(info->req);
+    for (int attempt = 0; attempt < PREQ_ATTEMPTS; attempt++) {
+        u32 state = slot_state(slot);
+        if (state != REQ_BUSY && slot_claim(slot, state)) {
+            slot->info = *info;
+            slot_release(slot, REQ_FULL);
+            return;
+        }
+        sched_yield();
+    }
+    gp_count_drop(); /* the definition is lost: counted with the ring's drops */
 }
 
 int gp_preq_get(u64 req, struct gp_req_info *out)
 {
-    const struct gp_req_info *r = &preqs[gp_mix(10, req, 0, 0) & (GP_TABLE - 1)];
-    if (r->req != req || req == 0)
+    if (req == 0)
         return 0;
-    *out = *r;
-    return 1;
+    struct req_slot *slot = preq_slot(req);
+    for (int attempt = 0; attempt < PREQ_ATTEMPTS; attempt++) {
+        u32 state = slot_state(slot);
+        if (state == REQ_FREE || (state == REQ_FULL && PEEK(slot->info.req) != req))
+            return 0;
+        if (state == REQ_FULL && slot_claim(slot, REQ_FULL)) {
+            int mine = slot->info.req == req;
+            if (mine)
+                *out = slot->info;
+            slot_release(slot, REQ_FULL);
+            return mine;
+        }
+        sched_yield();
+    }
+    return 0;
 }
 
 void gp_preq_drop(u64 req)
 {
-    struct gp_req_info *r = &preqs[gp_mix(10, req, 0, 0) & (GP_TABLE - 1)];
-    if (r->req == req)
-        r->req = 0;
+    struct req_slot *slot = preq_slot(req);
+    if (slot_state(slot) == REQ_FULL && PEEK(slot->info.req) == req && slot_claim(slot, REQ_FULL))
+        slot_release(slot, slot->info.req == req ? REQ_FREE : REQ_FULL);
 }
 
 u64 gp_fnv1a64(const void *data, unsigned long len)
