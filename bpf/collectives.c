@@ -20,7 +20,8 @@
 #define GP_SEQ_RECV 2
 #define GP_SEQ_CREATE 3
 
-#define GP_MAX_ALL_REQUESTS 16 /* MPI_Waitall/Testall: requests reported one by one */
+#define GP_MAX_ALL_REQUESTS 16 /* MPI_Waitall/Testall/Waitany/Waitsome: the first requests of the array */
+#define GP_MPI_UNDEFINED (-32766) /* the index MPI_Waitany writes when no request was active (both ABIs) */
 #define GP_MAX_V_RANKS 64      /* v-variants: counts summed over at most this many ranks */
 #define GP_MAX_INITALL 8       /* ncclCommInitAll: communicators reported */
 
@@ -42,8 +43,10 @@ struct gp_desc {
     u8 dtype2;
     u8 peer2;
     u8 tag2;
-    u8 completion;   /* 1 wait (request), 2 test (request, flag), 3 waitall, 4 testall */
+    u8 completion;   /* 1 wait (request), 2 test (request, flag), 3 waitall, 4 testall, 5 waitany, 6 waitsome */
     u8 flag;         /* arg: int* flag of the test forms */
+    u8 index;        /* arg: int* index (waitany) or outcount (waitsome) the call writes */
+    u8 indices;      /* arg: int* array of the indices waitsome completed */
     u8 newcomm;      /* arg: pointer that receives the created handle */
     u8 color;        /* communicator events: args with color, key, rank, size */
     u8 key;
@@ -53,7 +56,7 @@ struct gp_desc {
     u8 uid;          /* 1: ncclUniqueId by value in the first stack slot */
     u8 ndev;         /* arg with the device count of ncclCommInitAll */
     u8 noseq;        /* 1: not an instance on a communicator (ncclGroupStart/End) */
-    u8 pad[4];
+    u8 pad[2];
 };
 
 struct gp_saved {
@@ -63,7 +66,7 @@ struct gp_saved {
     u64 pre;   /* read at entry: the request of a completion, the handle MPI_Comm_free frees */
     u32 probe;
     u32 narrow; /* MPI handles are 32-bit integers (MPICH ABI) */
-    u8 buf[128]; /* the ncclUniqueId, or the request array of MPI_Waitall/Testall */
+    u8 buf[128]; /* the ncclUniqueId, or the request array of MPI_Waitall/Testall/Waitany/Waitsome */
 };
 
 struct gp_frame_key {
@@ -91,6 +94,8 @@ struct gp_req {
     u64 bytes;
     s32 peer;
     s32 tag;
+    u64 where; /* the address of the caller's variable the request was written to */
+    u64 order; /* when it was put: the later of two requests of one handle has the higher */
 };
 
 struct gp_counts {
@@ -295,32 +300,114 @@ static __always_inline int gp_enter(struct pt_regs *ctx, u32 probe)
 
 /* Several requests outstanding at once can have one handle (Open MPI returns its one
  * ompi_request_empty for every MPI_Isend it completed at once, a small message; MPICH a builtin
- * request): a request is kept under (tgid, what, handle) with the first `what` of GP_REQ_SAME_HANDLE
- * not taken, and its completion takes the lowest `what` there is, the earliest still outstanding
- * when they complete in order. */
-#define GP_REQ_SAME_HANDLE 4
+ * request): a request is kept under (tgid, what, handle), `what` one of GP_REQ_SAME_HANDLE, with the
+ * address of the variable it was written to, and taken back by handle and that address, or by the
+ * handle alone when the caller waits on a copy (mpi4py copies its requests into an array for
+ * MPI_Waitall), then the latest of that handle. A request completed where no probe saw it (by
+ * MPI_Testany, which this path does not probe, or freed) stays behind: a later request written to
+ * the same variable replaces it, and when the handle's slots are all taken the oldest goes; so it
+ * never takes the place of a request still outstanding (tests/test_bpf_collectives.py runs both
+ * kinds of completion in one job). The fast path keeps them so too (bpf/fastpath/fp_common.c). */
+#define GP_REQ_SAME_HANDLE 8
 
 static __always_inline void gp_req_put(struct gp_hkey *rk, struct gp_req *r)
 {
+    u32 oldest_what = 0;
+    u64 oldest = ~0ULL;
     for (int w = 0; w < GP_REQ_SAME_HANDLE; w++) {
         rk->what = w;
-        if (gp_reqs.insert(rk, r) == 0)
+        struct gp_req *cur = gp_reqs.lookup(rk);
+        if (!cur || cur->where == r->where) {
+            gp_reqs.update(rk, r);
             return;
+        }
+        if (cur->order < oldest) {
+            oldest = cur->order;
+            oldest_what = w;
+        }
     }
-    rk->what = 0; /* all taken: the first is lost, as a request completed where no probe saw it */
+    rk->what = oldest_what;
     gp_reqs.update(rk, r);
 }
 
-/* The request of rk's handle (rk->what set to the one found, for the delete); NULL if none. */
-static __always_inline struct gp_req *gp_req_find(struct gp_hkey *rk)
+/* The request of rk's handle written to `where`, else the latest of that handle (rk->what set to
+ * the one found, for the delete); NULL if none. */
+static __always_inline struct gp_req *gp_req_find(struct gp_hkey *rk, u64 where)
 {
+    s32 found = -1;
+    u64 latest = 0;
     for (int w = 0; w < GP_REQ_SAME_HANDLE; w++) {
         rk->what = w;
-        struct gp_req *r = gp_reqs.lookup(rk);
-        if (r)
-            return r;
+        struct gp_req *cur = gp_reqs.lookup(rk);
+        if (!cur)
+            continue;
+        if (cur->where == where) {
+            found = w;
+            break;
+        }
+        if (found < 0 || cur->order > latest) {
+            found = w;
+            latest = cur->order;
+        }
     }
-    return NULL;
+    if (found < 0)
+        return NULL;
+    rk->what = (u32)found;
+    return gp_reqs.lookup(rk);
+}
+
+/* Request i of the array a completion of several saved at its entry (MPI sets the completed ones to
+ * MPI_REQUEST_NULL before it returns). */
+static __always_inline u64 gp_saved_request(struct gp_saved *s, int i)
+{
+    return s->narrow ? ((u32 *)s->buf)[i & 31] : ((u64 *)s->buf)[i & (GP_MAX_ALL_REQUESTS - 1)];
+}
+
+/* The address of element i of the request array of a completion of several. */
+static __always_inline u64 gp_request_address(struct gp_saved *s, struct gp_desc *d, int i)
+{
+    return gp_arg(s, d->request) + (u64)i * (s->narrow ? 4 : 8);
+}
+
+/* One completion row of a call that completes several requests, naming the initiation of element
+ * i of its array. */
+static __always_inline void gp_emit_completion(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now, s64 rc,
+                                               u32 nested, int i)
+{
+    u64 req = gp_saved_request(s, i);
+    struct gp_hkey rk = {};
+    rk.tgid = id >> 32;
+    rk.handle = req;
+    struct gp_req *r = gp_req_find(&rk, gp_request_address(s, d, i));
+    struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
+    if (!e) {
+        gp_drop(0);
+        return;
+    }
+    e->t_enter_ns = s->t_enter;
+    e->t_exit_ns = now;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->op = d->op;
+    e->library = d->library;
+    e->flags = nested ? GP_F_NESTED : 0;
+    e->ret = (s32)rc;
+    e->aux = req;
+    if (r) {
+        e->handle = r->handle;
+        e->seq = r->seq;
+        e->peer = r->peer;
+        e->tag = r->tag;
+        e->bytes = r->bytes;
+        gp_reqs.delete(&rk);
+    } else {
+        e->handle = 0;
+        e->seq = GP_SEQ_NONE;
+        e->peer = GP_NO_PEER;
+        e->tag = -1;
+        e->bytes = GP_BYTES_UNKNOWN;
+    }
+    gp_calls.ringbuf_submit(e, 0);
 }
 
 static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now,
@@ -347,7 +434,7 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
         struct gp_hkey rk = {};
         rk.tgid = tgid;
         rk.handle = s->pre;
-        struct gp_req *r = gp_req_find(&rk);
+        struct gp_req *r = gp_req_find(&rk, gp_arg(s, d->request));
         aux = s->pre;
         if (r) {
             handle = r->handle;
@@ -359,45 +446,36 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
         } else {
             bytes = GP_BYTES_UNKNOWN;
         }
-    } else if (d->completion >= 3) {
+    } else if (d->completion == 3 || d->completion == 4) {
         /* One row per request (at most GP_MAX_ALL_REQUESTS), each naming its initiation. */
         u32 n = (u32)gp_arg(s, d->count);
         for (int i = 0; i < GP_MAX_ALL_REQUESTS; i++) {
             if (i >= n)
                 break;
-            struct gp_hkey rk = {};
-            rk.tgid = tgid;
-            rk.handle = narrow ? ((u32 *)s->buf)[i & 31] : ((u64 *)s->buf)[i & 15];
-            struct gp_req *r = gp_req_find(&rk);
-            struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
-            if (!e) {
-                gp_drop(0);
-                continue;
-            }
-            e->t_enter_ns = s->t_enter;
-            e->t_exit_ns = now;
-            e->pid = tgid;
-            e->tid = (u32)id;
-            e->op = d->op;
-            e->library = d->library;
-            e->flags = nested ? GP_F_NESTED : 0;
-            e->ret = (s32)rc;
-            e->aux = rk.handle;
-            if (r) {
-                e->handle = r->handle;
-                e->seq = r->seq;
-                e->peer = r->peer;
-                e->tag = r->tag;
-                e->bytes = r->bytes;
-                gp_reqs.delete(&rk);
-            } else {
-                e->handle = 0;
-                e->seq = GP_SEQ_NONE;
-                e->peer = GP_NO_PEER;
-                e->tag = -1;
-                e->bytes = GP_BYTES_UNKNOWN;
-            }
-            gp_calls.ringbuf_submit(e, 0);
+            gp_emit_completion(s, d, id, now, rc, nested, i);
+        }
+        return;
+    } else if (d->completion == 5) {
+        /* MPI_Waitany: the request at the index it wrote (MPI_UNDEFINED: none was active) */
+        s32 index = GP_MPI_UNDEFINED;
+        bpf_probe_read_user(&index, sizeof(index), (void *)gp_arg(s, d->index));
+        if (index >= 0 && index < GP_MAX_ALL_REQUESTS && index < (s32)gp_arg(s, d->count))
+            gp_emit_completion(s, d, id, now, rc, nested, index);
+        return;
+    } else if (d->completion == 6) {
+        /* MPI_Waitsome: a row per index it wrote, of the requests among the array's first
+         * GP_MAX_ALL_REQUESTS (outcount MPI_UNDEFINED: none was active) */
+        s32 out = 0;
+        bpf_probe_read_user(&out, sizeof(out), (void *)gp_arg(s, d->index));
+        s32 n = (s32)gp_arg(s, d->count);
+        u64 indices = gp_arg(s, d->indices);
+        for (int i = 0; i < GP_MAX_ALL_REQUESTS; i++) {
+            if (i >= out)
+                break;
+            s32 k = -1;
+            bpf_probe_read_user(&k, sizeof(k), (void *)(indices + i * sizeof(s32)));
+            if (k >= 0 && k < GP_MAX_ALL_REQUESTS && k < n)
+                gp_emit_completion(s, d, id, now, rc, nested, k);
         }
         return;
     } else {
@@ -418,6 +496,8 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
             r.peer = peer;
             r.tag = tag;
             r.bytes = bytes;
+            r.where = gp_arg(s, d->request);
+            r.order = s->t_enter;
             gp_req_put(&rk, &r);
             aux = rk.handle;
         }

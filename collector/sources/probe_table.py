@@ -50,8 +50,10 @@ class Probe:
     dtype2: int = 0
     peer2: int = 0
     tag2: int = 0
-    completion: int = 0  # 1 wait, 2 test, 3 waitall, 4 testall
+    completion: int = 0  # 1 wait, 2 test, 3 waitall, 4 testall, 5 waitany, 6 waitsome
     flag: int = 0
+    index: int = 0  # int* the call writes: the index of MPI_Waitany, the outcount of MPI_Waitsome
+    indices: int = 0  # int* array of the indices MPI_Waitsome completed
     newcomm: int = 0
     color: int = 0
     key: int = 0
@@ -117,6 +119,12 @@ PROBES: tuple[Probe, ...] = (
     _m("MPI_Test", request=1, flag=2, completion=2),
     _m("MPI_Waitall", count=1, request=2, completion=3),
     _m("MPI_Testall", count=1, request=2, flag=3, completion=4),
+    # Waitany and Waitsome block, so a probe's trap per call costs little against the call. Their
+    # test forms are not probed: a polling loop (hpcc's RandomAccess calls MPI_Testany 700 000
+    # times a second a rank) would trap at every poll, a microsecond or more each; the fast path,
+    # the default, records them (docs/probes.md).
+    _m("MPI_Waitany", count=1, request=2, index=3, completion=5),
+    _m("MPI_Waitsome", count=1, request=2, index=3, indices=4, completion=6),
     # MPI communicators
     _m("MPI_Init", op="MPI_Init", kind="comm"),
     _m("MPI_Init_thread", op="MPI_Init", kind="comm"),

@@ -135,6 +135,33 @@ def python() -> str:
 
 
 # --- the MPI plan of tests/progs/mpi_collectives.py, checked on /collectives rows ---------------------
+def check_completions(calls: Any, nranks: int, completion_calls: list[str], tests_at_return: bool) -> None:
+    """mpi_collectives.py --completions: each Isend and Irecv of the ring exchange of each call of
+    COMPLETION_PLAN in completion_calls completed by exactly one row of that call, naming its
+    request (communicator, seq, peer and tag), so the merge can time the message. tests_at_return:
+    a test's row is timed at its return (enter = exit: the fast path reads no clock before a test)."""
+    import numpy as np
+
+    sys.path.insert(0, str(PROGS))
+    import mpi_collectives as plan
+
+    ops = schema.COLLECTIVE_OPS
+    key = ("pid", "comm_id", "seq", "root_or_peer", "tag")
+    for call, tag, _ in plan.COMPLETION_PLAN:
+        if call not in completion_calls:
+            continue
+        posted = calls[np.isin(calls["op"], [ops.index("MPI_Isend"), ops.index("MPI_Irecv")]) & (calls["tag"] == tag)]
+        done = calls[(calls["op"] == ops.index(call)) & (calls["tag"] == tag)]
+        assert len(posted) == 2 * nranks, (call, len(posted))  # one Isend and one Irecv a rank
+        want = sorted(tuple(int(r[k]) for k in key) for r in posted)
+        got = sorted(tuple(int(r[k]) for k in key) for r in done)
+        assert got == want, (call, got, want)
+        if tests_at_return and call.startswith("MPI_Test"):
+            assert (done["t_exit_ns"] == done["t_enter_ns"]).all(), call
+        else:
+            assert (done["t_exit_ns"] >= done["t_enter_ns"]).all(), call
+
+
 def check_bursts(calls: Any, nranks: int, completion_calls: list[str]) -> None:
     """mpi_collectives.py --burst: every Isend and Irecv of each burst completed by its call, each
     completion row naming its request (communicator, seq, peer and tag), none naming no request;
