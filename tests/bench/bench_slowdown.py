@@ -46,10 +46,12 @@ and, for hpcc at two sizes or more in a layout:
      "collector_cpu_ms_per_s": ..., "sizes": [{"hpl_n", "profiled_s_median", "collector_cpu_ms_in_run_median"}, ...]}
 
 collector_cpu_ms_in_run: the CPU the job's collectors on this host used inside the timed mpirun
-line (sampled from here every 0.1 s: CollectorCpu), collector_cpu_ms_in_run_by_thread_median the
-same by thread name (between the samples inside the line, so a little less), and
-collector_cpu_percent_of_run its median
-over the median profiled run, in % of one core. On a node whose every core runs a rank, that is
+line (sampled from here every 0.5 s and interpolated: CollectorCpu),
+collector_cpu_ms_in_run_by_thread_median the same by thread name (between the samples inside the
+line, so a little less), and collector_cpu_percent_of_run its median over the median profiled
+run, in % of one core. bench_self_cpu_ms_in_run: this bench's own CPU inside the line, by arm (its
+sampling reads more in a profiled run, on the ranks' cores: that much of median_percent is the
+bench's). On a node whose every core runs a rank, that is
 about what the collector takes from the job directly; the rest of median_percent is the
 interposer in the ranks and this machine's noise (the slowdown's pairs spread over several
 points here; this figure does not).
@@ -73,7 +75,7 @@ the collector's time taken from them, the BPF programs' time, and the interposer
 
 --bpf-time (on by default) adds bpf_programs_ms_in_run: the run time of the collectors' BPF
 programs inside the timed line (run_time_ns of each program the collector holds, from its fdinfo
-every 0.5 s, with kernel.bpf_stats_enabled on for the bench and restored after). The programs run
+once a second, with kernel.bpf_stats_enabled on for the bench and restored after). The programs run
 in the job's own context (samples, switches, forks), so the collector's threads do not show them.
 The counting costs the programs a little (--no-bpf-time leaves it off, and the bound out).
 
@@ -116,8 +118,12 @@ from gpuprof.collector.reader import open_node_trace
 DEFAULT_MODES = ",".join(modes_mod.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
 WINDOW = re.compile(r"^bench_app_window (\d+\.\d+) (\d+\.\d+)$", re.MULTILINE)
-SAMPLE_S = 0.1
-BPF_SAMPLE_EVERY = 5  # the programs' fdinfo every 0.5 s: about 70 files a collector
+# Every 0.5 s: the figures in a run are interpolated between samples (CollectorCpu.at), and the
+# sampling runs on the ranks' cores; at 0.1 s it cost the bench 12-14 ms of CPU a second in a
+# profiled hpcc run against 6-7 in a plain one, a bias of the profiled arm of about half a point.
+SAMPLE_S = 0.5
+FIND_EVERY = 2  # new collectors looked for once a second
+BPF_SAMPLE_EVERY = 2  # the programs' fdinfo once a second: about 70 files a collector
 BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
@@ -125,8 +131,9 @@ class CollectorCpu:
     """The CPU the collectors of one job on this host used, sampled from here every SAMPLE_S while
     the job runs (the job cannot see them: its PID namespace is the virtual node's): the run time
     of each of their threads (/proc/PID/task/TID/schedstat, ns), a thread that ends keeping its
-    last figure. Both arms sample alike (a plain job has none to find), so the sampler's own
-    small cost does not tilt the slowdown. Compile children are not counted.
+    last figure. Compile children are not counted. The profiled arm's sampling reads more than the
+    plain arm's (the collectors' threads and programs): the bench's own CPU in each run
+    (self_samples, bench_self_cpu_ms_in_run in the line) shows how much that tilts the slowdown.
 
     bpf_time: also the run time of the collectors' BPF programs (run_time_ns in the fdinfo of each
     program they hold, kernel.bpf_stats_enabled on), every BPF_SAMPLE_EVERY samples: the time the
@@ -140,6 +147,7 @@ class CollectorCpu:
         self.by_thread: list[tuple[float, dict[str, int]]] = []
         self._names: dict[tuple[int, int], str] = {}
         self.bpf_samples: list[tuple[float, int]] = []  # (time.time(), the programs' total ns so far)
+        self.self_samples: list[tuple[float, int]] = []  # (time.time(), this bench process's CPU ns so far)
         self._bpf_time = bpf_time
         self._displacement = displacement
         # (time.time(), (thread name, class) -> ns so far)
@@ -167,7 +175,7 @@ class CollectorCpu:
     def _run(self) -> None:
         k = 0
         while not self._stop.is_set():
-            if k % 10 == 0:  # new collectors are looked for once a second, their threads at every sample
+            if k % FIND_EVERY == 0:  # new collectors are looked for now and then, their threads at every sample
                 self._pids = self._find()
             k += 1
             for pid in self._pids:
@@ -198,6 +206,7 @@ class CollectorCpu:
                 for pid in self._pids:
                     self._read_programs(pid)
                 self.bpf_samples.append((time.time(), sum(self._last_prog.values())))
+            self.self_samples.append((time.time(), time.process_time_ns()))
             self._stop.wait(SAMPLE_S)
 
     def _read_programs(self, pid: int) -> None:
@@ -305,6 +314,7 @@ class Run:
     preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
     outcomes_ms: dict[str, float] | None  # and of it, on a yielded rank's core, by what the rank did on its return
     interposer: tuple[int, int] | None  # profiled: (the ranks' CPU samples in the interposer, all their samples)
+    bench_self_ms: float  # this bench process's CPU inside it (its sampling runs on the ranks' cores)
 
 
 def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = "", layout: str = "nodes",
@@ -341,6 +351,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
         raise RuntimeError(f"{out}: no bench_app_window line:\n{text[-1500:]}")
     t0, t1 = float(w.group(1)), float(w.group(2))
     ms = (cpu.at(t1) - cpu.at(t0)) / 1e6
+    bench_self_ms = (cpu.at(t1, cpu.self_samples) - cpu.at(t0, cpu.self_samples)) / 1e6
     bpf_ms = (cpu.at(t1, cpu.bpf_samples) - cpu.at(t0, cpu.bpf_samples)) / 1e6 if bpf_time and profiled else None
     threads = cpu.by_thread_ms(t0, t1)
     displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
@@ -354,7 +365,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
             raise RuntimeError(f"{work}: profiled job {job} left no node file in slurm-{job}.gpuprof.d")
         interposer = interposer_samples(nodes, app.comm)
     shutil.rmtree(work, ignore_errors=True)
-    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer)
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer, bench_self_ms)
 
 
 def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int] | None:
@@ -396,6 +407,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     preempting: list[dict[str, float]] = []
     outcomes: list[dict[str, float]] = []
     interposer: list[tuple[int, int]] = []
+    self_ms: dict[bool, list[float]] = {False: [], True: []}  # this bench's CPU in each run, by arm
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
@@ -403,6 +415,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                           modes, layout, hpcc_n, bpf_time, displacement)
             t = run.seconds
             (prof if second_arm else plain).append(t)
+            self_ms[second_arm].append(run.bench_self_ms)
             if second_arm and not control:
                 collector_ms.append(round(run.collector_ms, 1))
                 if run.interposer is not None:
@@ -428,7 +441,8 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 "median_percent_ci95": median_percent_interval(plain, prof),
                 "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                                  "max": round(max(per_pair), 2)},
-                "plain_s": plain, "second_plain_s": prof, "pairs": pairs, "interleaved": "alternating order",
+                "plain_s": plain, "second_plain_s": prof, "pairs": pairs,
+                "bench_self_cpu_ms_in_run": {"plain": spread_of(self_ms[False], 1), "second": spread_of(self_ms[True], 1)}, "interleaved": "alternating order",
                 "cores": os.cpu_count(),
                 "what": "two unprofiled arms: the bench's own spread on this machine"}
     return {"bench": "job_slowdown", "app": app.name, **size, "layout": layout, "modes": modes or DEFAULT_MODES,
@@ -437,6 +451,8 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
             "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
+            # its sampling reads more in a profiled run, on the ranks' cores: a bias against profiling
+            "bench_self_cpu_ms_in_run": {"plain": spread_of(self_ms[False], 1), "profiled": spread_of(self_ms[True], 1)},
             "collector_cpu_ms_in_run": {"median": round(statistics.median(collector_ms), 1), "min": min(collector_ms),
                                         "max": max(collector_ms)},
             "collector_cpu_ms_each_run": collector_ms,  # in profiled_s's order: a slow run beside its collector's
