@@ -65,7 +65,11 @@ def test_hot_function_dominates(tmp_path: Path) -> None:
         by_leaf[tuple(names.get(int(r["user_stack"]), [])[:2])] += int(r["count"])
     top, n = by_leaf.most_common(1)[0]
     assert top == ("hot_function", "hot_thread") and n >= 0.9 * total, by_leaf
-    assert int((workers["user_stack"] == STACK_LOST).sum()) == 0
+    # A sample whose stack the kernel could not store (two stacks in one bucket of the stack map)
+    # or that was gone by the drain is recorded as lost (STACK_LOST), by design: rare with a few
+    # dozen stacks in 8192 buckets, not impossible (CI, 2026-12-06: one row of about 600 samples).
+    lost = int(workers["count"][workers["user_stack"] == STACK_LOST].sum())
+    assert lost <= 0.02 * total, (lost, total)
     folded = folded_stacks(f)
     assert any(k.endswith("hot_thread;hot_function") for k in folded), list(folded)[:5]
     sym = f["stacks/symbols"][()]
