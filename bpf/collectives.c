@@ -369,6 +369,32 @@ static __always_inline u64 gp_request_address(struct gp_saved *s, struct gp_desc
     return gp_arg(s, d->request) + (u64)i * (s->narrow ? 4 : 8);
 }
 
+/* One call record into the calls ring (counted as dropped when the ring is full). */
+static __always_inline void gp_submit_call(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now, s64 rc, u8 flags,
+                                           u64 handle, u64 seq, u64 bytes, u64 aux, s32 peer, s32 tag)
+{
+    struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
+    if (!e) {
+        gp_drop(0);
+        return;
+    }
+    e->t_enter_ns = s->t_enter;
+    e->t_exit_ns = now;
+    e->handle = handle;
+    e->seq = seq;
+    e->bytes = bytes;
+    e->aux = aux;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->peer = peer;
+    e->tag = tag;
+    e->ret = (s32)rc;
+    e->op = d->op;
+    e->library = d->library;
+    e->flags = flags;
+    gp_calls.ringbuf_submit(e, 0);
+}
+
 /* One completion row of a call that completes several requests, naming the initiation of element
  * i of its array. */
 static __always_inline void gp_emit_completion(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now, s64 rc,
@@ -379,35 +405,14 @@ static __always_inline void gp_emit_completion(struct gp_saved *s, struct gp_des
     rk.tgid = id >> 32;
     rk.handle = req;
     struct gp_req *r = gp_req_find(&rk, gp_request_address(s, d, i));
-    struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
-    if (!e) {
-        gp_drop(0);
+    u8 flags = nested ? GP_F_NESTED : 0;
+    if (!r) {
+        gp_submit_call(s, d, id, now, rc, flags, 0, GP_SEQ_NONE, GP_BYTES_UNKNOWN, req, GP_NO_PEER, -1);
         return;
     }
-    e->t_enter_ns = s->t_enter;
-    e->t_exit_ns = now;
-    e->pid = id >> 32;
-    e->tid = (u32)id;
-    e->op = d->op;
-    e->library = d->library;
-    e->flags = nested ? GP_F_NESTED : 0;
-    e->ret = (s32)rc;
-    e->aux = req;
-    if (r) {
-        e->handle = r->handle;
-        e->seq = r->seq;
-        e->peer = r->peer;
-        e->tag = r->tag;
-        e->bytes = r->bytes;
-        gp_reqs.delete(&rk);
-    } else {
-        e->handle = 0;
-        e->seq = GP_SEQ_NONE;
-        e->peer = GP_NO_PEER;
-        e->tag = -1;
-        e->bytes = GP_BYTES_UNKNOWN;
-    }
-    gp_calls.ringbuf_submit(e, 0);
+    struct gp_req found = *r;
+    gp_reqs.delete(&rk);
+    gp_submit_call(s, d, id, now, rc, flags, found.handle, found.seq, found.bytes, req, found.peer, found.tag);
 }
 
 static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, u64 id, u64 now,
@@ -503,51 +508,14 @@ static __always_inline void gp_emit_call(struct gp_saved *s, struct gp_desc *d, 
         }
     }
 
-    struct gp_call *e = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
-    if (!e) {
-        gp_drop(0);
-        return;
-    }
-    e->t_enter_ns = s->t_enter;
-    e->t_exit_ns = now;
-    e->handle = handle;
-    e->seq = seq;
-    e->bytes = bytes;
-    e->aux = aux;
-    e->pid = tgid;
-    e->tid = (u32)id;
-    e->peer = peer;
-    e->tag = tag;
-    e->ret = (s32)rc;
-    e->op = d->op;
-    e->library = d->library;
-    e->flags = nested ? GP_F_NESTED : 0;
-    gp_calls.ringbuf_submit(e, 0);
-
+    gp_submit_call(s, d, id, now, rc, nested ? GP_F_NESTED : 0, handle, seq, bytes, aux, peer, tag);
     if (d->p2p == 3) {
         /* The receive half of MPI_Sendrecv: its own source, tag, size and receive sequence. */
         s32 peer2 = (s32)gp_arg(s, d->peer2);
         s32 tag2 = (s32)gp_arg(s, d->tag2);
-        struct gp_call *r = gp_calls.ringbuf_reserve(sizeof(struct gp_call));
-        if (!r) {
-            gp_drop(0);
-            return;
-        }
-        r->t_enter_ns = s->t_enter;
-        r->t_exit_ns = now;
-        r->handle = handle;
-        r->seq = gp_next(tgid, GP_SEQ_RECV, handle, peer2, tag2);
-        r->bytes = gp_bytes(s, d, tgid, handle, d->count2, d->dtype2, narrow);
-        r->aux = 0;
-        r->pid = tgid;
-        r->tid = (u32)id;
-        r->peer = peer2;
-        r->tag = tag2;
-        r->ret = (s32)rc;
-        r->op = d->op;
-        r->library = d->library;
-        r->flags = GP_F_SENDRECV_RECV | (nested ? GP_F_NESTED : 0);
-        gp_calls.ringbuf_submit(r, 0);
+        gp_submit_call(s, d, id, now, rc, GP_F_SENDRECV_RECV | (nested ? GP_F_NESTED : 0), handle,
+                       gp_next(tgid, GP_SEQ_RECV, handle, peer2, tag2),
+                       gp_bytes(s, d, tgid, handle, d->count2, d->dtype2, narrow), 0, peer2, tag2);
     }
 }
 
