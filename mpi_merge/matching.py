@@ -134,6 +134,9 @@ class P2PPairs:
     # the receiver began to wait for the message: Recv entry, or its request's Wait entry
     recv_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))
     send_blocking: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # Send/Sendrecv, not Isend
+    # the send half of a Sendrecv: the pair of the same call's receive half (-1: none paired, or not
+    # a Sendrecv). The call waits once, for whichever came last (waitstates.compute_p2p_waits).
+    same_call_recv: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # calls with no partner recorded at all (data lost, or a partner without a file), by reason
     unmatched_reasons: dict[str, int] = field(default_factory=dict)
     # calls that have a partner but cannot be paired or timed from what the probes record, by reason
@@ -662,8 +665,37 @@ def match_p2p(calls_by_node: list[np.ndarray], epoch_rt: int) -> P2PPairs:
         recv_node=R_m["node"], send_enter=S["enter"][si], send_exit=S["done"][si], recv_enter=R_m["enter"],
         recv_exit=R_m["done"], unmatched=unmatched, recv_wait=R_m["wait_enter"],
         send_blocking=np.isin(S["op"][si], list(BLOCKING_SEND_OPS)), unmatched_reasons=reasons,
-        unpaired_reasons=unpaired,
+        unpaired_reasons=unpaired, same_call_recv=_same_call_recv(S[si], R_m),
     )
+
+
+_CALL_KEY_DT = np.dtype([("node", "<i8"), ("pid", "<u8"), ("comm", "<u8"), ("enter", "<f8")])
+
+
+def _same_call_recv(sends: np.ndarray, recvs: np.ndarray) -> np.ndarray:
+    """For each matched send that is the send half of a Sendrecv, the index of the matched pair whose
+    receive is that call's receive half, else -1. The probes write the two halves as two rows with
+    the same process, communicator and times (docs/probes.md); no other receive of that process
+    enters at the same nanosecond."""
+    out = np.full(len(sends), -1, np.int64)
+    halves = np.flatnonzero(sends["op"] == _I["MPI_Sendrecv"])
+    recv_rows = np.flatnonzero(recvs["op"] == _I["MPI_Recv"])
+    if not len(halves) or not len(recv_rows):
+        return out
+
+    def keys(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        k = np.zeros(len(rows), _CALL_KEY_DT)
+        for f in _CALL_KEY_DT.names or ():
+            k[f] = a[f][rows]
+        return k
+
+    rk = keys(recvs, recv_rows)
+    order = np.argsort(rk, order=list(_CALL_KEY_DT.names or ()), kind="stable")
+    sk = keys(sends, halves)
+    pos = np.clip(np.searchsorted(rk[order], sk), 0, len(order) - 1)
+    hit = rk[order][pos] == sk
+    out[halves[hit]] = recv_rows[order[pos[hit]]]
+    return out
 
 
 @dataclass

@@ -49,6 +49,28 @@ def test_sendrecv_halo_both_halves_matched_and_late_sender_found() -> None:
     into0 = p.dst == 0
     assert np.allclose(w.late_sender_ns[into0], 5 * MS, atol=1e3)
     assert np.all(w.late_sender_ns[~into0] == 0)
+    # rank 0's call waited once, 5 ms, for rank 1 (which posted its receive as it sent): not also a
+    # Late Receiver of its send half (GROMACS's halo exchange reported each wait twice)
+    assert np.all(w.late_receiver_ns == 0)
+    assert abs((w.late_sender_ns.sum() + w.late_receiver_ns.sum()) - 10 * 5 * MS) < 1e4
+
+
+def test_sendrecv_shift_counts_the_send_halfs_wait_beyond_its_receive() -> None:
+    """A shift: rank 0 Sendrecv's to rank 1 and from rank 2. Rank 2 sends 1 ms after rank 0 entered,
+    rank 1 posts its receive (its own Sendrecv from rank 0) 4 ms after: rank 0's call waited 4 ms,
+    1 ms of it for rank 2's data (Late Sender) and the other 3 for rank 1's receive (Late Receiver
+    of its send half, as with a message too large to go out before it is received)."""
+    n = node(row("MPI_Sendrecv", 0, 1, 0.0, 4.1, 0), row("MPI_Recv", 0, 2, 0.0, 4.1, 0),
+             row("MPI_Sendrecv", 1, 2, 4.0, 4.2, 0), row("MPI_Recv", 1, 0, 4.0, 4.2, 0),
+             row("MPI_Sendrecv", 2, 0, 1.0, 1.1, 0), row("MPI_Recv", 2, 1, 1.0, 4.3, 0))
+    p, w = waits([n])
+    assert len(p.src) == 3 and p.unmatched == 0
+    pair = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(p.src, p.dst, strict=True))}
+    assert abs(w.late_sender_ns[pair[2, 0]] - 1 * MS) < 1e3
+    assert abs(w.late_receiver_ns[pair[0, 1]] - 3 * MS) < 1e3
+    # rank 2's call: its receive from rank 1 waited 3 ms (Late Sender); its send to rank 0 was
+    # received at once (rank 0's receive was posted before)
+    assert abs(w.late_sender_ns[pair[1, 2]] - 3 * MS) < 1e3 and w.late_receiver_ns[pair[2, 0]] == 0
 
 
 @pytest.mark.parametrize("completion", ["MPI_Wait", "MPI_Waitall", "MPI_Waitany", "MPI_Waitsome", "MPI_Testsome"])
