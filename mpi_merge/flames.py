@@ -15,6 +15,7 @@ child holds at least half of the whole excess: the path it stops at is where the
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -245,7 +246,69 @@ def evidence_line(name: str, s: dict[str, Any]) -> str:
         return head + (f": no stack where it has more than the peers by {EXTRA_MIN_SHARE:.0%} of its own "
                        f"({s['extra_per_s'] * scale:.1f} {unit} more in all)")
     return (head + f"; of what it has more than the peers ({s['extra_per_s'] * scale:.1f} {unit}), "
-            f"{s['share_of_extra']:.0%} in " + " → ".join(s["path"]))
+            f"{s['share_of_extra']:.0%} in " + path_text(s["path"]))
+
+
+# C++'s operator names, whose symbols would read as brackets: "operator()", "operator<<", "operator->"
+_OPERATOR = re.compile(r"operator(?:\(\)|\[\]|<=>|<<=?|>>=?|->\*?|&&|\|\||\+\+|--|[-+*/%^&|~!=<>,]=?"
+                       r"| new(?:\[\])?| delete(?:\[\])?)")
+
+
+def short_frame(name: str) -> str:
+    """A frame's name as the one-line path of a report shows it: a demangled C++ name without its
+    parameter list and what follows it ("gmx_pme_do(gmx_pme_t*, gmx::ArrayRef<gmx::BasicVector<float>
+    const>, ...)" is "gmx_pme_do", "Foo::operator()(int) const" is "Foo::operator()"); template
+    arguments, lambdas ("{lambda(int)#1}") and "(anonymous namespace)" are kept. Other names (C,
+    Fortran, Python) are returned as they are. The job file keeps the full names."""
+    angle = brace = 0
+    i = 0
+    while i < len(name):
+        op = _OPERATOR.match(name, i) if name.startswith("operator", i) else None
+        if op is not None:
+            if angle == brace == 0 and name.startswith("(", op.end()):
+                return name[:op.end()]
+            i = op.end()
+            continue
+        c = name[i]
+        if c == "<":
+            angle += 1
+        elif c == ">":
+            angle = max(0, angle - 1)
+        elif c == "{":
+            brace += 1
+        elif c == "}":
+            brace = max(0, brace - 1)
+        elif c == "(" and angle == brace == 0:
+            close = _closing(name, i)
+            if close < 0:  # cut short by the symbol table: the list is all that is missing
+                return name[:i] if i > 0 and (name[i - 1].isalnum() or name[i - 1] in "_>") else name
+            if name.startswith("::", close + 1):  # a function's local scope: "foo()::{lambda(int)#1}"
+                i = close + 1
+                continue
+            if i > 0 and (name[i - 1].isalnum() or name[i - 1] in "_>"):
+                return name[:i]  # the parameter list
+            i = close + 1  # a part of the name: "(anonymous namespace)"
+            continue
+        i += 1
+    return name
+
+
+def _closing(name: str, i: int) -> int:
+    """The index of the parenthesis closing the one at i, or -1."""
+    depth = 0
+    for j in range(i, len(name)):
+        if name[j] == "(":
+            depth += 1
+        elif name[j] == ")":
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def path_text(frames: Sequence[str], sep: str = " → ") -> str:
+    """Frames (outermost first) as the evidence and the text report write them."""
+    return sep.join(short_frame(f) for f in frames)
 
 
 def peer_nodes(nodes: Sequence[int], own: set[int]) -> list[int]:
@@ -323,5 +386,5 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
             f.stacks["kernel_launch"] = {"kernel": f.kernel, "path": frames[-PATH_SHOWN:], "depth": len(frames),
                                          "share_of_launches": round(n / total, 4), "launches": total}
             f.evidence.append(f"its {f.kernel!r} kernels in the flagged windows were launched from "
-                              f"{' → '.join(frames[-PATH_SHOWN:])} ({n / total:.0%} of {total} launches)")
+                              f"{path_text(frames[-PATH_SHOWN:])} ({n / total:.0%} of {total} launches)")
     return out

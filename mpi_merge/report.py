@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuprof.mpi_merge.analysis import JobAnalysis
+from gpuprof.mpi_merge.flames import path_text
 from gpuprof.mpi_merge.html_report import SYNTHETIC_BANNER
 from gpuprof.mpi_merge.jobfile import _json_default
 
@@ -101,10 +102,10 @@ def render_text(r: dict[str, Any]) -> str:
             for table, label in (("cpu", "on CPU"), ("offcpu", "off CPU")):
                 st = (s.get("stacks") or {}).get(table) or {}
                 if st.get("path"):
-                    where.append(f"{label} {st['share_of_extra']:.0%} of the extra in {' -> '.join(st['path'])}")
+                    where.append(f"{label} {st['share_of_extra']:.0%} of the extra in {path_text(st['path'], ' -> ')}")
             kl = (s.get("stacks") or {}).get("kernel_launch") or {}
             if kl.get("path"):
-                where.append(f"its kernels launched from {' -> '.join(kl['path'])}")
+                where.append(f"its kernels launched from {path_text(kl['path'], ' -> ')}")
             if where:
                 out.append("      where the time went: " + "; ".join(where))
             for p in s.get("propagated", []):

@@ -94,3 +94,28 @@ def test_an_extra_too_small_to_matter_names_no_stack() -> None:
     line = flames.evidence_line("offcpu", {k: v * 1e6 if k.endswith("per_s") else v
                                            for k, v in flames.summarize(late, peers, 1, 3, 1.0).items()})
     assert "100% in main → MPI_Allreduce → __futex_wait" in line, line
+
+
+def test_cpp_frames_are_named_without_their_parameter_lists() -> None:
+    """GROMACS's report named where a stopped rank's time went as "gmx::LegacySimulator::do_md() ->
+    do_force(_IO_FILE*, t_commrec const*, gmx_multisim_t const*, t_inputrec const&, ... -> gmx_pme_do(
+    gmx_pme_t*, gmx::ArrayRef<gmx::BasicVector<float> const>, ...": the path a reader wants is the
+    functions'. Scopes, templates, operators and lambdas stay; C, Fortran and Python names are as
+    they were."""
+    cases = {
+        "gmx::LegacySimulator::do_md()": "gmx::LegacySimulator::do_md",
+        "do_force(_IO_FILE*, t_commrec const*, gmx::ArrayRef<float cons...": "do_force",  # cut by the table
+        "Foo::operator()(int) const": "Foo::operator()",
+        "bool operator<<(std::ostream&, X const&)": "bool operator<<",
+        "std::vector<int, std::allocator<int> >::push_back(int const&)":
+            "std::vector<int, std::allocator<int> >::push_back",
+        "(anonymous namespace)::worker(void*)": "(anonymous namespace)::worker",
+        "foo()::{lambda(int)#1}::operator()(int) const": "foo()::{lambda(int)#1}::operator()",
+        "f(int (*)(int))": "f",
+        "MPI_Allreduce": "MPI_Allreduce", "matmul_": "matmul_", "train_step": "train_step",
+    }
+    assert {name: flames.short_frame(name) for name in cases} == cases
+    late = Counter({"main;gmx::LegacySimulator::do_md();gmx_pme_do(gmx_pme_t*, float const*)": 900.0})
+    peers = Counter({"main;poll": 900.0})
+    line = flames.evidence_line("cpu", flames.summarize(late, peers, 1, 3, 1.0))
+    assert line.endswith("100% in main → gmx::LegacySimulator::do_md → gmx_pme_do"), line
