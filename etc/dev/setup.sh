@@ -50,9 +50,12 @@ REQUIRED_PKGS=(
 )
 # Real MPI applications for demos and the fault-injection suite (tests/realapps), only when cheap:
 # hpcc is ~1.3 MB installed, netpipe-openmpi 0.2 MB, meep-openmpi ~74 MB with its dependencies
-# (guile-3.0-libs alone is 53 MB; no smaller Debian halo-exchange code runs offline). Left out:
-# lammps (~270 MB with data), quantum-espresso (~280 MB, and needs pseudopotentials), cp2k (~1 GB).
-OPTIONAL_PKGS=(hpcc netpipe-openmpi meep-openmpi
+# (guile-3.0-libs alone is 53 MB; no smaller Debian halo-exchange code runs offline), and gromacs
+# (66 MB to download, ~320 MB installed, most of it gromacs-data's documentation): molecular dynamics,
+# the commonest HPC job, and the suite's one code that exchanges halos with MPI_Sendrecv and PME
+# grids with MPI_Alltoall. Left out: lammps (~270 MB with data), quantum-espresso (~280 MB, and needs
+# pseudopotentials), cp2k (~1 GB).
+OPTIONAL_PKGS=(hpcc netpipe-openmpi meep-openmpi gromacs
     # MPICH (~30 MB) beside Open MPI, whose alternatives stay the default (priority 50 against 40):
     # the merge job run with MPICH's mpiexec and an mpi4py built for it (.venv-mpich, step 6b)
     mpich libmpich-dev)

@@ -8,8 +8,9 @@ and the epilog are not in it (the bench of the hooks measures those), and the au
 of a profiled run is waited for before the next run starts.
 
 The applications by default: the training program, hpcc (13 000 MPI calls a second on 2 ranks,
-and a million polls) and meep (a halo exchange: 84 000 calls a second on 2 ranks, the most
-call-intensive of the realapps).
+and a million polls), meep (a halo exchange: 84 000 calls a second on 2 ranks, the most
+call-intensive of the realapps) and gromacs (molecular dynamics, the commonest HPC job: 12 000
+calls a second on 2 ranks, Sendrecv halos and PME's Alltoall, and compute between them).
 
 Three layouts, all printed by default (--layouts):
 - "node": one Slurm node, one rank per core (2 here): one collector for the machine, no core
@@ -20,7 +21,7 @@ Three layouts, all printed by default (--layouts):
   collectors on its 2 cores, and ranks sharing cores): the layout of the other benches, an upper
   bound.
 
-    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc,meep] [--pairs 3] [--modes stacks]
+    .venv/bin/python tests/bench/bench_slowdown.py [--quick] [--apps train,hpcc,meep,gromacs] [--pairs 3] [--modes stacks]
         [--layouts node,shared,nodes] [--control] [--hpcc-n 3600,1200] [--no-displaced] [--no-bpf-time]
 
 hpcc runs at two sizes, one line each (--hpcc-n, HPL's N; every other part of HPCC sizes itself
@@ -286,6 +287,8 @@ def timed_script(app: apps_mod.App, layout: str) -> str:
 
 
 LAYOUTS = ("node", "shared", "nodes")
+# GROMACS's steps here: a run of about 30 s in the node layout, as hpcc's first size
+GROMACS_STEPS = 12000
 # hpcc's sizes by default (HPL's N): a job of about 30 s in the node layout here on a slow day,
 # and a job of 3 to 6 s (module docstring)
 HPCC_SIZES = (3600, apps_mod.HPCC_N)
@@ -559,7 +562,7 @@ def split_line(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one pair of one application")
-    ap.add_argument("--apps", default=None, help="comma list (default train,hpcc,meep; quick: train)")
+    ap.add_argument("--apps", default=None, help="comma list (default train,hpcc,meep,gromacs; quick: train)")
     ap.add_argument("--pairs", type=int, default=None, help="pairs of runs per application (default 3, quick 1)")
     ap.add_argument("--modes", default="", help="--profile-gpu=MODES for the profiled runs (default: the default "
                     "modes, plain --profile-gpu): what one mode costs")
@@ -588,7 +591,7 @@ def main() -> int:
     for layout in layouts:
         if layout not in LAYOUTS:
             ap.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")
-    names = (a.apps or ("train" if a.quick else "train,hpcc,meep")).split(",")
+    names = (a.apps or ("train" if a.quick else "train,hpcc,meep,gromacs")).split(",")
     pairs = a.pairs or (1 if a.quick else 3)
     if os.geteuid() != 0:
         print(json.dumps({"bench": "job_slowdown", "app": None, "median_percent": None, "missing": "needs root"}))
@@ -604,6 +607,8 @@ def main() -> int:
             print(json.dumps(displaced_control()), flush=True)
         for name in names:
             app = apps_mod.get(name)
+            if app.name == "gromacs":
+                app = apps_mod.gromacs_steps(app, GROMACS_STEPS)
             if a.displaced:
                 if displacement is not None:
                     displacement.close()
