@@ -152,3 +152,37 @@ def test_wall_clock_stepped_on_one_node_mid_job(tmp_path: Path) -> None:
     assert not any(c["inconsistent"] for c in clocks.values())
     assert report["clock"]["causality_violations"] == 0
     assert [(f["node"], f["cause"]) for f in report["stragglers"]] == [("node4", "host")]
+
+
+def test_gromacs_sendrecv_waits_are_counted_once_and_the_stopped_rank_found(tmp_path: Path) -> None:
+    """A real GROMACS recording (4 ranks exchanging domain halos with MPI_Sendrecv, PME grids with
+    MPI_Alltoall) with node3's rank stopped 30 % of every 200 ms from outside. A Sendrecv blocks
+    once: what its two halves count as Late Sender and Late Receiver together never exceeds how
+    long the call lasted (each wait was counted twice before, 6497 ms as both on 2 ranks). And the
+    one root cause is node3, its host: its messages came late."""
+    from gpuprof.mpi_merge.loading import discover, summarize_node
+    from gpuprof.mpi_merge.matching import match_p2p
+    from gpuprof.mpi_merge.waitstates import compute_p2p_waits
+
+    calls = [summarize_node(p).calls for p in discover(RECORDINGS / "gromacs-sigstop-4nodes")]
+    epoch = min(int(c["enter_rt"].min()) for c in calls if c is not None and len(c))
+    p = match_p2p([c for c in calls if c is not None], epoch)  # one host: one clock, no alignment
+    w = compute_p2p_waits(p, p.send_enter, p.send_exit, p.recv_enter, p.recv_wait, p.recv_exit)
+    half = np.flatnonzero(p.same_call_recv >= 0)
+    assert len(half) > 0.9 * len(p.src)  # GROMACS's messages are Sendrecv's
+    counted = w.late_receiver_ns[half] + w.late_sender_ns[p.same_call_recv[half]]
+    lasted = p.send_exit[half] - p.send_enter[half]
+    assert np.all(counted <= lasted + 1.0)
+    assert w.late_sender_ns.sum() > 0 and w.late_receiver_ns.sum() > 0  # the ring shift still has both
+
+    d = tmp_path / "gromacs.gpuprof.d"
+    shutil.copytree(RECORDINGS / "gromacs-sigstop-4nodes", d)
+    res = merge(str(d), output_stem=str(tmp_path / "gromacs"))
+    assert res is not None and res.exit_code == EXIT_COMPLETE, res and res.partial_reasons
+    report = json.loads(res.reports["json"].read_text())
+    # its sends held the other ranks' receives back (Late Sender), while it was stopped
+    assert [(f["node"], f["cause"], f["kind"]) for f in report["stragglers"]] == [("node3", "host", "late sender")]
+    assert any("not runnable" in e for e in report["stragglers"][0]["evidence"])
+    # the report names its cost as its receivers' waits, not as "0% of the job's waits" at collectives
+    line = next(x for x in res.reports["txt"].read_text().splitlines() if x.startswith("  node3 ("))
+    assert line.startswith("  node3 (point to point): cause HOST (late sender)") and "of its receivers' waits" in line
