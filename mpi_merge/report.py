@@ -14,6 +14,7 @@ from gpuprof.mpi_merge.analysis import JobAnalysis
 from gpuprof.mpi_merge.flames import path_text
 from gpuprof.mpi_merge.html_report import SYNTHETIC_BANNER
 from gpuprof.mpi_merge.jobfile import _json_default
+from gpuprof.mpi_merge.stragglers import P2P_COMM
 
 
 def _fmt(x: Any, spec: str = ".1f", none: str = "n/a") -> str:
@@ -91,9 +92,14 @@ def render_text(r: dict[str, Any]) -> str:
     if r["stragglers"]:
         out.append("STRAGGLERS (root causes, with the waiting time of others each caused):")
         for s in r["stragglers"]:
-            out.append(f"  {s['node']} (ranks {','.join(map(str, s['ranks']))} of communicator {s['comm_id']}): "
-                       f"cause {s['cause'].upper()} ({s.get('kind', '')}), cost {s.get('cost_ns', 0) / 1e6:.1f} ms "
-                       f"({s.get('cost_share', 0):.0%} of the job's waits), last in {s['share_last']:.0%} of "
+            p2p = s["comm_id"] == P2P_COMM
+            # a point-to-point finding is a node's sends: its cost is its receivers' Late Sender waits,
+            # not a share of the waits at collectives (which its cost_share is, 0 here)
+            out.append(f"  {s['node']} ("
+                       + (P2P_COMM if p2p else f"ranks {','.join(map(str, s['ranks']))} of communicator {s['comm_id']}")
+                       + f"): cause {s['cause'].upper()} ({s.get('kind', '')}), cost {s.get('cost_ns', 0) / 1e6:.1f} ms "
+                       + ("of its receivers' waits" if p2p else f"({s.get('cost_share', 0):.0%} of the job's waits)")
+                       + f", last in {s['share_last']:.0%} of "
                        f"instances (expected {s['expected_share']:.0%}), {s['lateness_when_last_ns'] / 1e6:.3f} ms "
                        f"late, score {_fmt(s['score_min'], '.2f')}, q={_fmt(s.get('q_value'), '.2g') if s.get('q_value') else '<1e-300'}, "
                        f"t={s['first_s']:.0f}-{s['last_s']:.0f} s")

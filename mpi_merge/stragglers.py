@@ -85,6 +85,9 @@ MAX_DRIFT = 500e-6  # the kernel's slew limit: a clock's error over one compute 
 PROPAGATED_MIN_COST = 0.01  # a communicator is listed under "propagated" with >= this share of the cost
 PROPAGATED_MIN_WAIT = 0.2  # ... and >= this share of that communicator's own waits
 
+# the "communicator" of a point-to-point finding (a node's sends) in the report and the job file
+P2P_COMM = "point to point"
+
 
 @dataclass(frozen=True)
 class StragglerParams:
@@ -162,7 +165,7 @@ class Finding:
         d.pop("explained_by_peer")
         d.pop("evidence_gids")
         d.pop("evidence_spans")
-        d["comm_id"] = "point to point" if self.kind == "late sender" else f"{self.comm_id:#x}"
+        d["comm_id"] = P2P_COMM if self.kind == "late sender" else f"{self.comm_id:#x}"
         d["propagated"] = [dict(p) for p in self.propagated]
         return d
 
@@ -704,7 +707,7 @@ def _p2p_tests(p: P2PLateness, ci: int, n_nodes: int, err: np.ndarray, t0: float
     unit = np.arange(n_nodes)
     culprit = np.where(ok & (ls > 0), sn, -1)
     st = _CommStats(ci, window_s, win, n_w, judged, np.full((nw, n_nodes), np.nan), np.full(nw, np.nan),
-                    err.copy(), unit, ls, event, active, lo, hi, culprit, culprit, "point to point")
+                    err.copy(), unit, ls, event, active, lo, hi, culprit, culprit, P2P_COMM)
     # the chance that a message with a long wait came from a node: its share of the messages sent
     sm = p.send_node[m_ok].astype(np.int64)
     sent = np.bincount(m_win[m_ok] * n_nodes + sm, minlength=nw * n_nodes).reshape(nw, n_nodes)
