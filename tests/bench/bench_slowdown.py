@@ -126,6 +126,9 @@ SAMPLE_S = 0.5
 FIND_EVERY = 2  # new collectors looked for once a second
 BPF_SAMPLE_EVERY = 2  # the programs' fdinfo once a second: about 70 files a collector
 BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+# a run whose job failed or whose figures could not be read is run again (in its place in the
+# alternation) rather than losing the pairs before it: at most this many tries each
+RUN_ATTEMPTS = 2
 
 
 class CollectorCpu:
@@ -176,39 +179,43 @@ class CollectorCpu:
     def _run(self) -> None:
         k = 0
         while not self._stop.is_set():
-            if k % FIND_EVERY == 0:  # new collectors are looked for now and then, their threads at every sample
-                self._pids = self._find()
+            # new collectors are looked for now and then, their threads at every sample
+            self._sample(find=k % FIND_EVERY == 0, programs=self._bpf_time and k % BPF_SAMPLE_EVERY == 0)
             k += 1
-            for pid in self._pids:
-                try:
-                    tids = os.listdir(f"/proc/{pid}/task")
-                except OSError:
-                    continue
-                for tid in tids:
-                    try:
-                        if (pid, int(tid)) not in self._names:
-                            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                                self._names[(pid, int(tid))] = f.read().strip()
-                        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                            self._last[(pid, int(tid))] = int(f.read().split()[0])
-                    except (OSError, ValueError, IndexError):
-                        continue
-            now = time.time()
-            self.samples.append((now, sum(self._last.values())))
-            named: dict[str, int] = {}
-            for key, ns in self._last.items():
-                name = self._names.get(key, "?")
-                named[name] = named.get(name, 0) + ns
-            self.by_thread.append((now, named))
-            if self._displacement is not None:
-                self.displaced_samples.append((now, self._displacement.by_thread()))
-                self.outcome_samples.append((now, self._displacement.yield_outcomes()))
-            if self._bpf_time and k % BPF_SAMPLE_EVERY == 1:
-                for pid in self._pids:
-                    self._read_programs(pid)
-                self.bpf_samples.append((time.time(), sum(self._last_prog.values())))
-            self.self_samples.append((time.time(), time.process_time_ns()))
             self._stop.wait(SAMPLE_S)
+
+    def _sample(self, find: bool, programs: bool) -> None:
+        if find:
+            self._pids = self._find()
+        for pid in self._pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    if (pid, int(tid)) not in self._names:
+                        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                            self._names[(pid, int(tid))] = f.read().strip()
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        self._last[(pid, int(tid))] = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    continue
+        now = time.time()
+        self.samples.append((now, sum(self._last.values())))
+        named: dict[str, int] = {}
+        for key, ns in self._last.items():
+            name = self._names.get(key, "?")
+            named[name] = named.get(name, 0) + ns
+        self.by_thread.append((now, named))
+        if self._displacement is not None:
+            self.displaced_samples.append((now, self._displacement.by_thread()))
+            self.outcome_samples.append((now, self._displacement.yield_outcomes()))
+        if programs:
+            for pid in self._pids:
+                self._read_programs(pid)
+            self.bpf_samples.append((time.time(), sum(self._last_prog.values())))
+        self.self_samples.append((time.time(), time.process_time_ns()))
 
     def _read_programs(self, pid: int) -> None:
         for info in bpf_fdinfos(pid, "prog"):
@@ -223,8 +230,12 @@ class CollectorCpu:
                     self._last_prog[link["prog_id"]] = int(info["run_time_ns"])
 
     def stop(self) -> None:
+        """Stops sampling after one last sample, now: the job has ended, so every figure of its
+        timed line lies between two samples even when the sampling thread fell behind on a busy
+        machine (a 9-pair bench once lost every run to a line that ended after the last sample)."""
         self._stop.set()
         self._thread.join()
+        self._sample(find=False, programs=self._bpf_time)
 
     def by_thread_ms(self, t0: float, t1: float) -> dict[str, float]:
         """CPU ms of each collector thread name between t0 and t1 (the samples nearest inside)."""
@@ -411,11 +422,22 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     outcomes: list[dict[str, float]] = []
     interposer: list[tuple[int, int]] = []
     self_ms: dict[bool, list[float]] = {False: [], True: []}  # this bench's CPU in each run, by arm
+    retried = 0
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            run = one_run(app, second_arm and not control, base, k if not (control and second_arm) else pairs + k,
-                          modes, layout, hpcc_n, bpf_time, displacement)
+            for attempt in range(RUN_ATTEMPTS):
+                index = (k if not (control and second_arm) else pairs + k) + 2 * pairs * attempt
+                try:
+                    run = one_run(app, second_arm and not control, base, index, modes, layout, hpcc_n, bpf_time,
+                                  displacement)
+                    break
+                except RuntimeError as e:  # one run lost (its job failed, or was not measured): run it again
+                    if attempt + 1 == RUN_ATTEMPTS:
+                        raise
+                    retried += 1
+                    print(json.dumps({"progress": "job_slowdown run failed, run again", "app": app.name,
+                                      "layout": layout, "error": str(e)[:500]}), file=sys.stderr, flush=True)
             t = run.seconds
             (prof if second_arm else plain).append(t)
             self_ms[second_arm].append(run.bench_self_ms)
@@ -444,7 +466,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 "median_percent_ci95": median_percent_interval(plain, prof),
                 "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                                  "max": round(max(per_pair), 2)},
-                "plain_s": plain, "second_plain_s": prof, "pairs": pairs,
+                "plain_s": plain, "second_plain_s": prof, "pairs": pairs, "runs_retried": retried,
                 "bench_self_cpu_ms_in_run": {"plain": spread_of(self_ms[False], 1), "second": spread_of(self_ms[True], 1)}, "interleaved": "alternating order",
                 "cores": os.cpu_count(),
                 "what": "two unprofiled arms: the bench's own spread on this machine"}
@@ -453,7 +475,8 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
             "median_percent_ci95": median_percent_interval(plain, prof),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
                              "max": round(max(per_pair), 2)},
-            "plain_s": plain, "profiled_s": prof, "pairs": pairs, "interleaved": "alternating order",
+            "plain_s": plain, "profiled_s": prof, "pairs": pairs, "runs_retried": retried,
+            "interleaved": "alternating order",
             # its sampling reads more in a profiled run, on the ranks' cores: a bias against profiling
             "bench_self_cpu_ms_in_run": {"plain": spread_of(self_ms[False], 1), "profiled": spread_of(self_ms[True], 1)},
             "collector_cpu_ms_in_run": {"median": round(statistics.median(collector_ms), 1), "min": min(collector_ms),
