@@ -408,6 +408,22 @@ def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int
     return mine, total
 
 
+def run_retried(app: apps_mod.App, profiled: bool, base: Path, index: int, stride: int, modes: str, layout: str,
+                hpcc_n: int | None, bpf_time: bool, displacement: Displacement | None) -> tuple[Run, int]:
+    """one_run, run again when it is lost (its job failed, or its figures could not be read), up to
+    RUN_ATTEMPTS tries; each try's work directory is index + stride * try. (the run, the failed tries)"""
+    for attempt in range(RUN_ATTEMPTS):
+        try:
+            return one_run(app, profiled, base, index + stride * attempt, modes, layout, hpcc_n, bpf_time,
+                           displacement), attempt
+        except RuntimeError as e:
+            if attempt + 1 == RUN_ATTEMPTS:
+                raise
+            print(json.dumps({"progress": "job_slowdown run failed, run again", "app": app.name, "layout": layout,
+                              "error": str(e)[:500]}), file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout: str = "nodes",
               control: bool = False, hpcc_n: int | None = None, bpf_time: bool = False,
               displacement: Displacement | None = None) -> dict[str, Any]:
@@ -426,18 +442,10 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     for k in range(pairs):
         order = (False, True) if k % 2 == 0 else (True, False)
         for second_arm in order:
-            for attempt in range(RUN_ATTEMPTS):
-                index = (k if not (control and second_arm) else pairs + k) + 2 * pairs * attempt
-                try:
-                    run = one_run(app, second_arm and not control, base, index, modes, layout, hpcc_n, bpf_time,
-                                  displacement)
-                    break
-                except RuntimeError as e:  # one run lost (its job failed, or was not measured): run it again
-                    if attempt + 1 == RUN_ATTEMPTS:
-                        raise
-                    retried += 1
-                    print(json.dumps({"progress": "job_slowdown run failed, run again", "app": app.name,
-                                      "layout": layout, "error": str(e)[:500]}), file=sys.stderr, flush=True)
+            index = k if not (control and second_arm) else pairs + k
+            run, failed = run_retried(app, second_arm and not control, base, index, 2 * pairs, modes, layout, hpcc_n,
+                                      bpf_time, displacement)
+            retried += failed
             t = run.seconds
             (prof if second_arm else plain).append(t)
             self_ms[second_arm].append(run.bench_self_ms)
