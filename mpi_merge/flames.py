@@ -220,8 +220,12 @@ def excess_path(late: Counter[str], peers: Counter[str]) -> tuple[list[str], flo
 
 
 def summarize(late: Counter[str], peers: Counter[str], n_late: int, n_peers: int, seconds: float) -> dict[str, Any]:
-    """The walk's result and the per-process rates (per second of the flagged windows)."""
+    """The walk's result and the per-process rates (per second of the flagged windows). An extra
+    under EXTRA_MIN_SHARE of the late processes' own rate names no path (and no share): the JSON,
+    the report's "where the time went" and the evidence line all read this one decision."""
     path, share, total = excess_path(late, peers)
+    if total < EXTRA_MIN_SHARE * float(sum(late.values())):
+        path, share = [], 0.0
     per_s = 1.0 / seconds if seconds > 0 else float("nan")
     return {"path": path[-PATH_SHOWN:], "depth": len(path), "share_of_extra": round(share, 4),
             "extra_per_s": round(total * per_s, 3), "late_per_s": round(float(sum(late.values())) * per_s, 3),
@@ -241,8 +245,8 @@ def evidence_line(name: str, s: dict[str, Any]) -> str:
     head = (f"{what} in the flagged windows ({s['seconds']:.1f} s): {s['late_per_s'] * scale:.1f} {unit} per late "
             f"process vs {s['peers_per_s'] * scale:.1f} per peer process ({s['peer_processes']} processes)")
     if not s["path"]:
-        return head + ": no stack where it has more than the peers"
-    if s["extra_per_s"] < EXTRA_MIN_SHARE * s["late_per_s"]:
+        if s["extra_per_s"] <= 0:
+            return head + ": no stack where it has more than the peers"
         return head + (f": no stack where it has more than the peers by {EXTRA_MIN_SHARE:.0%} of its own "
                        f"({s['extra_per_s'] * scale:.1f} {unit} more in all)")
     return (head + f"; of what it has more than the peers ({s['extra_per_s'] * scale:.1f} {unit}), "

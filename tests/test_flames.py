@@ -87,8 +87,10 @@ def test_an_extra_too_small_to_matter_names_no_stack() -> None:
     said so); an extra of weight is still named with its path."""
     late = Counter({"main;MPI_Allreduce;__futex_wait": 0.05, "main;compute": 3.75})
     peers = Counter({"main;MPI_Allreduce;__futex_wait": 0.01, "main;compute": 2000.0})
-    line = flames.evidence_line("offcpu", {k: v * 1e6 if k.endswith("per_s") else v
-                                           for k, v in flames.summarize(late, peers, 1, 3, 1.0).items()})
+    small = flames.summarize(late, peers, 1, 3, 1.0)
+    # the JSON (and so the report's "where the time went") names no path either, not only the line
+    assert small["path"] == [] and small["share_of_extra"] == 0 and small["extra_per_s"] > 0, small
+    line = flames.evidence_line("offcpu", {k: v * 1e6 if k.endswith("per_s") else v for k, v in small.items()})
     assert "no stack where it has more than the peers by 5% of its own" in line and "__futex_wait" not in line, line
     late["main;compute"] = 0.0
     line = flames.evidence_line("offcpu", {k: v * 1e6 if k.endswith("per_s") else v
