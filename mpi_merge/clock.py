@@ -1294,11 +1294,13 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
     for _ in range(REPAIR_ROUNDS):
         bad = _violation_rows(rows, models, p.violation_tol_ns, spread)
         T = models[0].seg_start
-        if not len(bad) or len(T) < 2:
+        steep = _steep_intervals(models, ref)
+        if (not len(bad) and not steep.any()) or len(T) < 2:
             break
         K = len(T) - 1
         iv = np.clip(np.searchsorted(T, t[bad], side="right") - 1, 0, K - 1)
-        marked = np.unique(np.clip(np.concatenate([iv - 1, iv, iv + 1]), 0, K - 1))
+        steep_iv = np.flatnonzero(steep.any(axis=1))
+        marked = np.unique(np.clip(np.concatenate([iv - 1, iv, iv + 1, steep_iv - 1, steep_iv, steep_iv + 1]), 0, K - 1))
         long_ = marked[T[marked + 1] - T[marked] > REPAIR_MIN_GAP_NS * REPAIR_SUBKNOTS]
         frac = np.arange(1, REPAIR_SUBKNOTS) / REPAIR_SUBKNOTS
         T_new = np.union1d(T, (T[long_][:, None] + (T[long_ + 1] - T[long_])[:, None] * frac[None, :]).ravel())
@@ -1316,8 +1318,13 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
         # the nodes that move in a run: those of its instances out of order that entered last or left
         # first on the current model (the others keep their values and bound them)
         culprits = _culprits(rows, bad, models)
-        movable = [sorted({int(c) for c in culprits[(t[bad] >= T_new[a]) & (t[bad] <= T_new[b])].ravel()})
-                   for a, b in runs]
+        movable = []
+        for a, b in runs:
+            # and the nodes whose model drifts beyond the bound there (the rounds' greedy path can, where
+            # the data do not ask for it: the program bounds every movable node's drift)
+            over = steep[(T[:-1] >= T_new[a]) & (T[:-1] < T_new[b])].any(axis=0)
+            movable.append(sorted({int(c) for c in culprits[(t[bad] >= T_new[a]) & (t[bad] <= T_new[b])].ravel()}
+                                  | {int(c) for c in np.flatnonzero(over)}))
         solve = functools.partial(_solve_region, rows, t, T_new, ref=ref, s=s)
         first = functools.partial(_solve_run, solve, P, runs, movable)
         failed = []
@@ -1328,18 +1335,80 @@ def _repair_exact(rows: InstanceRows, t: np.ndarray, models: list[NodeClockModel
                 P[runs[i][0]:runs[i][1] + 1] = got
         for i in failed:  # rare: grown one after the other, each on what the others left
             (a, b), last = runs[i], len(T_new) - 1
+            moving = movable[i]
             while True:
                 width = b - a
                 a, b = max(0, a - width), min(last, b + width)
-                got = solve(P, k0=a, k1=b, movable=movable[i])
+                got, moving = _solve_widening(solve, rows, t, T_new, P, a, b, moving, ref)
                 if got is not None:
                     P[a:b + 1] = got
                     break
                 if a == 0 and b == last:
-                    unrepaired[[c for c in movable[i] if c != ref]] = True
+                    unrepaired[[c for c in moving if c != ref]] = True
                     break
         models = _on_knots(models, T_new, P, p.max_drift_ppm)
     return models, unrepaired
+
+
+def _steep_intervals(models: list[NodeClockModel], ref: int) -> np.ndarray:
+    """[intervals, nodes]: where a node's model drifts beyond its slew limit between two knots (all
+    models on the same knots, as the minimal fit's are); the reference never does."""
+    T = models[0].seg_start
+    out = np.zeros((max(len(T) - 1, 0), len(models)), bool)
+    for a, m in enumerate(models):
+        if a != ref and len(m.seg_drift_ppm) == len(T):
+            out[:, a] = np.abs(m.seg_drift_ppm[:-1]) > m.max_drift_ppm * (1 + 1e-9)
+    return out
+
+
+def _solve_widening(solve: Callable[..., np.ndarray | None], rows: InstanceRows, t: np.ndarray, T: np.ndarray,
+                    P: np.ndarray, k0: int, k1: int, movable: list[int], ref: int,
+                    ) -> tuple[np.ndarray | None, list[int]]:
+    """The region's solve with the movable nodes, and where it has none, with the nodes that bound
+    them added (_binding_stayers) until one is found or no node is left to add; returns the
+    solution (None) and the nodes that moved. The culprits of the rows out of order are not always
+    the nodes whose clock is off: a node held at its current values (in order against each culprit
+    alone) can leave them no room, and growing the region in time never frees it (a GROMACS run
+    re-timed with NTP-like slews was called inconsistent on two nodes so, while its true clocks kept
+    every instance in order with 6 us to spare)."""
+    moving = sorted(movable)
+    while True:
+        got = solve(P, k0=k0, k1=k1, movable=moving)
+        if got is not None:
+            return got, moving
+        wider = sorted(set(moving) | _binding_stayers(rows, t, T, P, k0, k1, moving, ref))
+        if wider == moving:
+            return None, moving
+        moving = wider
+
+
+def _binding_stayers(rows: InstanceRows, t: np.ndarray, T: np.ndarray, P: np.ndarray, k0: int, k1: int,
+                     movable: list[int], ref: int) -> set[int]:
+    """The nodes that stay in _solve_region's program of knots k0 .. k1 and bound its movable nodes:
+    per instance near the region, the staying node that entered last and the one that left first
+    on the model P (the only stayers its constraints name), the reference excepted."""
+    r0, r1 = (int(x) for x in np.searchsorted(t, [T[k0] - REPAIR_PAD_NS, T[k1] + REPAIR_PAD_NS]))
+    n = P.shape[1]
+    stay = np.ones(n, bool)
+    stay[movable] = False
+    stay[ref] = False
+    if not stay.any():
+        return set()
+    cols = np.arange(n)[None, :]
+    found: set[int] = set()
+    step = block_rows(rows.n_cols)
+    for q0 in range(r0, r1, step):
+        E, X, _ = rows.take(np.arange(q0, min(q0 + step, r1)))
+        aligned = []
+        for V in (E, X):
+            i, w0, w1 = _knot_weights(T, np.where(np.isfinite(V), V, T[0]))
+            aligned.append(np.where(stay[None, :], V - (w0 * P[i, cols] + w1 * P[i + 1, cols]), np.nan))
+        Ea, Xa = aligned
+        has_e = np.isfinite(Ea).any(axis=1)
+        has_x = np.isfinite(Xa).any(axis=1)
+        found.update(np.argmax(np.where(np.isfinite(Ea), Ea, -np.inf), axis=1)[has_e].tolist())
+        found.update(np.argmin(np.where(np.isfinite(Xa), Xa, np.inf), axis=1)[has_x].tolist())
+    return found
 
 
 def _solve_run(solve: Callable[..., np.ndarray | None], P: np.ndarray, runs: list[tuple[int, int]],

@@ -70,29 +70,38 @@ def test_where_each_mpi_process_was_on_cpu() -> None:
             assert all(" (" in name or name in ("[no frame]", "(other)") for name, _ in top)  # "function (module)"
 
 
-def test_retimed_hpcc_recording_is_aligned_without_violations(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [1, 2, 4, 6, 7])
+def test_retimed_hpcc_recording_is_aligned_without_violations(tmp_path: Path, seed: int) -> None:
     """A real HPCC recording (one host) re-timed with known offsets, drifts and NTP-like slews per node
     (distinct hostnames and boot ids): its matched messages pin the clocks to microseconds, so the
     pieces' constants joined linearly leave messages out of order (106 of them before the exact last
-    step). After alignment: none out of order, no node called inconsistent (the injected errors are
-    physical), never worse than the wall clock, and the truth inside the reported interval."""
+    step). After alignment: none out of order, no node called inconsistent and no model drifting
+    beyond the slew limit (the injected errors are physical: the true clocks keep every instance in
+    order), never worse than the wall clock, and the truth inside the reported interval. Seeds 2, 4,
+    6 and 7 failed before the exact step freed the nodes that bound the culprits and bounded the
+    rounds' steep drifts: two nodes called inconsistent, 4 and 10 instances left out of order, a
+    model drifting beyond 500 ppm."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from realapps import retime
 
     rt = tmp_path / "retimed.gpuprof.d"
-    retime.retime_recording(RECORDINGS / "hpcc-4nodes", rt, seed=1)
+    retime.retime_recording(RECORDINGS / "hpcc-4nodes", rt, seed=seed)
     res = merge(str(rt), output_stem=str(tmp_path / "hpcc"))
     assert res is not None and res.exit_code == EXIT_COMPLETE, res and res.partial_reasons
     report = json.loads(res.reports["json"].read_text())
     assert report["clock"]["causality_violations"] == 0
     for n in report["nodes"]:
         assert not n["clock"]["inconsistent"], (n["node"], n["clock"]["inconsistent"])
+        assert not n["clock"]["drift_note"], (n["node"], n["clock"]["drift_note"])
         assert abs(n["clock"]["drift_ppm"]) <= 500.0
     s = retime.clock_errors(RECORDINGS / "hpcc-4nodes", rt, res.reports["json"].with_suffix(".h5"), report)
     assert s.rms_error_us is not None and s.raw_wall_clock_us is not None
-    assert s.rms_error_us < s.raw_wall_clock_us / 10  # ms injected, ~0.1-0.2 ms left (intervals of tens of us)
+    # ms injected (2-6 ms RMS over these seeds), ~0.2 ms left where the collectives pin little (1 ms
+    # intervals), a few us where they pin the clock to 20 us or less
+    assert s.rms_error_us < s.raw_wall_clock_us / 5
+    assert s.pinned["calls"] and s.pinned["rms_error_us"] <= 10.0
     assert s.interval_coverage is not None and s.interval_coverage >= 0.95
 
 
