@@ -219,11 +219,23 @@ def in_every_stack(path: str, exe: str) -> bool:
     return path == exe or os.path.basename(path).startswith("libc.so.")
 
 
+def _native_take() -> Any:
+    """collector/native's gp_cfi_stacks_take, or None when the library is not built."""
+    from gpuprof.collector import native
+
+    try:
+        return native.sampler().gp_cfi_stacks_take
+    except native.NativeUnavailable:
+        return None
+
+
 class CfiUnwinder:
     def __init__(self, bpf: Any, compiler: Compiler, report: Any = None) -> None:
         """compiler: the table compiler (its cache bounds the rows: cache.max_rows), started before the
         BPF object by start_compiler, so that the prewarm runs while the object compiles."""
         self.lib = libbpf()
+        self._take = _native_take()  # None: take() reads id by id through ctypes
+        self._take_refused = ""  # why the native take fell back (status)
         self.bpf = bpf
         self.report = report  # report(message): an error row (None: kept in self.errors only)
         self.errors: list[str] = []
@@ -665,6 +677,10 @@ class CfiUnwinder:
         are 64-bit hashes, never below 2^13 but with a chance of 2^-51: they go into the same
         frames dict as the kernel stack map's ids. The CPU sampler's and off-CPU's drains call this
         from their own threads: the buffers are this call's."""
+        if self._take is not None and ids:
+            native = self._take_native(ids, keep)
+            if native is not None:
+                return native
         out: dict[int, tuple[int, ...] | None] = {}
         fd = self.stacks_map.map_fd
         key = ctypes.c_uint64()
@@ -681,6 +697,26 @@ class CfiUnwinder:
             if sid not in keep:
                 self.lib.bpf_map_delete_elem(fd, ctypes.byref(key))
         return out
+
+    def _take_native(self, ids: set[int], keep: set[int]) -> dict[int, tuple[int, ...] | None] | None:
+        """take() in C (collector/native/stacktake.c gp_cfi_stacks_take): the map read whole and the
+        ids freed in a few system calls, not two per id. None when the kernel refuses the batch
+        calls (nothing is freed then: the caller reads id by id)."""
+        ids64 = np.unique(np.fromiter(ids, np.uint64, len(ids)))
+        keep64 = np.unique(np.fromiter(keep, np.uint64, len(keep)))
+        leaf_size = ctypes.sizeof(self.stacks_map.Leaf)
+        stride = leaf_size // 8 - 1
+        words = np.empty((max(len(ids64), 1), stride), np.uint64)
+        lens = np.empty(len(ids64), np.int64)
+        status = np.empty(len(ids64), np.int32)
+        err = int(self._take(self.stacks_map.map_fd, leaf_size, ids64.ctypes.data, len(ids64), keep64.ctypes.data,
+                             len(keep64), words.ctypes.data, lens.ctypes.data, status.ctypes.data))
+        if err:
+            if not self._take_refused:
+                self._take_refused = f"gp_cfi_stacks_take: {os.strerror(-err)}: CFI stacks read id by id"
+            return None
+        return {sid: (tuple(words[i, :n].tolist()) if st == 0 else None)
+                for i, (sid, n, st) in enumerate(zip(ids64.tolist(), lens.tolist(), status.tolist()))}
 
     def counts(self) -> dict[str, int]:
         """Counters of the BPF side (all CPUs), by name."""
@@ -715,6 +751,8 @@ class CfiUnwinder:
 
     def status(self) -> dict[str, Any]:
         return {"processes": len(self.procs), "waiting": len(self.waiting), "tables_loaded": len(self.loaded),
+                "stack_reads": ("python (the native library is not built)" if self._take is None
+                                else self._take_refused or "native batch"),
                 "tables_preloaded": self.preloaded,
                 "tables_deferred": len(self.deferred), "tables_loaded_on_demand": self.loaded_on_demand,
                 "tables_not_loaded_yet": len(self.lazy_by_key),

@@ -98,6 +98,13 @@ class Table:
         return np.zeros(n, dtype=self.dtype)
 
 
+def sort_rows(rows: np.ndarray, *fields: str) -> np.ndarray:
+    """rows sorted by fields (the first the major key), stably: np.sort(rows, order=fields)
+    compares whole structured rows, about ten times a lexsort of the fields' columns (a drain of
+    the stacks source, 155 rows: 136 us against 14)."""
+    return rows[np.lexsort(tuple(rows[f] for f in reversed(fields)))]
+
+
 def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
     """np.concatenate of table rows, as bytes when every part has the same structured dtype: numpy
     concatenates structured arrays field by field, about 20 times a byte copy (two halves of a 4 s

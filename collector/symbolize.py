@@ -130,6 +130,13 @@ class _ProcMaps:
     # outside these mappings): the same addresses under the same mappings give the same frames, as
     # long as none of those outside has come into an executable mapping since (ProcmapQuery)
     cache: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # frame address (a return address already stepped back into its call) -> its frame, for the
+    # addresses inside these mappings whose module _hold_used has seen: a deep C++ stack nearly
+    # always differs from the last as a whole (the cache above misses), rarely frame by frame
+    frames: dict[int, Frame] = field(default_factory=dict)
+
+
+_STEP_BACK = (-1).__add__  # a return address points past its call: a - 1 lies in it
 
 
 class StackStore:
@@ -328,21 +335,32 @@ class StackStore:
             pm = self._maps.get(pid)
             if pm is not None:
                 hit = pm.cache.get(key)
-                if hit is not None and not any(self._may_have_moved(pid, a) for a in hit[1]):
+                if hit is not None and (not hit[1] or not any(self._may_have_moved(pid, a) for a in hit[1])):
                     return hit[0]
             # return addresses point past the call: step back into it (the leaf is exact)
+            at = [key[0], *map(_STEP_BACK, key[1:])] if key else []
+            if pm is not None:
+                try:  # the usual case: every frame seen before (looked up in C, no loop here)
+                    return self._intern(tuple(map(pm.frames.__getitem__, at)))
+                except KeyError:
+                    pass
             frames: list[Frame] = []
             outside: set[int] = set()
+            new: list[tuple[int, Frame]] = []
             cur = pm
             bisect_right = bisect.bisect_right
-            for d, a in enumerate(key):
-                if d:
-                    a -= 1
-                if cur is not None:  # _user_frame_hit's first lookup, inline (the hot loop)
-                    i = bisect_right(cur.starts, a) - 1
+            for a in at:
+                if cur is not None:
+                    fr = cur.frames.get(a)
+                    if fr is not None:
+                        frames.append(fr)
+                        continue
+                    i = bisect_right(cur.starts, a) - 1  # _user_frame_hit's first lookup, inline
                     if i >= 0 and a < cur.ends[i]:
                         delta = cur.deltas[i]
-                        frames.append((cur.modules[i], a if delta is None else a + delta))
+                        fr = (cur.modules[i], a if delta is None else a + delta)
+                        frames.append(fr)
+                        new.append((a, fr))
                         continue
                 fr, inside = self._user_frame_hit(pid, a)  # outside: the maps may be read again
                 cur = self._maps.get(pid)
@@ -351,6 +369,9 @@ class StackStore:
                     outside.add(a)
             sid = self._intern(tuple(frames))
             self._hold_used(pid, frames)
+            if new and pm is not None and self._maps.get(pid) is pm:  # held above: cached from now on
+                self._cache_room(len(new))
+                pm.frames.update(new)
             if pm is not None and self._maps.get(pid) is pm:  # all frames from the same mappings
                 self._cache_room(len(key))
                 pm.cache[key] = (sid, tuple(outside))
@@ -361,6 +382,7 @@ class StackStore:
         if self._cache_addrs > STACK_CACHE_MAX_ADDRS:
             for pm in self._maps.values():
                 pm.cache.clear()
+                pm.frames.clear()
             self._kernel_cache.clear()
             self._cache_addrs = n
 

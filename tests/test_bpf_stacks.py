@@ -270,3 +270,72 @@ def test_native_stack_reads_are_those_of_single_lookups(take_ids: int, tmp_path:
         b.cleanup()
         prog.stdin.close()
         prog.wait(timeout=10)
+
+
+CFI_STACKS_PROG = r"""
+struct gp_cfi_stack {
+    u32 depth;
+    u32 end;
+    u64 pc[MAX_FRAMES];
+};
+BPF_HASH(gp_cfi_stacks, u64, struct gp_cfi_stack, 1024);
+int nothing(void *ctx) { return 0; }
+"""
+
+
+def test_native_cfi_stack_reads_are_those_of_single_lookups() -> None:
+    """CfiUnwinder.take in C (collector/native/stacktake.c gp_cfi_stacks_take: the map read by
+    BPF_MAP_LOOKUP_BATCH, the ids freed by one BPF_MAP_DELETE_BATCH) gives what the ctypes lookups
+    give: each id's first `depth` pcs (a depth beyond the array is cut to it), None for an id not in
+    the map; frees exactly the ids not kept, and leaves the entries not asked for (the other
+    source's). When the kernel refuses the batch calls, nothing is freed and the ids are read one by
+    one."""
+    import re
+
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpuprof.collector import cfiunwind
+    from gpuprof.collector.bpf_object import BpfObject, libbpf
+
+    found = re.search(r"#define GP_CFI_MAX_FRAMES (\d+)",
+                      (Path(__file__).resolve().parents[1] / "bpf" / "cfiunwind.h").read_text())
+    assert found, "bpf/cfiunwind.h defines GP_CFI_MAX_FRAMES"
+    frames = int(found[1])
+    b = BpfObject.compile(CFI_STACKS_PROG.replace("MAX_FRAMES", str(frames)), [])
+    try:
+        table = b[b"gp_cfi_stacks"]
+        stacks = {(1 << 40) + 7 * i: [0x400000 + 16 * i + k for k in range(i % 9)] for i in range(400)}  # two batches
+        stacks[(1 << 63) + 5] = [0x7F0000000000 + k for k in range(frames)]  # a full walk; an id above 2^63
+        deep = (1 << 50) + 3  # a depth beyond the array (never written so; read as the array)
+        stacks[deep] = [0x500000 + k for k in range(frames)]
+        others = {(1 << 41) + i for i in range(5)}  # the other source's: never asked for, never freed
+
+        def fill() -> None:
+            table.clear()
+            for sid, pcs in [*stacks.items(), *((o, [1, 2]) for o in others)]:
+                leaf = table.Leaf()
+                leaf.depth = frames + 40 if sid == deep else len(pcs)
+                for k, pc in enumerate(pcs):
+                    leaf.pc[k] = pc
+                table[table.Key(sid)] = leaf
+
+        want = {sid: tuple(pcs) for sid, pcs in stacks.items()}
+        ids = set(stacks) | {12345}  # one id not in the map
+        keep = set(list(stacks)[::4])
+        unwinder = cfiunwind.CfiUnwinder.__new__(cfiunwind.CfiUnwinder)
+        unwinder.stacks_map, unwinder.lib, unwinder._take_refused = table, libbpf(), ""
+        native = cfiunwind._native_take()
+        assert native is not None, "the native library is built by make setup"
+
+        def refused(*_args: Any) -> int:
+            return -errno.EINVAL
+
+        for take in (native, None, refused):
+            unwinder._take = take
+            fill()
+            assert unwinder.take(ids, keep) == {**want, 12345: None}, take
+            assert {int(k.value) for k, _ in table.items()} == keep | others, take
+        assert unwinder._take_refused.startswith("gp_cfi_stacks_take: Invalid argument")
+    finally:
+        b.cleanup()

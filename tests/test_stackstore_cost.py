@@ -134,3 +134,41 @@ def test_ids_in_order_of_first_use_as_before() -> None:
            store.intern_user(PID, (CODE, GARBAGE)), store.intern_user(PID, (CODE,)),
            store.intern_kernel((0xFFFFFFFF81000010,))]
     assert seq == [1, 2, 3, 1, 2]
+
+
+def test_a_new_stack_of_frames_seen_before_looks_no_address_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep stack nearly always differs from the last as a whole, rarely frame by frame: a stack
+    whose addresses all came in earlier stacks is interned from the frames cached by address,
+    without a search of the mappings; its frames (return addresses stepped back into their call,
+    the leaf exact) and id are those a fresh store gives, and a cache emptied for room is refilled."""
+    from gpuprof.collector import symbolize
+
+    searches = []
+    real = symbolize.bisect.bisect_right
+
+    class CountingBisect:
+        @staticmethod
+        def bisect_right(a: list[int], x: int) -> int:
+            searches.append(x)
+            return real(a, x)
+
+    monkeypatch.setattr(symbolize, "bisect", CountingBisect)
+    store = StackStore()
+    store.watch([PID])
+    a, b, c = CODE, CODE + 64, CODE + 128
+    # return addresses step back into their call: (a, b + 1, c + 1) is at a, b and c
+    stacks = [(a, b + 1, c + 1), (c, a + 1), (b, c + 1, a + 1, b + 1)]
+    ids = [store.intern_user(PID, stacks[0])]
+    assert len(searches) == 3  # each address once
+    searches.clear()
+    ids += [store.intern_user(PID, s) for s in stacks[1:]]
+    assert not searches and len(set(ids)) == 3
+    fresh = StackStore()
+    fresh.watch([PID])
+    for sid, stack in zip(ids, stacks):
+        assert _frames(store, sid) == _frames(fresh, fresh.intern_user(PID, stack))
+    monkeypatch.setattr(symbolize, "STACK_CACHE_MAX_ADDRS", 0)  # the next miss empties every cache
+    store.intern_user(PID, (CODE + 256,))
+    searches.clear()
+    assert store.intern_user(PID, stacks[2]) == ids[2]  # looked up again, same id
+    assert len(searches) == 4

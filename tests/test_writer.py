@@ -148,6 +148,21 @@ def test_other_compressions_keep_hdf5s_own_filters(tmp_path: Path) -> None:
             assert f[t.path][()].tobytes() == rows.tobytes()
 
 
+def test_sort_rows_orders_by_the_fields_and_keeps_ties_in_order() -> None:
+    """schema.sort_rows (the stacks and off-CPU drains' sort, a lexsort of the columns) orders as
+    np.sort(order=fields) does, and rows equal on the fields keep their order (np.sort's quicksort
+    would not promise it)."""
+    rng = np.random.default_rng(7)
+    rows = schema.STACK_SAMPLES.empty(500)
+    rows["pid"], rows["tid"], rows["cpu"] = rng.integers(1, 4, 500), rng.integers(1, 4, 500), rng.integers(0, 2, 500)
+    rows["user_stack"] = np.arange(500)  # the drain's order
+    got = schema.sort_rows(rows, "pid", "tid", "cpu")
+    keys = got[["pid", "tid", "cpu"]]
+    assert (keys == np.sort(rows, order=("pid", "tid", "cpu"))[["pid", "tid", "cpu"]]).all()
+    same = (keys[1:] == keys[:-1])
+    assert same.any() and (got["user_stack"][1:][same] > got["user_stack"][:-1][same]).all()
+
+
 def test_concat_rows_is_numpys_concatenate_for_table_rows() -> None:
     """schema.concat_rows (the writer's and the fast path's concatenation, done as bytes) gives
     exactly np.concatenate's rows: parts of one table, a strided part among them, empty parts,

@@ -153,6 +153,8 @@ def sampler() -> ctypes.CDLL:
     lib.gp_stacks_take.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, vp, ctypes.c_long, vp, ctypes.c_long,
                                    vp, ctypes.c_long, vp, vp]
     lib.gp_stacks_take.restype = ctypes.c_long
+    lib.gp_cfi_stacks_take.argtypes = [ctypes.c_int, ctypes.c_long, vp, ctypes.c_long, vp, ctypes.c_long, vp, vp, vp]
+    lib.gp_cfi_stacks_take.restype = ctypes.c_long
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_records_to_rows.restype = ctypes.c_long

@@ -286,7 +286,7 @@ class BpfOffcpuSource(HubSource):
                 i += 1
         rows = rows[:i]
         self.users.after_drain(self.name, job | seen)
-        return [(schema.OFFCPU_INTERVALS, np.sort(rows, order=("pid", "tid")))] if i else []
+        return [(schema.OFFCPU_INTERVALS, schema.sort_rows(rows, "pid", "tid"))] if i else []
 
     def _take_exits(self) -> dict[int, tuple[int, int, int]]:
         """The job threads that exited since the last drain, with their final run-queue counters

@@ -641,7 +641,7 @@ class BpfStacksSource(HubSource):
         # thread, on what the BPF programs mark
         self.users.after_drain(self.name, tgids | sampled)
         self.samples_total += int(rows["count"].sum())
-        return [(schema.STACK_SAMPLES, np.sort(rows, order=("pid", "tid", "cpu")))]
+        return [(schema.STACK_SAMPLES, schema.sort_rows(rows, "pid", "tid", "cpu"))]
 
     def sample(self, now_ns: int) -> list[Batch]:
         return self._drain(now_ns)
