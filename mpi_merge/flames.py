@@ -323,24 +323,39 @@ def peer_nodes(nodes: Sequence[int], own: set[int]) -> list[int]:
     return [others[i] for i in np.linspace(0, len(others) - 1, PEER_NODES).round().astype(int)]
 
 
+def _node_ranks(comms: Sequence[Any], node: int) -> tuple[Any, list[int]]:
+    """(the widest communicator with ranks on node, those ranks); (None, []) when none has."""
+    best, ranks = None, []
+    for c in comms:
+        mine = np.flatnonzero(np.asarray(c.node_of_rank, np.int64) == node).tolist() if node >= 0 else []
+        if mine and (best is None or c.size > best.size):
+            best, ranks = c, mine
+    return best, ranks
+
+
 def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Sequence[str], node_names: Sequence[str],
                    epoch_rt: int, pool: Any) -> dict[int, dict[str, list[tuple[str, float, float]]]]:
     """For each finding (stragglers.Finding) on a communicator (comms: waitstates.CommSummary): the
     reads of its node and its peer nodes dealt over `pool`, its `stacks` summaries and an evidence
     line per table; returns, per finding index, the top folded stacks (late, peers) per table for
-    the job file. A point-to-point finding (no communicator) has its spans only from its windows:
-    none recorded, so it is left without."""
+    the job file. A point-to-point finding (a node whose messages were late: no communicator, no
+    ranks) is read on the widest communicator that has ranks on its node, every rank of its node
+    late, as the stragglers' ranks of a collective finding are."""
     items: list[NodeRead] = []
     plan: list[tuple[int, list[tuple[int, int]], list[tuple[int, int]]]] = []  # finding, late and peer (read, pid)
     for fi, f in enumerate(findings):
         spans = getattr(f, "evidence_spans", None)
-        if f.kind == "late sender" or spans is None or not len(spans):
+        if spans is None or not len(spans):
             continue
-        c = next((c for c in comms if c.comm_id == f.comm_id), None)
+        if f.kind == "late sender":
+            c, late_ranks = _node_ranks(comms, list(node_names).index(f.node) if f.node in node_names else -1)
+        else:
+            c = next((c for c in comms if c.comm_id == f.comm_id), None)
+            late_ranks = list(f.ranks)
         if c is None:
             continue
         node_of = np.asarray(c.node_of_rank, np.int64)
-        own = {int(node_of[r]) for r in f.ranks if node_of[r] >= 0}
+        own = {int(node_of[r]) for r in late_ranks if node_of[r] >= 0}
         others = peer_nodes([int(n) for n in node_of if n >= 0], own)
         # The peers: the other ranks of the culprit's own nodes too (read with them), not only of
         # other nodes; a job on one node had none and compared its late rank with nothing (MEEP:
@@ -350,7 +365,7 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
         peer_pids: list[tuple[int, int]] = []
         for ni in sorted(own) + others:
             ranks = [r for r in range(c.size) if node_of[r] == ni]
-            late_here = {int(c.pid_of_rank[r]) for r in ranks if r in f.ranks}
+            late_here = {int(c.pid_of_rank[r]) for r in ranks if r in late_ranks}
             ri = len(items)
             items.append(NodeRead(node_files[ni], node_names[ni], sorted({int(c.pid_of_rank[r]) for r in ranks}),
                                   np.asarray(spans, np.float64), kernel=getattr(f, "kernel", "") if ni in own else ""))

@@ -753,6 +753,7 @@ def _p2p_finding(tests: list[_Test], st: _CommStats, node_names: list[str], node
         f"(since the message it last received was sent): median {f.lateness_when_last_ns / ms:.3f} ms")
     a = np.array([st.span_lo[w] for w in flagged])
     b = np.array([st.span_hi[w] for w in flagged])
+    f.evidence_spans = np.column_stack([a, b]).astype(np.float64).reshape(-1, 2)  # its stacks' windows
     rates: dict[str, list[float]] = {}
     for key in ("offcpu_blocked_ns", "offcpu_runnable_ns"):
         per_node = []

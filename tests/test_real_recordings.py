@@ -195,3 +195,12 @@ def test_gromacs_sendrecv_waits_are_counted_once_and_the_stopped_rank_found(tmp_
     # the report names its cost as its receivers' waits, not as "0% of the job's waits" at collectives
     line = next(x for x in res.reports["txt"].read_text().splitlines() if x.startswith("  node3 ("))
     assert line.startswith("  node3 (point to point): cause HOST (late sender)") and "of its receivers' waits" in line
+    # its stacks in the flagged windows, against the other nodes' ranks, as for a collective finding
+    # (a point-to-point finding had none): its process blocked where theirs ran, the report says where
+    st = report["stragglers"][0]["stacks"]
+    assert st["offcpu"]["late_processes"] == 1 and st["offcpu"]["peer_processes"] == 3
+    assert st["offcpu"]["late_per_s"] > 1e8 > st["offcpu"]["peers_per_s"]  # ns/s: stopped 30 % of the time
+    assert st["cpu"]["late_per_s"] < st["cpu"]["peers_per_s"]  # and sampled less on CPU
+    assert "where the time went: on CPU" in res.reports["txt"].read_text()
+    with h5py.File(res.job_file, "r") as f:
+        assert len(f["analysis/flames/finding_0/offcpu"])
