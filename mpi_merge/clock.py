@@ -1126,6 +1126,7 @@ REPAIR_MIN_GAP_NS = 5e6  # intervals are not cut into pieces shorter than this
 REPAIR_MAX_CELLS = 16 << 16  # instance x node cells of one program at most (its temporaries: ~10 floats each)
 REPAIR_SLACK_NS = 10e3  # constraints with less slack than this (beyond 4x the worst violation) are kept
 REPAIR_PAD_NS = 50e6  # rows this close to a region are in its program too (their times straddle a knot)
+REPAIR_MAX_MOVING = 64  # nodes one program moves at most (its constraints between them grow as their square)
 
 
 def _violation_rows(rows: InstanceRows, models: list[NodeClockModel], tol_ns: float, spread: Spread) -> np.ndarray:
@@ -1365,19 +1366,20 @@ def _solve_widening(solve: Callable[..., np.ndarray | None], rows: InstanceRows,
                     P: np.ndarray, k0: int, k1: int, movable: list[int], ref: int,
                     ) -> tuple[np.ndarray | None, list[int]]:
     """The region's solve with the movable nodes, and where it has none, with the nodes that bound
-    them added (_binding_stayers) until one is found or no node is left to add; returns the
-    solution (None) and the nodes that moved. The culprits of the rows out of order are not always
-    the nodes whose clock is off: a node held at its current values (in order against each culprit
-    alone) can leave them no room, and growing the region in time never frees it (a GROMACS run
-    re-timed with NTP-like slews was called inconsistent on two nodes so, while its true clocks kept
-    every instance in order with 6 us to spare)."""
+    them added (_binding_stayers) until one is found or no node is left to add (or more than
+    REPAIR_MAX_MOVING would move); returns the solution (None) and the nodes that moved. The
+    culprits of the rows out of order are not always the nodes whose clock is off: a node held at
+    its current values (in order against each culprit alone) can leave them no room, and growing
+    the region in time never frees it (a GROMACS run re-timed with NTP-like slews was called
+    inconsistent on two nodes so, while its true clocks kept every instance in order with 6 us to
+    spare)."""
     moving = sorted(movable)
     while True:
         got = solve(P, k0=k0, k1=k1, movable=moving)
         if got is not None:
             return got, moving
         wider = sorted(set(moving) | _binding_stayers(rows, t, T, P, k0, k1, moving, ref))
-        if wider == moving:
+        if wider == moving or len(wider) > REPAIR_MAX_MOVING:
             return None, moving
         moving = wider
 
