@@ -57,6 +57,13 @@ class NodeRead:
             inside |= (t < hi) & (t + length > lo) if length > 0 else (t >= lo) & (t < hi)
         return inside
 
+    def overlap_ns(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """[len(lo)] how much of each [lo, hi) lies in the spans (ns; the spans are disjoint)."""
+        out = np.zeros(len(lo))
+        for a, b in self.spans:
+            out += np.clip(np.minimum(hi, b) - np.maximum(lo, a), 0.0, None)
+        return out
+
 
 def _aligned(t_ns: np.ndarray, cm: ClockMap, model: NodeClockModel | None, epoch_rt: int) -> np.ndarray:
     """A node file's CLOCK_MONOTONIC times -> aligned ns from the epoch (the merge's mapping)."""
@@ -80,18 +87,53 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
             rows = rows[np.isin(rows["pid"], item.pids)]
             if not len(rows):
                 continue
-            inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), WINDOW_NS)
+            if name == "offcpu":
+                rows = _caller_threads(f, rows)
+            t = _aligned(rows["t_ns"], cm, model, epoch_rt)
+            if name == "offcpu":
+                # An episode is counted whole in the window its thread woke in (bpf/offcpu.c), and one
+                # still asleep at the end in the last window: spread back from that window's end over
+                # its length, so that a span gets what the thread slept in it. Counted where it woke,
+                # a helper thread woken by every SIGSTOP of its process (its sleeps cut into episodes
+                # inside the windows) had seconds "more" blocked than its peers' helpers, whose one
+                # sleep ended with the job: GROMACS's stopped rank read "87% of the extra in
+                # __clone3 -> start_thread" (its idle progress threads), not its stop.
+                end = t + WINDOW_NS
+                weights = item.overlap_ns(end - rows[weight].astype(np.float64), end)
+                inside = weights > 0
+            else:
+                inside = item.overlaps(t, WINDOW_NS)
+                weights = rows[weight].astype(np.float64)
             if name == "cpu" and "gil" in (rows.dtype.names or ()):
                 out["gil"] = _gil_counts(rows[inside])
             per = out[name]
-            for r in rows[inside]:
+            for r, w in zip(rows[inside], weights[inside].tolist()):
                 user = names.get(int(r["user_stack"]), [])
                 kern = names.get(int(r["kernel_stack"]), [])
                 key = ";".join([*reversed(user), *reversed(kern)]) or "[no stack]"
-                per.setdefault(int(r["pid"]), Counter())[key] += int(r[weight])
+                per.setdefault(int(r["pid"]), Counter())[key] += w
         if item.kernel:
             out["kernel_launch"] = _launch_stacks(f, item, names, cm, model, epoch_rt)
     return out
+
+
+def _caller_threads(f: h5py.File, rows: np.ndarray) -> np.ndarray:
+    """The off-CPU rows of the threads that called collectives or messages, in the processes that
+    have such threads (the others' rows as they are). A process's idle helper threads (MPI's
+    progress and PMIx threads, data loaders) sleep all the time and say nothing of its lateness,
+    and the kernel closes their sleeps unevenly: a SIGSTOP wakes every thread of the stopped
+    process, so its helpers' sleeps were counted in every window, its peers' (one sleep to the end
+    of the job) in none. The per-process off-CPU series read the same threads (loading.py)."""
+    if schema.COLLECTIVE_CALLS.path not in f:
+        return rows
+    calls = f[schema.COLLECTIVE_CALLS.path].fields(["pid", "tid"])[()]
+    keep = np.ones(len(rows), bool)
+    for pid in np.unique(rows["pid"]).tolist():
+        callers = np.unique(calls["tid"][calls["pid"] == pid])
+        if len(callers):
+            mine = rows["pid"] == pid
+            keep[mine] = np.isin(rows["tid"][mine], callers)
+    return rows[keep]
 
 
 GIL_STATES = {schema.GIL_HELD: "held", schema.GIL_NOT_HELD: "not_held"}

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
 
 from gpuprof.collector import schema
 from gpuprof.mpi_merge import flames
@@ -121,3 +125,32 @@ def test_cpp_frames_are_named_without_their_parameter_lists() -> None:
     peers = Counter({"main;poll": 900.0})
     line = flames.evidence_line("cpu", flames.summarize(late, peers, 1, 3, 1.0))
     assert line.endswith("100% in main → gmx::LegacySimulator::do_md → gmx_pme_do"), line
+
+
+def test_offcpu_rows_are_read_where_the_caller_threads_slept(tmp_path: Path) -> None:
+    """The off-CPU table counts an episode whole in the window its thread woke in: a span gets the
+    part of it that lies inside (spread back from that window's end), and only the threads that
+    called collectives or messages are read where a process has such threads (its idle helpers,
+    woken unevenly, are left out). A 3 s sleep of the main thread that woke at 5-6 s gives a span
+    at 3.5-4.5 s 1 s of it; the helper's sleep in that span is not read."""
+    import h5py
+
+    path = tmp_path / "node1.h5"
+    s = 1_000_000_000
+    with h5py.File(path, "w") as f:
+        f.attrs["start_monotonic_ns"], f.attrs["start_realtime_ns"] = 0, 0
+        sym = np.zeros(2, schema.STACK_SYMBOLS.dtype)
+        sym["symbol_id"], sym["name"] = [1, 2], [b"MPI_Recv", b"helper_poll"]
+        fr = np.zeros(2, schema.STACK_FRAMES.dtype)
+        fr["stack_id"], fr["depth"], fr["symbol_id"] = [1, 2], [0, 0], [1, 2]
+        off = np.zeros(3, schema.OFFCPU_INTERVALS.dtype)
+        off["t_ns"], off["pid"], off["tid"] = [5 * s, 3 * s, 9 * s], 100, [100, 101, 100]
+        off["user_stack"], off["blocked_ns"], off["count"] = [1, 2, 1], [3 * s, s // 2, s // 10], 1
+        calls = np.zeros(1, schema.COLLECTIVE_CALLS.dtype)
+        calls["pid"], calls["tid"] = 100, 100
+        for t, rows in ((schema.STACK_SYMBOLS, sym), (schema.STACK_FRAMES, fr), (schema.OFFCPU_INTERVALS, off),
+                        (schema.COLLECTIVE_CALLS, calls)):
+            f.create_dataset(t.path, data=rows)
+    item = flames.NodeRead(str(path), "node1", [100], np.array([[3.5 * s, 4.5 * s]]))
+    got = flames.read_folded(item, None, 0)["offcpu"]
+    assert got == {100: Counter({"MPI_Recv": pytest.approx(1.0 * s)})}, got

@@ -125,8 +125,10 @@ def test_exit_delay_behind_a_stopped_peer_is_not_the_network(tmp_path: Path) -> 
     # differential flame graph of the flagged windows is in the job file
     st = report["stragglers"][0]["stacks"]
     assert st["offcpu"]["late_processes"] == 1 and st["offcpu"]["peer_processes"] == 3
-    assert st["offcpu"]["late_per_s"] > 1e8 > st["offcpu"]["peers_per_s"]  # ns/s: stopped ~30 % of the time
-    assert st["offcpu"]["share_of_extra"] > 0.9 and st["offcpu"]["path"]
+    # ns/s of its MPI thread: stopped 30 % of the time. Its idle helper threads, woken by every stop,
+    # are not read (all its threads were, 2448 ms/s "blocked" against nothing for the peers' helpers)
+    assert 2e8 < st["offcpu"]["late_per_s"] < 4e8 and st["offcpu"]["peers_per_s"] < 1e7
+    assert st["offcpu"]["share_of_extra"] > 0.5 and st["offcpu"]["path"]
     with h5py.File(res.job_file, "r") as f:
         rows = f["analysis/flames/finding_0/offcpu"][()]
         assert len(rows) and rows["late"].sum() > 10 * rows["peers"].sum()
@@ -199,7 +201,10 @@ def test_gromacs_sendrecv_waits_are_counted_once_and_the_stopped_rank_found(tmp_
     # (a point-to-point finding had none): its process blocked where theirs ran, the report says where
     st = report["stragglers"][0]["stacks"]
     assert st["offcpu"]["late_processes"] == 1 and st["offcpu"]["peer_processes"] == 3
-    assert st["offcpu"]["late_per_s"] > 1e8 > st["offcpu"]["peers_per_s"]  # ns/s: stopped 30 % of the time
+    assert 2e8 < st["offcpu"]["late_per_s"] < 4e8 and st["offcpu"]["peers_per_s"] < 1e7  # stopped 30 % of the time
+    # where it was stopped: in its own computation (the stop lands where it runs), not in its idle
+    # progress threads ("__clone3 -> start_thread", woken by every stop, before they were left out)
+    assert "start_thread" not in st["offcpu"]["path"] and "gmx_pme_do(" in st["offcpu"]["path"][-1]
     assert st["cpu"]["late_per_s"] < st["cpu"]["peers_per_s"]  # and sampled less on CPU
     assert "where the time went: on CPU" in res.reports["txt"].read_text()
     with h5py.File(res.job_file, "r") as f:
