@@ -27,7 +27,7 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.symbolize import stack_names
 from gpuprof.mpi_merge.clock import NodeClockModel
-from gpuprof.mpi_merge.loading import ClockMap, clock_map_of
+from gpuprof.mpi_merge.loading import ROW_WINDOW_NS, ClockMap, clock_map_of
 
 PEER_NODES = 8  # peer nodes read per finding (evenly spread over the communicator's other nodes)
 FLAME_TOP = 2000  # folded stacks kept per finding and table, the largest by late + peer weight
@@ -36,7 +36,7 @@ PATH_SHOWN = 4  # frames of the path named in the evidence (the innermost)
 # rank blocked 3.8 ms/s against its peers' 2106.6 had 0.04 ms/s more than them in one stack, and the
 # line said "82 % in __futex_wait" of that (the demo's report, 2026-12-06).
 EXTRA_MIN_SHARE = 0.05
-WINDOW_NS = 1_000_000_000  # a row of either table counts a window this long from its t_ns (docs/probes.md)
+WINDOW_NS = ROW_WINDOW_NS  # a row of either table counts a window this long from its t_ns (docs/probes.md)
 TABLES = (("cpu", schema.STACK_SAMPLES, "count"), ("offcpu", schema.OFFCPU_INTERVALS, "blocked_ns"))
 
 

@@ -670,15 +670,43 @@ def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.n
     if not mine.any():
         return
     rows = rows[mine]
-    idx = ((cm.to_realtime(rows["t_ns"]) - tb[0]) // bin_ns).astype(np.int64)
+    t_rt = cm.to_realtime(rows["t_ns"])
+    idx = ((t_rt - tb[0]) // bin_ns).astype(np.int64)
     ok = (idx >= 0) & (idx < nb)
+    # a blocked episode is counted whole in the window its thread woke in: spread back from that
+    # window's end over its length (flames.read_folded reads it so too); the run-queue time is the
+    # kernel's counter read at each drain, the window's own
+    end = (t_rt - tb[0]).astype(np.float64) + ROW_WINDOW_NS
+    edges = np.arange(nb + 1, dtype=np.float64) * bin_ns
     per_s = bin_ns / 1e9
-    for pid in np.unique(rows["pid"][ok]):
-        sel = ok & (rows["pid"] == pid)
-        for col, key in (("blocked_ns", "offcpu_blocked_ns"), ("runnable_ns", "offcpu_runnable_ns")):
-            tot = np.bincount(idx[sel], weights=rows[col][sel].astype(np.float64), minlength=nb)
+    for pid in np.unique(rows["pid"]):
+        of_pid = rows["pid"] == pid
+        sel = ok & of_pid
+        blocked = _spread_in_bins(end[of_pid] - rows["blocked_ns"][of_pid].astype(np.float64), end[of_pid], edges)
+        if not sel.any() and not blocked.any():
+            continue  # all its rows outside the series' bins
+        runnable = np.bincount(idx[sel], weights=rows["runnable_ns"][sel].astype(np.float64), minlength=nb)
+        for key, tot in (("offcpu_blocked_ns", blocked), ("offcpu_runnable_ns", runnable)):
             name = f"pid{int(pid)}:{key}"
             s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
+
+
+# The window a row of the stack tables (/stacks/samples, /offcpu/intervals) counts from its t_ns: the
+# drains' period (sources.offcpu.flush_interval_s and the stacks source's, 1 s; docs/probes.md)
+ROW_WINDOW_NS = 1_000_000_000
+
+
+def _spread_in_bins(lo: np.ndarray, hi: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """[len(edges) - 1]: how much of the intervals [lo, hi) lies in each bin [edges[k], edges[k+1]),
+    from the total covered up to each edge, F(x) = sum over lo < x of (x - lo) less the same of hi."""
+    def covered(x: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        e = np.sort(ends)
+        k = np.searchsorted(e, x, side="left")
+        before = np.concatenate([[0.0], np.cumsum(e)])
+        return k * x - before[k]
+
+    F = covered(edges, lo) - covered(edges, hi)
+    return np.diff(F)
 
 
 def _columns(rows: np.ndarray | None, names: tuple[str, ...], cm: ClockMap) -> dict[str, np.ndarray] | None:

@@ -154,3 +154,19 @@ def test_offcpu_rows_are_read_where_the_caller_threads_slept(tmp_path: Path) -> 
     item = flames.NodeRead(str(path), "node1", [100], np.array([[3.5 * s, 4.5 * s]]))
     got = flames.read_folded(item, None, 0)["offcpu"]
     assert got == {100: Counter({"MPI_Recv": pytest.approx(1.0 * s)})}, got
+
+
+def test_offcpu_series_spread_each_sleep_over_the_bins_it_covered() -> None:
+    """The per-process off-CPU series (loading._rank_thread_offcpu, the straggler cause's evidence)
+    spread a sleep counted where it woke back over the bins it covered, as read_folded does: a
+    2.5 s sleep ending at 4 s puts 0.5, 1 and 1 s in the bins 1-2, 2-3 and 3-4 s, not 2.5 s in one;
+    the total is kept, and what lies outside the bins is not counted."""
+    from gpuprof.mpi_merge.loading import _spread_in_bins
+
+    edges = np.arange(6, dtype=np.float64)
+    got = _spread_in_bins(np.array([1.5, 3.0, -2.0]), np.array([4.0, 3.5, 0.5]), edges)
+    assert got.tolist() == [0.5, 0.5, 1.0, 1.5, 0.0]
+    rng = np.random.default_rng(3)
+    lo = rng.uniform(0, 50, 200)
+    hi = lo + rng.uniform(0, 5, 200)
+    assert _spread_in_bins(lo, hi, np.arange(0, 61, dtype=np.float64)).sum() == pytest.approx((hi - lo).sum())
