@@ -656,6 +656,11 @@ def _on_cpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_
                                        (u2 % (other + 1)).astype(np.int64), tot2, names)
 
 
+# The window a row of the stack tables (/stacks/samples, /offcpu/intervals) counts from its t_ns: the
+# drains' period (sources.offcpu.flush_interval_s and the stacks source's, 1 s; docs/probes.md)
+ROW_WINDOW_NS = 1_000_000_000
+
+
 def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
     """Off-CPU time of the threads that called collectives, per process: blocked (sleeping, or
     stopped by a signal) and runnable (waiting for a CPU), ns per second, as series
@@ -690,10 +695,6 @@ def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.n
             name = f"pid{int(pid)}:{key}"
             s.series[name] = Series(name, "ns/s", tb, bin_ns, tot / per_s)
 
-
-# The window a row of the stack tables (/stacks/samples, /offcpu/intervals) counts from its t_ns: the
-# drains' period (sources.offcpu.flush_interval_s and the stacks source's, 1 s; docs/probes.md)
-ROW_WINDOW_NS = 1_000_000_000
 
 
 def _spread_in_bins(lo: np.ndarray, hi: np.ndarray, edges: np.ndarray) -> np.ndarray:
