@@ -85,19 +85,6 @@ EXPORT long gp_stacks_take(int map_fd, long value_size, long max_depth, const in
     return i;
 }
 
-static int in_sorted_u64(const uint64_t *keep, long n, uint64_t id)
-{
-    long lo = 0, hi = n;
-    while (lo < hi) {
-        long mid = lo + (hi - lo) / 2;
-        if (keep[mid] < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && keep[lo] == id;
-}
-
 /* Entries read per BPF_MAP_LOOKUP_BATCH call (their values: about 1 KB each). */
 #define GP_CFI_TAKE_BATCH 256
 
@@ -173,7 +160,7 @@ EXPORT long gp_cfi_stacks_take(int map_fd, long value_size, const uint64_t *ids,
             memcpy(words + i * stride, v + 1, (size_t)d * 8);
             lens[i] = d;
             status[i] = 0;
-            if (!in_sorted_u64(keep, n_keep, keys[e]))
+            if (find_sorted_u64(keep, n_keep, keys[e]) < 0)
                 gone[n_gone++] = keys[e];
         }
         if (done)
