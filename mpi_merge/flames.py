@@ -281,6 +281,33 @@ def top_stacks(late: Counter[str], peers: Counter[str]) -> list[tuple[str, float
     return [(k, float(late.get(k, 0.0)), float(peers.get(k, 0.0))) for k in keys]
 
 
+# The scheduler's own kernel frames, inside the one that says why a thread slept (do_signal_stop,
+# futex_wait_queue, do_epoll_wait, do_nanosleep, io_schedule, ...): an off-CPU stack ends in them
+SCHEDULER_FRAMES = frozenset({"__schedule", "schedule", "schedule_timeout", "schedule_hrtimeout_range",
+                              "schedule_hrtimeout_range_clock", "schedule_preempt_disabled", "preempt_schedule",
+                              "preempt_schedule_common", "freezable_schedule"})
+
+
+def asleep_in(late: Counter[str], peers: Counter[str]) -> dict[str, Any] | None:
+    """Why the late processes' extra off-CPU time slept: per stack of the extra (what they have
+    more than the peers), its innermost frame outside the scheduler; the frame with the largest
+    share of the extra, and that share. The walk from the root (excess_path) stops where the extra
+    splits, often in the application's own code (a SIGSTOP lands wherever a rank runs); the
+    innermost frames agree on the reason (do_signal_stop, a futex, a poll, disk I/O). None when
+    the late processes have no extra."""
+    by: Counter[str] = Counter()
+    for key in set(late) | set(peers):
+        extra = late.get(key, 0.0) - peers.get(key, 0.0)
+        if extra > 0:
+            frames = key.split(";")
+            by[next((f for f in reversed(frames) if f not in SCHEDULER_FRAMES), frames[-1])] += extra
+    total = float(sum(by.values()))
+    if total <= 0:
+        return None
+    frame, weight = max(by.items(), key=lambda kv: (kv[1], kv[0]))
+    return {"frame": frame, "share_of_extra": round(weight / total, 4)}
+
+
 def evidence_line(name: str, s: dict[str, Any]) -> str:
     unit, scale = ("samples/s", 1.0) if name == "cpu" else ("ms/s blocked", 1e-6)
     what = "CPU stacks" if name == "cpu" else "off-CPU stacks"
@@ -291,8 +318,11 @@ def evidence_line(name: str, s: dict[str, Any]) -> str:
             return head + ": no stack where it has more than the peers"
         return head + (f": no stack where it has more than the peers by {EXTRA_MIN_SHARE:.0%} of its own "
                        f"({s['extra_per_s'] * scale:.1f} {unit} more in all)")
-    return (head + f"; of what it has more than the peers ({s['extra_per_s'] * scale:.1f} {unit}), "
+    line = (head + f"; of what it has more than the peers ({s['extra_per_s'] * scale:.1f} {unit}), "
             f"{s['share_of_extra']:.0%} in " + path_text(s["path"]))
+    if s.get("asleep_in"):
+        line += f", asleep in {s['asleep_in']['frame']} ({s['asleep_in']['share_of_extra']:.0%} of it)"
+    return line
 
 
 # C++'s operator names, whose symbols would read as brackets: "operator()", "operator<<", "operator->"
@@ -429,6 +459,8 @@ def stack_evidence(findings: Sequence[Any], comms: Sequence[Any], node_files: Se
                 continue
             spans = np.asarray(f.evidence_spans, np.float64)
             s = summarize(late, peers, n_late, n_peers, float((spans[:, 1] - spans[:, 0]).sum()) / 1e9)
+            if name == "offcpu" and s["path"]:
+                s["asleep_in"] = asleep_in(late, peers)
             f.stacks[name] = s
             f.evidence.append(evidence_line(name, s))
             out[fi][name] = top_stacks(late, peers)

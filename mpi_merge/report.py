@@ -108,7 +108,8 @@ def render_text(r: dict[str, Any]) -> str:
             for table, label in (("cpu", "on CPU"), ("offcpu", "off CPU")):
                 st = (s.get("stacks") or {}).get(table) or {}
                 if st.get("path"):
-                    where.append(f"{label} {st['share_of_extra']:.0%} of the extra in {path_text(st['path'], ' -> ')}")
+                    where.append(f"{label} {st['share_of_extra']:.0%} of the extra in {path_text(st['path'], ' -> ')}"
+                                 + (f" (asleep in {st['asleep_in']['frame']})" if st.get("asleep_in") else ""))
             kl = (s.get("stacks") or {}).get("kernel_launch") or {}
             if kl.get("path"):
                 where.append(f"its kernels launched from {path_text(kl['path'], ' -> ')}")

@@ -170,3 +170,20 @@ def test_offcpu_series_spread_each_sleep_over_the_bins_it_covered() -> None:
     lo = rng.uniform(0, 50, 200)
     hi = lo + rng.uniform(0, 5, 200)
     assert _spread_in_bins(lo, hi, np.arange(0, 61, dtype=np.float64)).sum() == pytest.approx((hi - lo).sum())
+
+
+def test_the_reason_a_late_process_slept_is_its_innermost_frame_outside_the_scheduler() -> None:
+    """The off-CPU extra split over the places a stop landed still names one reason: the innermost
+    frame of each extra stack outside the scheduler's own (do_signal_stop here, not __schedule),
+    weighted by the extra; a stack the peers have as much of counts for nothing."""
+    stop = "entry_SYSCALL_64;do_syscall_64;get_signal;do_signal_stop;schedule;__schedule"
+    late = Counter({f"main;compute;{stop}": 60.0, f"main;MPI_Recv;poll;{stop}": 30.0,
+                    "main;MPI_Recv;futex_wait_queue;schedule;__schedule": 10.0,
+                    "helper;do_epoll_wait;schedule_hrtimeout_range_clock;schedule;__schedule": 500.0})
+    peers = Counter({"helper;do_epoll_wait;schedule_hrtimeout_range_clock;schedule;__schedule": 500.0})
+    assert flames.asleep_in(late, peers) == {"frame": "do_signal_stop", "share_of_extra": 0.9}
+    assert flames.asleep_in(peers, peers) is None
+    s = flames.summarize(late, peers, 1, 3, 1.0)
+    s["asleep_in"] = flames.asleep_in(late, peers)
+    line = flames.evidence_line("offcpu", s)
+    assert line.endswith("asleep in do_signal_stop (90% of it)"), line

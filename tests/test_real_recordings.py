@@ -129,6 +129,7 @@ def test_exit_delay_behind_a_stopped_peer_is_not_the_network(tmp_path: Path) -> 
     # are not read (all its threads were, 2448 ms/s "blocked" against nothing for the peers' helpers)
     assert 2e8 < st["offcpu"]["late_per_s"] < 4e8 and st["offcpu"]["peers_per_s"] < 1e7
     assert st["offcpu"]["share_of_extra"] > 0.5 and st["offcpu"]["path"]
+    assert st["offcpu"]["asleep_in"]["frame"] == "do_signal_stop" and st["offcpu"]["asleep_in"]["share_of_extra"] > 0.9
     with h5py.File(res.job_file, "r") as f:
         rows = f["analysis/flames/finding_0/offcpu"][()]
         assert len(rows) and rows["late"].sum() > 10 * rows["peers"].sum()
@@ -205,6 +206,7 @@ def test_gromacs_sendrecv_waits_are_counted_once_and_the_stopped_rank_found(tmp_
     # where it was stopped: in its own computation (the stop lands where it runs), not in its idle
     # progress threads ("__clone3 -> start_thread", woken by every stop, before they were left out)
     assert "start_thread" not in st["offcpu"]["path"] and "gmx_pme_do(" in st["offcpu"]["path"][-1]
+    assert st["offcpu"]["asleep_in"] == {"frame": "do_signal_stop", "share_of_extra": 1.0}  # stopped, by a signal
     assert st["cpu"]["late_per_s"] < st["cpu"]["peers_per_s"]  # and sampled less on CPU
     assert "where the time went: on CPU" in res.reports["txt"].read_text()
     with h5py.File(res.job_file, "r") as f:
