@@ -295,12 +295,13 @@ def asleep_in(late: Counter[str], peers: Counter[str]) -> dict[str, Any] | None:
     splits, often in the application's own code (a SIGSTOP lands wherever a rank runs); the
     innermost frames agree on the reason (do_signal_stop, a futex, a poll, disk I/O). None when
     the late processes have no extra."""
-    by: Counter[str] = Counter()
+    by: dict[str, float] = {}
     for key in set(late) | set(peers):
         extra = late.get(key, 0.0) - peers.get(key, 0.0)
         if extra > 0:
             frames = key.split(";")
-            by[next((f for f in reversed(frames) if f not in SCHEDULER_FRAMES), frames[-1])] += extra
+            reason = next((f for f in reversed(frames) if f not in SCHEDULER_FRAMES), frames[-1])
+            by[reason] = by.get(reason, 0.0) + extra
     total = float(sum(by.values()))
     if total <= 0:
         return None
