@@ -89,8 +89,7 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
                 continue
             if name == "offcpu":
                 rows = _caller_threads(f, rows)
-            t = _aligned(rows["t_ns"], cm, model, epoch_rt)
-            if name == "offcpu":
+                t = _aligned(rows["t_ns"], cm, model, epoch_rt)
                 # An episode is counted whole in the window its thread woke in (bpf/offcpu.c), and one
                 # still asleep at the end in the last window: spread back from that window's end over
                 # its length, so that a span gets what the thread slept in it. Counted where it woke,
@@ -102,7 +101,7 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
                 weights = item.overlap_ns(end - rows[weight].astype(np.float64), end)
                 inside = weights > 0
             else:
-                inside = item.overlaps(t, WINDOW_NS)
+                inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), WINDOW_NS)
                 weights = rows[weight].astype(np.float64)
             if name == "cpu" and "gil" in (rows.dtype.names or ()):
                 out["gil"] = _gil_counts(rows[inside])
