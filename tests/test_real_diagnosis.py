@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,6 +182,48 @@ def test_scoring_of_findings() -> None:
     agg = scoring.aggregate([s, bal], "all", "all")
     assert agg["precision"] == round(1 / 3, 4) and agg["recall"] == 1.0 and agg["cause_accuracy"] == 0.5
     assert agg["findings_on_balanced"] == 1
+
+
+def test_a_fault_run_without_effect_is_counted_apart_not_scored() -> None:
+    truth = {"app": "x", "fault": "corunner", "cause": "host", "node": "node3", "rank": 2}
+    hit = scoring.score_run({"stragglers": [{"node": "node3", "ranks": [2], "cause": "host"}]},
+                            {**truth, "fault_effect": {"ratio": 0.3, "took_effect": True}}, "a")
+    missed = scoring.score_run({"stragglers": []}, {**truth, "fault_effect": {"ratio": 1.0, "took_effect": False}}, "b")
+    before = scoring.score_run({"stragglers": []}, truth, "c")  # recorded before the injector measured
+    agg = scoring.aggregate([hit, missed], "x", "corunner")
+    assert (agg["runs"], agg["runs_fault_without_effect"], agg["recall"]) == (1, 1, 1.0)
+    agg = scoring.aggregate([hit, missed, before], "x", "corunner")
+    assert (agg["runs"], agg["runs_fault_without_effect"], agg["recall"]) == (2, 1, 0.5)
+
+
+def test_corunner_effect_is_read_from_the_processes_cpu(tmp_path: Path) -> None:
+    """The injector's effect line on real processes: a rank that got little CPU (a sleeper) against
+    ranks that computed (busy loops), and back again; and the runner's reading of it."""
+    busy = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(2)]
+    idle = subprocess.Popen(["sleep", "30"])
+    try:
+        rates = faults.CpuRates()
+        pids = [idle.pid, *(b.pid for b in busy)]
+        rates.read(pids)
+        time.sleep(1.5)
+        rates.read(pids)
+        starved = faults.effect_line(rates, idle.pid, [b.pid for b in busy])
+        fed = faults.effect_line(rates, busy[0].pid, [idle.pid, busy[1].pid])
+    finally:
+        for q in (*busy, idle):
+            q.kill()
+            q.wait()
+    log = tmp_path / "inject.log"
+    log.write_text(f"inject: corunner on node3 pid {idle.pid} rank 2\n{starved}\n")
+    effect = runner.fault_effect(log, "corunner")
+    assert effect is not None and effect["took_effect"] and effect["ratio"] < 0.1, (starved, effect)
+    log.write_text(f"inject: corunner on node3 pid {busy[0].pid} rank 2\n{fed}\n")
+    effect = runner.fault_effect(log, "corunner")
+    assert effect is not None and not effect["took_effect"] and effect["ratio"] > 0.75, (fed, effect)
+    log.write_text("inject: corunner on node3 pid 1 rank 2\n")  # killed before it printed
+    effect = runner.fault_effect(log, "corunner")
+    assert effect is not None and not effect["took_effect"]
+    assert runner.fault_effect(log, "sigstop") is None
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ and, for hpcc at two sizes or more in a layout:
      "collector_cpu_ms_per_s": ..., "sizes": [{"hpl_n", "profiled_s_median", "collector_cpu_ms_in_run_median"}, ...]}
 
 collector_cpu_ms_in_run: the CPU the job's collectors on this host used inside the timed mpirun
-line (sampled from here every 0.5 s and interpolated: CollectorCpu),
+line (read from here when the batch script marks the line's start and end, CollectorCpu),
 collector_cpu_ms_in_run_by_thread_median the same by thread name (between the samples inside the
 line, so a little less), and collector_cpu_percent_of_run its median over the median profiled
 run, in % of one core. bench_self_cpu_ms_in_run: this bench's own CPU inside the line, by arm (its
@@ -76,7 +76,7 @@ the collector's time taken from them, the BPF programs' time, and the interposer
 
 --bpf-time (on by default) adds bpf_programs_ms_in_run: the run time of the collectors' BPF
 programs inside the timed line (run_time_ns of each program the collector holds, from its fdinfo
-once a second, with kernel.bpf_stats_enabled on for the bench and restored after). The programs run
+at each of its samples, with kernel.bpf_stats_enabled on for the bench and restored after). The programs run
 in the job's own context (samples, switches, forks), so the collector's threads do not show them.
 The counting costs the programs a little (--no-bpf-time leaves it off, and the bound out).
 
@@ -119,12 +119,16 @@ from gpuprof.collector.reader import open_node_trace
 DEFAULT_MODES = ",".join(modes_mod.DEFAULT_MODES)  # what plain --profile-gpu profiles
 TIMED = re.compile(r"^bench_app_seconds (\d+(?:\.\d+)?)$", re.MULTILINE)
 WINDOW = re.compile(r"^bench_app_window (\d+\.\d+) (\d+\.\d+)$", re.MULTILINE)
-# Every 0.5 s: the figures in a run are interpolated between samples (CollectorCpu.at), and the
-# sampling runs on the ranks' cores; at 0.1 s it cost the bench 12-14 ms of CPU a second in a
-# profiled hpcc run against 6-7 in a plain one, a bias of the profiled arm of about half a point.
-SAMPLE_S = 0.5
-FIND_EVERY = 2  # new collectors looked for once a second
-BPF_SAMPLE_EVERY = 2  # the programs' fdinfo once a second: about 70 files a collector
+# The figures of a run are read when the batch script marks its timed line's start and end
+# (MARKS, files in the run's work directory, looked for every MARK_POLL_S), plus every SAMPLE_S for
+# the series between. The sampling runs on the ranks' cores and reads more in a profiled run (the
+# collectors' threads, about 70 programs' fdinfo): sampled every 0.5 s it cost the bench 239 ms of
+# CPU in a profiled GROMACS run against 109 in a plain one, a bias of the profiled arm of about
+# half a point on a job that loses whatever preempts a rank. A look for a mark is one stat() in
+# both arms alike.
+MARKS = ("bench_t0.mark", "bench_t1.mark")
+MARK_POLL_S = 0.1
+SAMPLE_S = 5.0
 BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 # a run whose job failed or whose figures could not be read is run again (in its place in the
 # alternation) rather than losing the pairs before it: at most this many tries each
@@ -132,7 +136,8 @@ RUN_ATTEMPTS = 2
 
 
 class CollectorCpu:
-    """The CPU the collectors of one job on this host used, sampled from here every SAMPLE_S while
+    """The CPU the collectors of one job on this host used, sampled from here when the batch script
+    marks its timed line's start and end (files in `work`, MARKS) and every SAMPLE_S between, while
     the job runs (the job cannot see them: its PID namespace is the virtual node's): the run time
     of each of their threads (/proc/PID/task/TID/schedstat, ns), a thread that ends keeping its
     last figure. Compile children are not counted. The profiled arm's sampling reads more than the
@@ -140,12 +145,14 @@ class CollectorCpu:
     (self_samples, bench_self_cpu_ms_in_run in the line) shows how much that tilts the slowdown.
 
     bpf_time: also the run time of the collectors' BPF programs (run_time_ns in the fdinfo of each
-    program they hold, kernel.bpf_stats_enabled on), every BPF_SAMPLE_EVERY samples: the time the
+    program they hold, kernel.bpf_stats_enabled on), at every sample: the time the
     programs took in the job's own context (sampling, switches, forks), which the collector's
     threads do not show."""
 
-    def __init__(self, job: str, bpf_time: bool = False, displacement: Displacement | None = None) -> None:
+    def __init__(self, job: str, work: Path, bpf_time: bool = False, displacement: Displacement | None = None) -> None:
         self.needle = b"\0collect\0--job\0" + job.encode() + b"\0"
+        self._marks = [work / name for name in MARKS]
+        self.mark_times: dict[str, float] = {}  # MARKS seen -> the time of the sample taken on seeing it
         self.samples: list[tuple[float, int]] = []  # (time.time(), total ns so far)
         # (time.time(), thread name -> its threads' ns so far): which thread took the job's time
         self.by_thread: list[tuple[float, dict[str, int]]] = []
@@ -177,16 +184,19 @@ class CollectorCpu:
         return found
 
     def _run(self) -> None:
-        k = 0
+        next_sample = 0.0
         while not self._stop.is_set():
-            # new collectors are looked for now and then, their threads at every sample
-            self._sample(find=k % FIND_EVERY == 0, programs=self._bpf_time and k % BPF_SAMPLE_EVERY == 0)
-            k += 1
-            self._stop.wait(SAMPLE_S)
+            marked = [m for m in self._marks if m.name not in self.mark_times and m.exists()]
+            if marked or time.monotonic() >= next_sample:
+                self._sample()
+                for m in marked:
+                    self.mark_times[m.name] = self.samples[-1][0]
+                next_sample = time.monotonic() + SAMPLE_S
+            self._stop.wait(MARK_POLL_S)
 
-    def _sample(self, find: bool, programs: bool) -> None:
-        if find:
-            self._pids = self._find()
+    def _sample(self) -> None:
+        """One sample of every series, all stamped with one time taken after the reads."""
+        self._pids = self._find()  # a job's collectors may start (one per node) while it runs
         for pid in self._pids:
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
@@ -201,21 +211,24 @@ class CollectorCpu:
                         self._last[(pid, int(tid))] = int(f.read().split()[0])
                 except (OSError, ValueError, IndexError):
                     continue
-        now = time.time()
-        self.samples.append((now, sum(self._last.values())))
         named: dict[str, int] = {}
         for key, ns in self._last.items():
             name = self._names.get(key, "?")
             named[name] = named.get(name, 0) + ns
-        self.by_thread.append((now, named))
-        if self._displacement is not None:
-            self.displaced_samples.append((now, self._displacement.by_thread()))
-            self.outcome_samples.append((now, self._displacement.yield_outcomes()))
-        if programs:
+        displaced = self._displacement.by_thread() if self._displacement is not None else None
+        outcomes = self._displacement.yield_outcomes() if self._displacement is not None else None
+        if self._bpf_time:
             for pid in self._pids:
                 self._read_programs(pid)
-            self.bpf_samples.append((time.time(), sum(self._last_prog.values())))
-        self.self_samples.append((time.time(), time.process_time_ns()))
+        now = time.time()
+        self.samples.append((now, sum(self._last.values())))
+        self.by_thread.append((now, named))
+        if displaced is not None and outcomes is not None:
+            self.displaced_samples.append((now, displaced))
+            self.outcome_samples.append((now, outcomes))
+        if self._bpf_time:
+            self.bpf_samples.append((now, sum(self._last_prog.values())))
+        self.self_samples.append((now, time.process_time_ns()))
 
     def _read_programs(self, pid: int) -> None:
         for info in bpf_fdinfos(pid, "prog"):
@@ -235,7 +248,13 @@ class CollectorCpu:
         machine (a 9-pair bench once lost every run to a line that ended after the last sample)."""
         self._stop.set()
         self._thread.join()
-        self._sample(find=False, programs=self._bpf_time)
+        self._sample()
+
+    def window(self, t0: float, t1: float) -> tuple[float, float]:
+        """The times to read a timed line's figures at: the samples taken on seeing its marks (a
+        poll after its start and its end, both late alike), or the line's own t0 and t1 (the series
+        interpolated) where a mark was not seen while the job ran."""
+        return self.mark_times.get(MARKS[0], t0), self.mark_times.get(MARKS[1], t1)
 
     def by_thread_ms(self, t0: float, t1: float) -> dict[str, float]:
         """CPU ms of each collector thread name between t0 and t1 (the samples nearest inside)."""
@@ -291,7 +310,7 @@ def timed_script(app: apps_mod.App, layout: str) -> str:
              for line in text.splitlines()
              if not (layout != "nodes" and line.startswith("#SBATCH --ntasks-per-node="))]
     i = next(k for k, line in enumerate(lines) if line.startswith("mpirun "))
-    lines[i:i + 1] = ["t0=$(date +%s.%N)", lines[i], "t1=$(date +%s.%N)",
+    lines[i:i + 1] = ["t0=$(date +%s.%N)", f": > {MARKS[0]}", lines[i], "t1=$(date +%s.%N)", f": > {MARKS[1]}",
                       'awk -v a="$t0" -v b="$t1" \'BEGIN { printf "bench_app_seconds %.3f\\n", b - a }\'',
                       'echo "bench_app_window $t0 $t1"']
     return "\n".join(lines) + "\n"
@@ -348,7 +367,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     flag = f"--profile-gpu={modes}" if modes else "--profile-gpu"
     args = [*placement(app, layout), f"--chdir={work}", *([flag] if profiled else []), str(work / "job.sh")]
     job = slurm.sbatch(args, user=slurm.TEST_USER, cwd=work)
-    cpu = CollectorCpu(job, bpf_time, displacement)
+    cpu = CollectorCpu(job, work, bpf_time, displacement)
     try:
         info = slurm.wait_final(job, runner.JOB_TIMEOUT_S)
     finally:
@@ -363,7 +382,7 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     w = WINDOW.search(text)
     if w is None:
         raise RuntimeError(f"{out}: no bench_app_window line:\n{text[-1500:]}")
-    t0, t1 = float(w.group(1)), float(w.group(2))
+    t0, t1 = cpu.window(float(w.group(1)), float(w.group(2)))
     ms = (cpu.at(t1) - cpu.at(t0)) / 1e6
     bench_self_ms = (cpu.at(t1, cpu.self_samples) - cpu.at(t0, cpu.self_samples)) / 1e6
     bpf_ms = (cpu.at(t1, cpu.bpf_samples) - cpu.at(t0, cpu.bpf_samples)) / 1e6 if bpf_time and profiled else None

@@ -205,6 +205,59 @@ def cpu_quota(node: str, uid: int, jobid: str, quota_cpus: float) -> None:
             time.sleep(0.2)
 
 
+# A co-runner that took less than this share of the rank's CPU (the rank's CPU a second over the
+# median of the job's other ranks') had no effect worth scoring: a run of 2026-12-06 left its rank
+# 581 CPU samples against 529-600 for the others, and the fault was scored as missed.
+CORUNNER_EFFECT_MAX_RATIO = 0.75
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a process, in clock ticks (/proc/PID/stat); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), after pid and comm
+
+
+class CpuRates:
+    """Each watched process's CPU a second since it was first seen (its first and last reads)."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[float, int]] = {}
+        self.last: dict[int, tuple[float, int]] = {}
+
+    def read(self, pids: list[int]) -> None:
+        now = time.monotonic()
+        for p in pids:
+            ticks = cpu_ticks(p)
+            if ticks is not None:
+                self.first.setdefault(p, (now, ticks))
+                self.last[p] = (now, ticks)
+
+    def per_s(self, pid: int) -> float | None:
+        """CPU seconds a second; None when read over less than a second."""
+        if pid not in self.first:
+            return None
+        (t0, c0), (t1, c1) = self.first[pid], self.last[pid]
+        if t1 - t0 < 1.0:
+            return None
+        return (c1 - c0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+
+
+def effect_line(rates: CpuRates, pid: int, others: list[int]) -> str:
+    """`inject: effect ...`: the rank's CPU a second against the median of the job's other ranks',
+    what runner.record keeps in the ground truth and scoring reads (a fault with no effect)."""
+    mine = rates.per_s(pid)
+    theirs = sorted(r for r in (rates.per_s(o) for o in others) if r is not None)
+    if mine is None or not theirs:
+        return f"inject: effect unmeasured (rank read {mine is not None}, {len(theirs)} other ranks read)"
+    median = theirs[len(theirs) // 2] if len(theirs) % 2 else (theirs[len(theirs) // 2 - 1] + theirs[len(theirs) // 2]) / 2
+    ratio = mine / median if median > 0 else float("inf")
+    return f"inject: effect rank_cpu_per_s {mine:.3f} others_cpu_per_s {median:.3f} ratio {ratio:.3f}"
+
+
 def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) -> None:
     """The rank pinned to `cpu` with a stress-ng co-runner there; the job's other ranks (`others`,
     polled: they may start later) pinned to the other CPU(s), as Slurm's core binding gives each rank
@@ -224,6 +277,7 @@ def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) 
         with contextlib.suppress(OSError):
             autogroup.write_text("-10")
     pinned: set[int] = set()
+    rates = CpuRates()  # whether the co-runner took CPU from the rank: read, not assumed
     try:
         while not STOP and alive(pid) and hog.poll() is None:
             for other in others():
@@ -231,8 +285,12 @@ def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) 
                     pinned.add(other)
                     subprocess.run(["taskset", "-a", "-p", "-c", rest_list, str(other)], check=False,
                                    capture_output=True)
+            rates.read([pid, *sorted(pinned)])
             time.sleep(0.2)
     finally:
+        if hog.poll() is not None:
+            print(f"inject: corunner: stress-ng exited {hog.returncode} while the rank ran", flush=True)
+        print(effect_line(rates, pid, sorted(pinned)), flush=True)
         hog.terminate()
         try:
             hog.wait(10)

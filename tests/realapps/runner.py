@@ -202,6 +202,25 @@ def check_injected(log_path: Path, out_text: str, out_path: Path, node: str) -> 
                        f"of {node} as pid {pids.get(node)}")
 
 
+EFFECT_LINE = re.compile(r"^inject: effect rank_cpu_per_s (\S+) others_cpu_per_s (\S+) ratio (\S+)$", re.MULTILINE)
+
+
+def fault_effect(log_path: Path, fault: str) -> dict[str, Any] | None:
+    """What the injector measured of its fault's effect (the co-runner's: the rank's CPU a second
+    against the job's other ranks'), with whether it took effect; None for a fault that measures
+    none. A co-runner that measured nothing counts as without effect: nothing shows it took CPU."""
+    if fault != "corunner":
+        return None
+    text = log_path.read_text(errors="replace")
+    m = EFFECT_LINE.search(text)
+    if m is None:
+        return {"took_effect": False, "why": "the injector printed no effect line", "log": text[-500:]}
+    rank, others, ratio = (float(g) for g in m.groups())
+    return {"rank_cpu_per_s": rank, "others_cpu_per_s": others, "ratio": ratio,
+            "max_ratio": faults_mod.CORUNNER_EFFECT_MAX_RATIO,
+            "took_effect": ratio <= faults_mod.CORUNNER_EFFECT_MAX_RATIO}
+
+
 def world_rank_in_file(path: Path, world: int) -> int | None:
     """The rank that the node's calls on a communicator of the job's size carry (None: no such call)."""
     import numpy as np
@@ -297,6 +316,7 @@ def record(spec: RunSpec, cache: Path, user: str = slurm.TEST_USER) -> Path:
         "elapsed": info.get("RunTime"), "job_script": job_script(spec), "injector": inject_args,
         "slow_collective_us": SLOW_COLLECTIVE_US.get(spec.app.name) if spec.fault.name == "slow_collectives"
         else None,
+        "fault_effect": fault_effect(run_dir / "inject.log", spec.fault.name) if injector is not None else None,
     }
     (run_dir / "ground_truth.json").write_text(json.dumps(truth, indent=1) + "\n")
     return run_dir

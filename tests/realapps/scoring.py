@@ -8,7 +8,11 @@ positive when it locates the fault and its cause is the injected one. Per (app, 
 - recall: fault runs with at least one true positive / fault runs;
 - cause_accuracy: findings that locate the fault with the right cause / findings that locate it
   (None when none locates it);
-- findings_on_balanced: findings on the balanced runs (every one is false).
+- findings_on_balanced: findings on the balanced runs (every one is false);
+- runs_fault_without_effect: fault runs whose injector measured no effect (ground truth
+  "fault_effect", the co-runner's: it took no CPU from the rank), left out of the three ratios: a
+  run the fault did not touch tests nothing. Recordings made before the injector measured keep
+  being scored.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class RunScore:
     balanced: bool = False
     merge_status: str = ""
     error: str = ""
+    without_effect: bool = False  # the injector measured that its fault took nothing from the rank
     details: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -45,7 +50,8 @@ def locates(finding: dict[str, Any], truth: dict[str, Any]) -> bool:
 def score_run(report: dict[str, Any], truth: dict[str, Any], run: str) -> RunScore:
     findings = list(report.get("stragglers") or [])
     s = RunScore(app=truth["app"], fault=truth["fault"], run=run, findings=len(findings),
-                 balanced=truth.get("cause") is None, merge_status=str(report.get("status", "")))
+                 balanced=truth.get("cause") is None, merge_status=str(report.get("status", "")),
+                 without_effect=not (truth.get("fault_effect") or {}).get("took_effect", True))
     for f in findings:
         loc = not s.balanced and locates(f, truth)
         tp = loc and f.get("cause") == truth.get("cause")
@@ -62,7 +68,7 @@ def _ratio(num: int, den: int) -> float | None:
 
 def aggregate(scores: list[RunScore], app: str, fault: str) -> dict[str, Any]:
     """The bench line of one (app, fault) (app or fault may be 'all' for the totals)."""
-    ok = [s for s in scores if not s.error]
+    ok = [s for s in scores if not s.error and not s.without_effect]
     faulty = [s for s in ok if not s.balanced]
     balanced = [s for s in ok if s.balanced]
     findings = sum(s.findings for s in faulty)
@@ -70,7 +76,8 @@ def aggregate(scores: list[RunScore], app: str, fault: str) -> dict[str, Any]:
     tp = sum(s.true_positive for s in faulty)
     return {
         "bench": "real_diagnosis", "app": app, "fault": fault, "runs": len(ok),
-        "failed_runs": len(scores) - len(ok),
+        "failed_runs": sum(1 for s in scores if s.error),
+        "runs_fault_without_effect": sum(1 for s in scores if not s.error and s.without_effect),
         "precision": _ratio(tp, findings),
         "recall": _ratio(sum(1 for s in faulty if s.true_positive > 0), len(faulty)),
         "cause_accuracy": _ratio(tp, located),
