@@ -187,8 +187,8 @@ def test_scoring_of_findings() -> None:
 def test_a_fault_run_without_effect_is_counted_apart_not_scored() -> None:
     truth = {"app": "x", "fault": "corunner", "cause": "host", "node": "node3", "rank": 2}
     hit = scoring.score_run({"stragglers": [{"node": "node3", "ranks": [2], "cause": "host"}]},
-                            {**truth, "fault_effect": {"ratio": 0.3, "took_effect": True}}, "a")
-    missed = scoring.score_run({"stragglers": []}, {**truth, "fault_effect": {"ratio": 1.0, "took_effect": False}}, "b")
+                            {**truth, "fault_effect": {"wait_gap": 0.6, "took_effect": True}}, "a")
+    missed = scoring.score_run({"stragglers": []}, {**truth, "fault_effect": {"wait_gap": 0.0, "took_effect": False}}, "b")
     before = scoring.score_run({"stragglers": []}, truth, "c")  # recorded before the injector measured
     agg = scoring.aggregate([hit, missed], "x", "corunner")
     assert (agg["runs"], agg["runs_fault_without_effect"], agg["recall"]) == (1, 1, 1.0)
@@ -196,30 +196,34 @@ def test_a_fault_run_without_effect_is_counted_apart_not_scored() -> None:
     assert (agg["runs"], agg["runs_fault_without_effect"], agg["recall"]) == (2, 1, 0.5)
 
 
-def test_corunner_effect_is_read_from_the_processes_cpu(tmp_path: Path) -> None:
-    """The injector's effect line on real processes: a rank that got little CPU (a sleeper) against
-    ranks that computed (busy loops), and back again; and the runner's reading of it."""
-    busy = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(2)]
-    idle = subprocess.Popen(["sleep", "30"])
+def test_corunner_effect_is_read_from_the_ranks_run_queue_waits(tmp_path: Path) -> None:
+    """The injector's effect line on real processes: a "rank" pinned to a CPU with three busy loops
+    (it waits for the CPU about three quarters of the time it wants it) against a rank that mostly
+    sleeps on the other CPU, and the roles the other way round; and the runner's reading of it."""
+    def pinned(cpu: int, code: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["taskset", "-c", str(cpu), "python3", "-c", code])
+
+    crowded = [pinned(0, "while True: pass") for _ in range(4)]
+    light = pinned(1, "import time\nwhile True: time.sleep(0.01)")
     try:
-        rates = faults.CpuRates()
-        pids = [idle.pid, *(b.pid for b in busy)]
-        rates.read(pids)
+        shares = faults.SchedShares()
+        pids = [light.pid, *(c.pid for c in crowded)]
+        shares.read(pids)
         time.sleep(1.5)
-        rates.read(pids)
-        starved = faults.effect_line(rates, idle.pid, [b.pid for b in busy])
-        fed = faults.effect_line(rates, busy[0].pid, [idle.pid, busy[1].pid])
+        shares.read(pids)
+        starved = faults.effect_line(shares, crowded[0].pid, [light.pid])
+        fed = faults.effect_line(shares, light.pid, [crowded[0].pid])
     finally:
-        for q in (*busy, idle):
+        for q in (*crowded, light):
             q.kill()
             q.wait()
     log = tmp_path / "inject.log"
-    log.write_text(f"inject: corunner on node3 pid {idle.pid} rank 2\n{starved}\n")
+    log.write_text(f"inject: corunner on node3 pid {crowded[0].pid} rank 2\n{starved}\n")
     effect = runner.fault_effect(log, "corunner")
-    assert effect is not None and effect["took_effect"] and effect["ratio"] < 0.1, (starved, effect)
-    log.write_text(f"inject: corunner on node3 pid {busy[0].pid} rank 2\n{fed}\n")
+    assert effect is not None and effect["took_effect"] and effect["rank_wait_share"] > 0.5, (starved, effect)
+    log.write_text(f"inject: corunner on node3 pid {light.pid} rank 2\n{fed}\n")
     effect = runner.fault_effect(log, "corunner")
-    assert effect is not None and not effect["took_effect"] and effect["ratio"] > 0.75, (fed, effect)
+    assert effect is not None and not effect["took_effect"] and effect["wait_gap"] < 0, (fed, effect)
     log.write_text("inject: corunner on node3 pid 1 rank 2\n")  # killed before it printed
     effect = runner.fault_effect(log, "corunner")
     assert effect is not None and not effect["took_effect"]

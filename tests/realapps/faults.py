@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -205,57 +206,62 @@ def cpu_quota(node: str, uid: int, jobid: str, quota_cpus: float) -> None:
             time.sleep(0.2)
 
 
-# A co-runner that took less than this share of the rank's CPU (the rank's CPU a second over the
-# median of the job's other ranks') had no effect worth scoring: a run of 2026-12-06 left its rank
-# 581 CPU samples against 529-600 for the others, and the fault was scored as missed.
-CORUNNER_EFFECT_MAX_RATIO = 0.75
+# A co-runner took effect when the rank waited for its CPU a larger share of the time it wanted
+# it than the job's other ranks did, by this much at least (the rank's main thread's run queue
+# wait over its wait and run time, /proc/PID/schedstat, against the median of the others'). Its
+# CPU a second alone does not tell: in a lock-step code of 2 ranks (NetPIPE) the other rank runs
+# as little as the stressed one. A run of 2026-12-06 left its stressed rank 581 CPU samples
+# against 529-600 for the others: that fault was scored as missed.
+CORUNNER_EFFECT_MIN_WAIT_GAP = 0.2
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of a process, in clock ticks (/proc/PID/stat); None when it is gone."""
+def sched_ns(pid: int) -> tuple[int, int] | None:
+    """(run ns, run-queue wait ns) of a process's main thread (/proc/PID/schedstat); None when gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        with open(f"/proc/{pid}/schedstat") as f:
+            run, wait = f.read().split()[:2]
+    except (OSError, ValueError):
         return None
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), after pid and comm
+    return int(run), int(wait)
 
 
-class CpuRates:
-    """Each watched process's CPU a second since it was first seen (its first and last reads)."""
+class SchedShares:
+    """Each watched process's main thread since it was first seen (its first and last reads): its
+    CPU a second, and the share of the time it wanted a CPU that it waited for one."""
 
     def __init__(self) -> None:
-        self.first: dict[int, tuple[float, int]] = {}
-        self.last: dict[int, tuple[float, int]] = {}
+        self.first: dict[int, tuple[float, int, int]] = {}
+        self.last: dict[int, tuple[float, int, int]] = {}
 
     def read(self, pids: list[int]) -> None:
         now = time.monotonic()
         for p in pids:
-            ticks = cpu_ticks(p)
-            if ticks is not None:
-                self.first.setdefault(p, (now, ticks))
-                self.last[p] = (now, ticks)
+            ns = sched_ns(p)
+            if ns is not None:
+                self.first.setdefault(p, (now, *ns))
+                self.last[p] = (now, *ns)
 
-    def per_s(self, pid: int) -> float | None:
-        """CPU seconds a second; None when read over less than a second."""
+    def of(self, pid: int) -> tuple[float, float] | None:
+        """(CPU seconds a second, wait share); None when read over less than a second or never run."""
         if pid not in self.first:
             return None
-        (t0, c0), (t1, c1) = self.first[pid], self.last[pid]
-        if t1 - t0 < 1.0:
+        (t0, r0, w0), (t1, r1, w1) = self.first[pid], self.last[pid]
+        if t1 - t0 < 1.0 or r1 - r0 + w1 - w0 <= 0:
             return None
-        return (c1 - c0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+        return (r1 - r0) / 1e9 / (t1 - t0), (w1 - w0) / (r1 - r0 + w1 - w0)
 
 
-def effect_line(rates: CpuRates, pid: int, others: list[int]) -> str:
-    """`inject: effect ...`: the rank's CPU a second against the median of the job's other ranks',
-    what runner.record keeps in the ground truth and scoring reads (a fault with no effect)."""
-    mine = rates.per_s(pid)
-    theirs = sorted(r for r in (rates.per_s(o) for o in others) if r is not None)
+def effect_line(shares: SchedShares, pid: int, others: list[int]) -> str:
+    """`inject: effect ...`: the rank's CPU a second and wait share against the medians of the
+    job's other ranks', which runner.record keeps in the ground truth (and scoring reads)."""
+    mine = shares.of(pid)
+    theirs = [x for x in (shares.of(o) for o in others) if x is not None]
     if mine is None or not theirs:
         return f"inject: effect unmeasured (rank read {mine is not None}, {len(theirs)} other ranks read)"
-    median = theirs[len(theirs) // 2] if len(theirs) % 2 else (theirs[len(theirs) // 2 - 1] + theirs[len(theirs) // 2]) / 2
-    ratio = mine / median if median > 0 else float("inf")
-    return f"inject: effect rank_cpu_per_s {mine:.3f} others_cpu_per_s {median:.3f} ratio {ratio:.3f}"
+    cpu = statistics.median(c for c, _ in theirs)
+    wait = statistics.median(w for _, w in theirs)
+    return (f"inject: effect rank_cpu_per_s {mine[0]:.3f} others_cpu_per_s {cpu:.3f} "
+            f"rank_wait_share {mine[1]:.3f} others_wait_share {wait:.3f}")
 
 
 def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) -> None:
@@ -277,7 +283,7 @@ def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) 
         with contextlib.suppress(OSError):
             autogroup.write_text("-10")
     pinned: set[int] = set()
-    rates = CpuRates()  # whether the co-runner took CPU from the rank: read, not assumed
+    shares = SchedShares()  # whether the co-runner took CPU from the rank: read, not assumed
     try:
         while not STOP and alive(pid) and hog.poll() is None:
             for other in others():
@@ -285,12 +291,12 @@ def corunner(pid: int, cpu: int, workers: int, others: Callable[[], list[int]]) 
                     pinned.add(other)
                     subprocess.run(["taskset", "-a", "-p", "-c", rest_list, str(other)], check=False,
                                    capture_output=True)
-            rates.read([pid, *sorted(pinned)])
+            shares.read([pid, *sorted(pinned)])
             time.sleep(0.2)
     finally:
         if hog.poll() is not None:
             print(f"inject: corunner: stress-ng exited {hog.returncode} while the rank ran", flush=True)
-        print(effect_line(rates, pid, sorted(pinned)), flush=True)
+        print(effect_line(shares, pid, sorted(pinned)), flush=True)
         hog.terminate()
         try:
             hog.wait(10)

@@ -202,23 +202,27 @@ def check_injected(log_path: Path, out_text: str, out_path: Path, node: str) -> 
                        f"of {node} as pid {pids.get(node)}")
 
 
-EFFECT_LINE = re.compile(r"^inject: effect rank_cpu_per_s (\S+) others_cpu_per_s (\S+) ratio (\S+)$", re.MULTILINE)
+EFFECT_LINE = re.compile(r"^inject: effect rank_cpu_per_s (\S+) others_cpu_per_s (\S+) "
+                         r"rank_wait_share (\S+) others_wait_share (\S+)$", re.MULTILINE)
 
 
 def fault_effect(log_path: Path, fault: str) -> dict[str, Any] | None:
-    """What the injector measured of its fault's effect (the co-runner's: the rank's CPU a second
-    against the job's other ranks'), with whether it took effect; None for a fault that measures
-    none. A co-runner that measured nothing counts as without effect: nothing shows it took CPU."""
+    """What the injector measured of its fault's effect (the co-runner's: how much more of the time
+    it wanted a CPU the rank waited for one than the job's other ranks did), with whether it took
+    effect; None for a fault that measures none. A co-runner that measured nothing counts as without
+    effect: nothing shows it took CPU."""
     if fault != "corunner":
         return None
     text = log_path.read_text(errors="replace")
     m = EFFECT_LINE.search(text)
     if m is None:
         return {"took_effect": False, "why": "the injector printed no effect line", "log": text[-500:]}
-    rank, others, ratio = (float(g) for g in m.groups())
-    return {"rank_cpu_per_s": rank, "others_cpu_per_s": others, "ratio": ratio,
-            "max_ratio": faults_mod.CORUNNER_EFFECT_MAX_RATIO,
-            "took_effect": ratio <= faults_mod.CORUNNER_EFFECT_MAX_RATIO}
+    rank_cpu, others_cpu, rank_wait, others_wait = (float(g) for g in m.groups())
+    gap = rank_wait - others_wait
+    return {"rank_cpu_per_s": rank_cpu, "others_cpu_per_s": others_cpu, "rank_wait_share": rank_wait,
+            "others_wait_share": others_wait, "wait_gap": round(gap, 3),
+            "min_wait_gap": faults_mod.CORUNNER_EFFECT_MIN_WAIT_GAP,
+            "took_effect": gap >= faults_mod.CORUNNER_EFFECT_MIN_WAIT_GAP}
 
 
 def world_rank_in_file(path: Path, world: int) -> int | None:
