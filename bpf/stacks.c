@@ -10,7 +10,7 @@
  * (cfi_stack) and the frame-pointer walk is skipped (user_stack = -EFAULT); when the walk fails at
  * the leaf (cfi_stack = 0) the sample keeps the frame-pointer stack. That part is compiled only
  * with GP_WITH_CFI (sources.stacks.unwinder = "cfi"): it doubles the compile and load time of the
- * object and its maps take ~18 MB of kernel memory; without it cfi_stack is always 0.
+ * object and its maps take ~20 MB of kernel memory; without it cfi_stack is always 0.
  */
 #include "gpuprof_events.h"
 #include "pyframes.h"

@@ -59,7 +59,9 @@ from gpuprof.collector.cfitables import (
 from gpuprof.collector.osthread import named_thread
 from gpuprof.collector.safeio import ELF_MAX_BYTES, UnsafeFile, open_user_file
 
-MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4")])
+MAPPING_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"), ("count", "<u4"),
+                          ("page_first", "<u4"), ("page_count", "<u4"), ("page_base", "<u4"), ("pad", "<u4")])
+PAGE_SHIFT = 12  # GP_CFI_PAGE_SHIFT: a table's page index has an entry per 4 KB of its code
 LAZY = 0xFFFFFFFF  # a mapping's `first` while its table is not loaded (GP_CFI_LAZY, bpf/cfiunwind.h)
 MAX_KEYS_COUNTED = 65536  # the tables_deferred figure stops counting there
 MAX_MAPPINGS_PER_PROC = 4096  # GP_CFI_MAP_STEPS = 12 binary search steps
@@ -190,7 +192,15 @@ class RangeAlloc:
 class _Loaded:
     first: int
     count: int
+    # its page index in gp_cfi_pages (page_index: page_count + 1 entries); page_count 0: none
+    page_first: int = 0
+    page_count: int = 0
+    page_base: int = 0
     users: set[int] = field(default_factory=set)  # pids
+
+    def mapping_fields(self) -> tuple[int, int, int, int, int]:
+        """(first, count, page_first, page_count, page_base) of a mapping of its file."""
+        return self.first, self.count, self.page_first, self.page_count, self.page_base
 
 
 # a maps line as the registration compares them: (start, end, offset, device, inode, path)
@@ -209,6 +219,19 @@ class _Proc:
     tabled: dict[MapsLine, tuple[str, int]] = field(default_factory=dict)
     # its mappings (index in gp_cfi_mappings) whose file's table is not loaded yet: table key
     lazy: dict[int, str] = field(default_factory=dict)
+
+
+def page_index(pcs: np.ndarray) -> tuple[int, np.ndarray]:
+    """A table's page index (gp_cfi_pages, bpf/cfiunwind.h) from its rows' sorted pcs: the first
+    page (pc >> PAGE_SHIFT of its first row) and, for each page from there to its last row's and
+    one more, the number of rows whose pc is at most the page's start. The rows of a pc in page k
+    lie between entries k and k + 1, so the BPF walk searches those (a few cache lines) instead
+    of the whole table (17 steps over libgromacs's, most of them a new cache line)."""
+    if not len(pcs):
+        return 0, np.zeros(0, np.uint32)
+    base = int(pcs[0]) >> PAGE_SHIFT
+    starts = (np.arange(base, (int(pcs[-1]) >> PAGE_SHIFT) + 2, dtype=np.uint64) << PAGE_SHIFT)
+    return base, np.searchsorted(pcs, starts, side="right").astype(np.uint32)
 
 
 def in_every_stack(path: str, exe: str) -> bool:
@@ -255,6 +278,10 @@ class CfiUnwinder:
         self._rows_window = RowsWindow.open(self.rows_map)
         self.rows_written_by = "memory map" if self._rows_window is not None else "batch update"
         self.mappings = RangeAlloc(int(self.maps_map.max_entries))
+        self.pages_map = bpf[b"gp_cfi_pages"]
+        self.pages = RangeAlloc(int(self.pages_map.max_entries))
+        self.page_indexed = 0  # tables loaded with their page index
+        self.no_page_index = 0  # tables loaded without one (no room in gp_cfi_pages): searched whole
         self.cache = compiler.cache
         self.compiler = compiler
         self.lock = threading.RLock()
@@ -342,6 +369,7 @@ class CfiUnwinder:
                 if live is not None:
                     with self.lock:
                         self.rows.new_drain()
+                        self.pages.new_drain()
                         self.mappings.new_drain()
                         self._forget(set(live))
                 self._serve_wanted()
@@ -398,8 +426,8 @@ class CfiUnwinder:
         # the entries' columns as lists, into MAPPING_DTYPE once at the end: a field written into a
         # numpy record costs about a microsecond, and a job's registrations write ten thousand
         bias = [0] * len(maps)
-        firsts = [0] * len(maps)
-        counts = [0] * len(maps)
+        # (first, count, page_first, page_count, page_base) of each (_Loaded.mapping_fields)
+        fields = [(0, 0, 0, 0, 0)] * len(maps)
         keys: set[str] = set()
         eager: list[tuple[int, CfiTable]] = []  # the vDSO's: its table is in memory already
         tabled: dict[MapsLine, tuple[str, int]] = {}  # line -> (table key, bias)
@@ -467,18 +495,22 @@ class CfiUnwinder:
         for i, key, lt in attached:
             if lt is None:
                 if i in by_index:
-                    firsts[i] = LAZY
+                    fields[i] = (LAZY, 0, 0, 0, 0)
                     lazy[i] = key
                     if len(self.deferred) < MAX_KEYS_COUNTED:
                         self.deferred.add(key)
                 continue
             lt.users.add(pid)
             keys.add(key)
-            firsts[i], counts[i] = lt.first, lt.count
+            fields[i] = lt.mapping_fields()
         entries = np.zeros(len(maps), MAPPING_DTYPE)
         entries["start"] = [m.start for m in maps]
         entries["end"] = [m.end for m in maps]
-        entries["bias"], entries["first"], entries["count"] = bias, firsts, counts
+        entries["bias"] = bias
+        if maps:
+            columns = np.array(fields, np.uint32)
+            for k, name in enumerate(("first", "count", "page_first", "page_count", "page_base")):
+                entries[name] = columns[:, k]
         first = self.mappings.alloc(len(entries)) if len(entries) else None
         if first is None:
             for k in keys:
@@ -542,7 +574,8 @@ class CfiUnwinder:
                     del proc.lazy[at]
                     leaf = self.maps_map[self.maps_map.Key(at)]
                     # no table (gone, or no room): the frame-pointer rule from now on, no more asking
-                    leaf.first, leaf.count = (lt.first, lt.count) if lt is not None else (0, 0)
+                    (leaf.first, leaf.count, leaf.page_first, leaf.page_count,
+                     leaf.page_base) = lt.mapping_fields() if lt is not None else (0, 0, 0, 0, 0)
                     self.maps_map[self.maps_map.Key(at)] = leaf
                     if lt is not None:
                         lt.users.add(pid)
@@ -602,7 +635,23 @@ class CfiUnwinder:
         else:
             self._update_batch(self.rows_map, first, t.rows)
         lt = self.loaded[t.key] = _Loaded(first, len(t.rows))
+        base, index = page_index(t.rows["pc"])
+        page_first = self.pages.alloc(len(index)) if len(index) else None
+        if page_first is None:
+            self.no_page_index += 1  # its walks search the whole table: slower, as right
+        else:
+            self._update_batch(self.pages_map, page_first, index)
+            lt.page_first, lt.page_count, lt.page_base = page_first, len(index) - 1, base
+            self.page_indexed += 1
         return lt
+
+    def _free(self, lt: _Loaded, now: bool) -> None:
+        """A table's rows and page index back to their allocators: now (no mapping ever pointed
+        at them), or at the next drain (a walk in flight may still read them)."""
+        free = (self.rows.free_now, self.pages.free_now) if now else (self.rows.free, self.pages.free)
+        free[0](lt.first, lt.count)
+        if lt.page_count:
+            free[1](lt.page_first, lt.page_count + 1)
 
     def _evict_unused_preloads(self) -> bool:
         """Free the preloaded tables no process maps (_preload_hot's guesses), to make room for
@@ -614,7 +663,7 @@ class CfiUnwinder:
             if not lt.users:
                 del self.loaded[key]
                 self._preloaded.discard(key)
-                self.rows.free_now(lt.first, lt.count)
+                self._free(lt, now=True)
                 freed = True
         return freed
 
@@ -626,7 +675,7 @@ class CfiUnwinder:
         if not lt.users:
             del self.loaded[key]
             self._preloaded.discard(key)
-            self.rows.free(lt.first, lt.count)
+            self._free(lt, now=False)
 
     def _update_batch(self, table: Any, first: int, values: np.ndarray) -> None:
         """Array map entries [first, first+len(values)) = values, by BPF_MAP_UPDATE_BATCH."""
@@ -758,6 +807,8 @@ class CfiUnwinder:
                 "tables_not_loaded_yet": len(self.lazy_by_key),
                 "rows_written_by": self.rows_written_by,
                 "rows_used": self.rows.used, "rows_max": self.rows.capacity, "tables_no_room": self.no_room,
+                "page_index_used": self.pages.used, "page_index_max": self.pages.capacity,
+                "tables_page_indexed": self.page_indexed, "tables_without_page_index": self.no_page_index,
                 "files_without_table": len(self.no_table), "compiled": self.cache.compiled,
                 "compile_cpu_s": round(self.cache.compile_s + self.cache.child_cpu_s, 3), "disk_hits": self.cache.disk_hits,
                 "compiled_by_another_collector": self.cache.waited_for_others, "prewarmed": self.cache.warmed,

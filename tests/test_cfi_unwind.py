@@ -509,6 +509,9 @@ def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
     u = object.__new__(CfiUnwinder)  # the rows' bookkeeping only: no BPF object
     u.rows, u.loaded, u._preloaded, u.no_room = RangeAlloc(100), {}, set(), 0
     u._rows_window = RowsInMemory(100)
+    u.pages, u.pages_map, u.page_indexed, u.no_page_index = RangeAlloc(1000), "pages", 0, 0
+    page_writes: list[int] = []
+    u._update_batch = lambda table, first, values: page_writes.append(first)  # type: ignore[method-assign]
 
     def table(key: str, n: int) -> ct.CfiTable:
         return ct.CfiTable(key=key, rows=np.ones(n, ct.ROW_DTYPE))
@@ -521,6 +524,29 @@ def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
     assert needed is not None and u.no_room == 0
     assert set(u.loaded) == {"a", "c"} and u._preloaded == {"a"}
     assert u._load(table("d", 50)) is None and u.no_room == 1  # nothing left to give
+    # each table's page index (2 entries: one page) went with its rows; b's was freed with them
+    assert page_writes == [0, 2, 2] and u.pages.used == 4 and (u.page_indexed, u.no_page_index) == (3, 0)
+    assert [u.loaded[k].mapping_fields()[2:] for k in ("a", "c")] == [(0, 1, 0), (2, 1, 0)]
+
+
+def test_page_index_bounds_each_pages_rows() -> None:
+    """For every pc, the rows between its page's two entries hold the row a search of the whole
+    table finds (the last row at or below it), as bpf/cfiunwind.h's gp_cfi_find_row reads them;
+    pages without a row of their own, pcs on a page's first byte and the last page included."""
+    from gpuprof.collector.cfiunwind import PAGE_SHIFT, page_index
+
+    rng = np.random.default_rng(5)
+    pcs = np.unique(np.concatenate([rng.integers(0x401000, 0x460000, 3000), [0x403000, 0x404000, 0x45F000]])).astype(np.uint32)
+    base, index = page_index(pcs)
+    assert base == 0x401 and len(index) == (0x45F - 0x401) + 2 and index[-1] == len(pcs)
+    for want in [*rng.integers(0x401000, 0x461000, 5000).tolist(), 0x403000, 0x404000, 0x403FFF, 0x45F000,
+                 int(pcs[0]), int(pcs[-1]), int(pcs[-1]) + 5000]:
+        whole = int(np.searchsorted(pcs, want, side="right"))  # the rows at or below it
+        page = (want >> PAGE_SHIFT) - base
+        lo, hi = (int(index[page]), int(index[page + 1])) if page < len(index) - 1 else (len(pcs), len(pcs))
+        assert lo <= whole <= hi, hex(want)
+        assert hi - lo <= 64  # a few cache lines of rows, not the table
+    assert page_index(np.zeros(0, np.uint32))[1].size == 0
 
 
 # --- real programs through the stacks source --------------------------------------------------------
@@ -706,6 +732,9 @@ def test_tables_of_libraries_never_walked_are_not_loaded(state_dir: Path) -> Non
     st = run["status"]
     assert st["tables_deferred"] >= len(preload), st
     assert st["tables_loaded_on_demand"] <= st["tables_deferred"] - len(preload), st
+    # the loaded tables' walks went through their page index (gp_cfi_pages): a wrong range in it
+    # would have cut the stacks above
+    assert st["tables_page_indexed"] >= 2 and st["tables_without_page_index"] == 0, st
 
 
 @pytest.mark.bpf
@@ -802,7 +831,7 @@ def test_a_guessed_caller_in_no_mapping_does_not_ask_for_the_mappings(state_dir:
 @pytest.mark.bpf
 def test_cfi_walk_is_compiled_only_for_the_cfi_unwinder(state_dir: Path) -> None:
     """The CFI walk doubles the BPF object's compile and load time (1.3 -> 2.7 s here, more on a
-    loaded node, where it made the stacks attach late) and holds ~18 MB of kernel maps: compiled in
+    loaded node, where it made the stacks attach late) and holds ~20 MB of kernel maps: compiled in
     only with sources.stacks.unwinder = "cfi". A stacks source asking for CFI from an object compiled
     without it says so and keeps frame pointers."""
     _skip()
