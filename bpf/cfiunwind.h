@@ -34,6 +34,7 @@
 #define GP_CFI_PAGES (1 << 18) /* x 4 bytes: 1 MB; a table's index takes one a 4 KB page of its code, plus one */
 #endif
 #define GP_CFI_PAGE_SHIFT 12
+#define GP_CFI_RULE_SLOTS 4096 /* per CPU, a power of two: x 24 bytes, 96 KB a CPU */
 #define GP_CFI_MAX_FRAMES 128 /* a power of two; 127 pcs kept, as the kernel's stack maps */
 #define GP_CFI_STACK_ENTRIES 4096 /* x 1032 bytes, preallocated: 4 MB */
 #define GP_CFI_ROW_STEPS 20       /* binary search steps: tables of up to 2^20 rows */
@@ -118,6 +119,20 @@ struct gp_cfi_walk {
     u32 tgid;
     u32 leaf_mapped; /* the first pc is in a registered mapping */
     u32 guessed;     /* the last step was the frame-pointer rule's: its return address is a guess */
+    u32 gen;         /* gp_cfi_gen when the walk began: the rule cache's entries of that generation */
+    u32 last_at;     /* the mapping of the last frame (index in gp_cfi_mappings), or GP_CFI_LAZY: none */
+};
+
+/* A rule looked up before, per CPU: slot by a hash of the key. Why: even among a page's rows the
+ * search cost about 0.5 us a frame on GROMACS (the index entry and the rows each a cache miss,
+ * at every frame), and most frames of a sample are return addresses that its earlier samples
+ * walked through. Per CPU, so no other CPU writes an entry while it is read; a walk is never
+ * interrupted by another on its CPU (the sampler runs in interrupt context, the off-CPU walk
+ * with interrupts off). */
+struct gp_cfi_rule_entry {
+    u64 key; /* (the table's first row << 32) | the pc relative to its file */
+    u32 gen; /* gp_cfi_gen[0] when stored: an entry of an older generation is a miss */
+    struct gp_cfi_row row; /* the rule (cfa_type GP_CFA_NONE: no row covers the pc) */
 };
 
 #ifdef GP_CFI_ROWS_MMAPABLE
@@ -133,6 +148,10 @@ BPF_ARRAY(gp_cfi_rows, struct gp_cfi_row, GP_CFI_ROWS);
  * took 23.5 us each in this program. Within a page the rows are a few cache lines. */
 BPF_ARRAY(gp_cfi_pages, u32, GP_CFI_PAGES);
 BPF_ARRAY(gp_cfi_mappings, struct gp_cfi_mapping, GP_CFI_MAPPINGS);
+BPF_PERCPU_ARRAY(gp_cfi_rule_cache, struct gp_cfi_rule_entry, GP_CFI_RULE_SLOTS);
+/* [0]: the rule cache's generation, raised by the collector whenever it frees a table's rows (their
+ * range may then hold another table's: an entry keyed by it would be that table's no more) */
+BPF_ARRAY(gp_cfi_gen, u32, 1);
 BPF_HASH(gp_cfi_procs, u32, struct gp_cfi_proc, 4096);
 BPF_HASH(gp_cfi_stacks, u64, struct gp_cfi_stack, GP_CFI_STACK_ENTRIES);
 BPF_PERCPU_ARRAY(gp_cfi_counters, u64, GP_CFI_NCOUNTERS);
@@ -172,6 +191,14 @@ static __always_inline void gp_cfi_count(int i)
 /* The mapping holding pc among the process's, its index in gp_cfi_mappings into *at; or 0. */
 static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_walk *w, u64 pc, u32 *at)
 {
+    if (w->last_at != GP_CFI_LAZY) { /* a caller is most often in its callee's file */
+        u32 last = w->last_at;
+        struct gp_cfi_mapping *m = gp_cfi_mappings.lookup(&last);
+        if (m && m->start <= pc && pc < m->end) {
+            *at = last;
+            return m;
+        }
+    }
     u32 lo = 0, hi = w->pcount;
     for (int k = 0; k < GP_CFI_MAP_STEPS; k++) {
         if (lo >= hi)
@@ -193,6 +220,7 @@ static __always_inline struct gp_cfi_mapping *gp_cfi_find_mapping(struct gp_cfi_
     if (!m || pc >= m->end)
         return 0;
     *at = idx;
+    w->last_at = idx;
     return m;
 }
 
@@ -241,6 +269,30 @@ static __always_inline struct gp_cfi_row *gp_cfi_find_row(struct gp_cfi_mapping 
     return gp_cfi_rows.lookup(&idx);
 }
 
+/* The rule of pc in a mapping with a table (m->count > 0): from the CPU's rule cache, else searched
+ * and cached. */
+static __always_inline void gp_cfi_rule(struct gp_cfi_walk *w, struct gp_cfi_mapping *m, u64 pc, struct gp_cfi_row *out)
+{
+    u64 rel = pc - m->bias;
+    if (rel > 0xFFFFFFFFULL)
+        return; /* no row: *out stays GP_CFA_NONE */
+    u64 key = ((u64)m->first << 32) | rel;
+    u32 slot = (u32)((key * 0x9E3779B97F4A7C15ULL) >> 32) & (GP_CFI_RULE_SLOTS - 1);
+    struct gp_cfi_rule_entry *e = gp_cfi_rule_cache.lookup(&slot);
+    if (e && e->key == key && e->gen == w->gen) {
+        __builtin_memcpy(out, &e->row, sizeof(*out));
+        return;
+    }
+    struct gp_cfi_row *r = gp_cfi_find_row(m, pc);
+    if (r)
+        __builtin_memcpy(out, r, sizeof(*out));
+    if (e) {
+        e->key = key;
+        e->gen = w->gen;
+        __builtin_memcpy(&e->row, out, sizeof(*out));
+    }
+}
+
 /* One frame: record w->pc, then step to the caller. Returns 1 when the walk is over. */
 static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stack *st)
 {
@@ -278,13 +330,12 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
         gp_cfi_wanted.update(&at, &one); /* this frame by the frame-pointer rule, the next walks by CFI */
     }
     if (m->count) {
-        struct gp_cfi_row *r = gp_cfi_find_row(m, look);
-        if (r) {
-            cfa_type = r->cfa_type;
-            cfa_off = r->cfa_off;
-            rbp_type = r->rbp_type;
-            rbp_off = r->rbp_off;
-        }
+        struct gp_cfi_row r = {}; /* GP_CFA_NONE, GP_RBP_SAME: no row covers the pc */
+        gp_cfi_rule(w, m, look, &r);
+        cfa_type = r.cfa_type;
+        cfa_off = r.cfa_off;
+        rbp_type = r.rbp_type;
+        rbp_off = r.rbp_off;
     }
     u64 cfa;
     if (cfa_type == GP_CFA_RSP) {
@@ -385,6 +436,10 @@ static __always_inline void gp_cfi_init(struct gp_cfi_state *s, u32 pfirst, u32 
     w->tgid = tgid;
     w->leaf_mapped = 0;
     w->guessed = 0;
+    w->last_at = GP_CFI_LAZY;
+    int zero = 0;
+    u32 *gen = gp_cfi_gen.lookup(&zero);
+    w->gen = gen ? *gen : 0;
 }
 
 /* gp_cfi_init from the user registers of the current task while it is in the kernel (a system

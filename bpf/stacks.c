@@ -12,6 +12,9 @@
  * with GP_WITH_CFI (sources.stacks.unwinder = "cfi"): it doubles the compile and load time of the
  * object and its maps take ~20 MB of kernel memory; without it cfi_stack is always 0.
  */
+#include <uapi/linux/bpf_perf_event.h>
+#include <uapi/linux/ptrace.h>
+
 #include "gpuprof_events.h"
 #include "pyframes.h"
 #ifdef GP_WITH_CFI
@@ -84,7 +87,9 @@ int gp_cpu_sample(struct bpf_perf_event_data *ctx)
     key.pid = tgid;
     key.tid = (u32)id;
     key.cpu = bpf_get_smp_processor_id();
-    key.kernel_stack = gp_cpu_stacks.get_stackid(ctx, 0);
+    /* a sample in user mode has no kernel stack: -EFAULT, what get_stackid returns for it after
+     * 1.6 us of looking (GROMACS, 9 samples in 10) */
+    key.kernel_stack = (ctx->regs.cs & 3) == 3 ? -EFAULT : gp_cpu_stacks.get_stackid(ctx, 0);
     key.py_stack = gp_py_walk(tgid, key.tid, GP_IDS_CPU);
 #ifdef GP_WITH_CFI
     if (gp_cfi_begin(ctx, tgid)) {

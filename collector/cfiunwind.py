@@ -281,6 +281,8 @@ class CfiUnwinder:
         self.pages_map = bpf[b"gp_cfi_pages"]
         self.pages = RangeAlloc(int(self.pages_map.max_entries))
         self.page_indexed = 0  # tables loaded with their page index
+        self.gen_map = bpf[b"gp_cfi_gen"]
+        self._raise_generation()  # a BPF object shared with an earlier unwinder: its cached rules go
         self.no_page_index = 0  # tables loaded without one (no room in gp_cfi_pages): searched whole
         self.cache = compiler.cache
         self.compiler = compiler
@@ -647,11 +649,18 @@ class CfiUnwinder:
 
     def _free(self, lt: _Loaded, now: bool) -> None:
         """A table's rows and page index back to their allocators: now (no mapping ever pointed
-        at them), or at the next drain (a walk in flight may still read them)."""
+        at them), or at the next drain (a walk in flight may still read them). The walks' cached
+        rules keyed by its rows are misses from now on (their range may hold another table's)."""
         free = (self.rows.free_now, self.pages.free_now) if now else (self.rows.free, self.pages.free)
         free[0](lt.first, lt.count)
         if lt.page_count:
             free[1](lt.page_first, lt.page_count + 1)
+        self._raise_generation()
+
+    def _raise_generation(self) -> None:
+        """gp_cfi_gen[0] + 1: every rule the BPF walks cached before is a miss from now on."""
+        key = self.gen_map.Key(0)
+        self.gen_map[key] = self.gen_map.Leaf((self.gen_map[key].value + 1) & 0xFFFFFFFF)
 
     def _evict_unused_preloads(self) -> bool:
         """Free the preloaded tables no process maps (_preload_hot's guesses), to make room for

@@ -22,7 +22,7 @@ from stackcopy_run import NOFP_TREE, copied_stacks, nofp_tree, unwinder_skip_rea
 from gpuprof.collector import bpf_support, schema
 from gpuprof.collector.sources.base import SourceUnavailable
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
-from gpuprof.collector.symbolize import STACK_LOST, demangle, folded_stacks, stack_names
+from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, demangle, folded_stacks, stack_names
 
 
 def _skip() -> None:
@@ -74,6 +74,27 @@ def test_hot_function_dominates(tmp_path: Path) -> None:
     assert any(k.endswith("hot_thread;hot_function") for k in folded), list(folded)[:5]
     sym = f["stacks/symbols"][()]
     assert b"cpu_work" in set(sym["module"][sym["name"] == b"hot_function"].tolist())
+
+
+@pytest.mark.bpf
+def test_samples_in_the_kernel_keep_their_kernel_stack(tmp_path: Path) -> None:
+    """Two threads calling sched_yield on one CPU: the samples taken in the kernel have the kernel
+    stack of the system call, those taken in user mode none (STACK_NONE, not asked for: the
+    sampler skips the kernel walk there), and none is lost."""
+    _skip()
+    rows, info, f, errors = run_stacks(tmp_path, ["yield", "2"])
+    assert not errors, errors
+    names = stack_names(f)
+    workers = rows[np.isin(rows["tid"], info["tids"])]
+    total = int(workers["count"].sum())
+    in_kernel = Counter[str]()
+    for r in workers:
+        k = names.get(int(r["kernel_stack"]), [])
+        in_kernel["yield" if any("sched_yield" in n for n in k) else "other" if k else "none"] += int(r["count"])
+    assert total > 50 and in_kernel["yield"] >= 0.2 * total, in_kernel
+    no_stack = workers["kernel_stack"] == STACK_NONE
+    assert int(workers["count"][no_stack].sum()) == in_kernel["none"], in_kernel
+    assert not (workers["kernel_stack"] == STACK_LOST).any()
 
 
 @pytest.mark.bpf

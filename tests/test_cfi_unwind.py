@@ -510,6 +510,8 @@ def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
     u.rows, u.loaded, u._preloaded, u.no_room = RangeAlloc(100), {}, set(), 0
     u._rows_window = RowsInMemory(100)
     u.pages, u.pages_map, u.page_indexed, u.no_page_index = RangeAlloc(1000), "pages", 0, 0
+    generations: list[None] = []
+    u._raise_generation = lambda: generations.append(None)  # type: ignore[method-assign]
     page_writes: list[int] = []
     u._update_batch = lambda table, first, values: page_writes.append(first)  # type: ignore[method-assign]
 
@@ -527,6 +529,7 @@ def test_preloaded_tables_no_process_maps_make_room_for_a_needed_one() -> None:
     # each table's page index (2 entries: one page) went with its rows; b's was freed with them
     assert page_writes == [0, 2, 2] and u.pages.used == 4 and (u.page_indexed, u.no_page_index) == (3, 0)
     assert [u.loaded[k].mapping_fields()[2:] for k in ("a", "c")] == [(0, 1, 0), (2, 1, 0)]
+    assert len(generations) == 1  # b's rows freed: the walks' cached rules of them are misses now
 
 
 def test_page_index_bounds_each_pages_rows() -> None:
