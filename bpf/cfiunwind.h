@@ -34,7 +34,10 @@
 #define GP_CFI_PAGES (1 << 18) /* x 4 bytes: 1 MB; a table's index takes one a 4 KB page of its code, plus one */
 #endif
 #define GP_CFI_PAGE_SHIFT 12
-#define GP_CFI_RULE_SLOTS 4096 /* per CPU, a power of two: x 24 bytes, 96 KB a CPU */
+/* per CPU, a power of two: x 24 bytes, 12 KB a CPU. Small on purpose: on GROMACS a sample cost
+ * 13.9 and 13.5 us with 512 slots, 17.3 and 19.0 with 4096 (96 KB: its pages and cache lines are
+ * misses of their own beside the job's working set, at 98 % hits), 15.9 with 128 */
+#define GP_CFI_RULE_SLOTS 512
 #define GP_CFI_MAX_FRAMES 128 /* a power of two; 127 pcs kept, as the kernel's stack maps */
 #define GP_CFI_STACK_ENTRIES 4096 /* x 1032 bytes, preallocated: 4 MB */
 #define GP_CFI_ROW_STEPS 20       /* binary search steps: tables of up to 2^20 rows */
