@@ -281,9 +281,9 @@ class CfiUnwinder:
         self.pages_map = bpf[b"gp_cfi_pages"]
         self.pages = RangeAlloc(int(self.pages_map.max_entries))
         self.page_indexed = 0  # tables loaded with their page index
+        self.no_page_index = 0  # tables loaded without one (no room in gp_cfi_pages): searched whole
         self.gen_map = bpf[b"gp_cfi_gen"]
         self._raise_generation()  # a BPF object shared with an earlier unwinder: its cached rules go
-        self.no_page_index = 0  # tables loaded without one (no room in gp_cfi_pages): searched whole
         self.cache = compiler.cache
         self.compiler = compiler
         self.lock = threading.RLock()
@@ -640,7 +640,7 @@ class CfiUnwinder:
         base, index = page_index(t.rows["pc"])
         page_first = self.pages.alloc(len(index)) if len(index) else None
         if page_first is None:
-            self.no_page_index += 1  # its walks search the whole table: slower, as right
+            self.no_page_index += 1  # its walks search the whole table: slower, as right as ever
         else:
             self._update_batch(self.pages_map, page_first, index)
             lt.page_first, lt.page_count, lt.page_base = page_first, len(index) - 1, base
@@ -651,10 +651,10 @@ class CfiUnwinder:
         """A table's rows and page index back to their allocators: now (no mapping ever pointed
         at them), or at the next drain (a walk in flight may still read them). The walks' cached
         rules keyed by its rows are misses from now on (their range may hold another table's)."""
-        free = (self.rows.free_now, self.pages.free_now) if now else (self.rows.free, self.pages.free)
-        free[0](lt.first, lt.count)
-        if lt.page_count:
-            free[1](lt.page_first, lt.page_count + 1)
+        rows_free, pages_free = (self.rows.free_now, self.pages.free_now) if now else (self.rows.free, self.pages.free)
+        rows_free(lt.first, lt.count)
+        if lt.page_count:  # loaded with an index
+            pages_free(lt.page_first, lt.page_count + 1)
         self._raise_generation()
 
     def _raise_generation(self) -> None:
