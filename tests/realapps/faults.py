@@ -5,7 +5,7 @@
 | `balanced` | nothing | (no finding expected) |
 | `sigstop` | a helper process finds the rank's pid in its node's Slurm job cgroup and stops it (SIGSTOP) for `duty` of every `period_s`, SIGCONT otherwise | host |
 | `cpu_quota` | the processes of one node's Slurm job cgroup are moved into a cpu-controller cgroup of ours with a CFS quota (see below) | host |
-| `corunner` | the rank is pinned with taskset to CPU 1, the job's other ranks to the other CPU, and a `stress-ng --cpu 6` co-runner to CPU 1, in its own session whose autogroup has the weight of nice -10 (see corunner()) | host |
+| `corunner` | the rank is pinned with taskset to CPU 1, the job's other ranks to the other CPU, and a `stress-ng --cpu 6` co-runner to CPU 1, in its own session whose autogroup has the weight of nice -10 (see corunner()); the injector prints the effect it measured (the rank's run-queue waits against the others'), and a run without effect is scored apart | host |
 | `load_sleep` | the training program's `--load-extra-s` on one rank (inside the app, by its own knob) | host |
 | `slow_collectives` | tests/realapps/slow_collectives.c, LD_PRELOADed on every rank, busy-waits `delay_us` after each collective returns on one rank | network |
 
