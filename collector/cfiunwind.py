@@ -511,8 +511,8 @@ class CfiUnwinder:
         entries["bias"] = bias
         if maps:
             columns = np.array(fields, np.uint32)
-            for k, name in enumerate(("first", "count", "page_first", "page_count", "page_base")):
-                entries[name] = columns[:, k]
+            for col, name in enumerate(("first", "count", "page_first", "page_count", "page_base")):
+                entries[name] = columns[:, col]
         first = self.mappings.alloc(len(entries)) if len(entries) else None
         if first is None:
             for k in keys:
