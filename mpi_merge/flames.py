@@ -227,6 +227,17 @@ def mean_per_process(parts: Sequence[dict[int, Counter[str]]],
     return Counter({k: v / n for k, v in total.items()}) if n else Counter(), n
 
 
+def extra_stacks(late: Counter[str], peers: Counter[str]) -> dict[str, float]:
+    """What the late processes have more than the peers, stack by stack (the positive part of the
+    difference), of the stacks where they have more."""
+    out: dict[str, float] = {}
+    for key in set(late) | set(peers):
+        extra = late.get(key, 0.0) - peers.get(key, 0.0)
+        if extra > 0:
+            out[key] = extra
+    return out
+
+
 def excess_path(late: Counter[str], peers: Counter[str]) -> tuple[list[str], float, float]:
     """(path from the root, its share of the extra, the extra) of the walk down the differential
     (module docstring). The extra is what the late processes have more than the peers, stack by
@@ -234,10 +245,7 @@ def excess_path(late: Counter[str], peers: Counter[str]) -> tuple[list[str], flo
     computing one, so a late rank's extra time shows as samples moved from the peers' polling into
     its own functions, not as more samples. ([], 0, 0) when it has no stack more than the peers."""
     incl: dict[tuple[str, ...], float] = {}
-    for key in set(late) | set(peers):
-        extra = late.get(key, 0.0) - peers.get(key, 0.0)
-        if extra <= 0:
-            continue
+    for key, extra in extra_stacks(late, peers).items():
         frames = tuple(key.split(";"))
         for d in range(1, len(frames) + 1):
             incl[frames[:d]] = incl.get(frames[:d], 0.0) + extra
@@ -295,12 +303,10 @@ def asleep_in(late: Counter[str], peers: Counter[str]) -> dict[str, Any] | None:
     innermost frames agree on the reason (do_signal_stop, a futex, a poll, disk I/O). None when
     the late processes have no extra."""
     by: dict[str, float] = {}
-    for key in set(late) | set(peers):
-        extra = late.get(key, 0.0) - peers.get(key, 0.0)
-        if extra > 0:
-            frames = key.split(";")
-            reason = next((f for f in reversed(frames) if f not in SCHEDULER_FRAMES), frames[-1])
-            by[reason] = by.get(reason, 0.0) + extra
+    for key, extra in extra_stacks(late, peers).items():
+        frames = key.split(";")
+        reason = next((f for f in reversed(frames) if f not in SCHEDULER_FRAMES), frames[-1])
+        by[reason] = by.get(reason, 0.0) + extra
     total = float(sum(by.values()))
     if total <= 0:
         return None
