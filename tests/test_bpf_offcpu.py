@@ -178,14 +178,18 @@ def run_blocked(tmp_path: Path, state: Path, cmd: list[str], unwinder: str = "cf
 
 def blocked_share(rows: Any, names: dict[int, list[str]], ok: Any) -> tuple[float, int, Counter[str]]:
     """(share of the blocked time whose user stack is ok, that blocked time in ns, the blocked time
-    by stack), counted from the first window with an ok stack on: the windows before it are the
-    program's start, before the collector registered its process (the first drain after its exec)."""
+    by stack), counted from the window after the first with an ok stack: the windows up to it hold
+    the program's start, before the collector registered its process (the first drain after its
+    exec). That first window itself is left out too: its episodes before the registration were
+    walked by the frame-pointer rule, and a window's rows all carry its start as t_ns, so they
+    cannot be told from the later ones (a registration late in that window left 5 % of the
+    blocked time to them once, under make test's load)."""
     stacks = [tuple(names.get(int(r["user_stack"]), [])) for r in rows]
     t0 = min((int(r["t_ns"]) for r, s in zip(rows, stacks) if ok(s)), default=None)
     by: Counter[str] = Counter()
     good = total = 0
     for r, s in zip(rows, stacks):
-        if t0 is None or int(r["t_ns"]) < t0:
+        if t0 is None or int(r["t_ns"]) <= t0:
             continue
         total += int(r["blocked_ns"])
         good += int(r["blocked_ns"]) if ok(s) else 0
@@ -219,7 +223,7 @@ def test_blocked_native_stack_is_the_whole_chain(tmp_path: Path, state_dir: Path
     the C library's start, in the off-CPU stack; the kernel stack says what it waits in."""
     _skip_cc()
     prog = native_progs.nofp_block(frame_pointers=build == "frame_pointers")
-    rows, info, names, errors, src = run_blocked(tmp_path, state_dir, [str(prog), how, "2"])
+    rows, info, names, errors, src = run_blocked(tmp_path, state_dir, [str(prog), how, "3"])
     assert not errors, errors
     assert src.cfi_walk
     mine = rows[rows["tid"] == info["tids"][0]]
