@@ -656,16 +656,24 @@ class TableCache:
         return keys
 
     def mark_hot(self, key: str) -> None:
-        """A walk needed the table of key: the next registrations on this host load it at once
-        (hot()); an empty <key>.hot beside its rows in the disk cache, removed with them."""
+        """A walk needed the table of key, or a job used it: the next registrations on this host
+        load it at once (hot()), and the next unwinders preload it before others (hot_keys: the
+        newest marks first); an empty <key>.hot beside its rows in the disk cache, removed with
+        them, its modification time set to now."""
         with self.lock:
             self._hot[key] = True
         paths = self._disk_paths(key)
         if paths is None or not self._disk_ok():
             return
+        if not os.path.lexists(paths[0]):
+            return  # a table kept in memory only (the vDSO's): nothing to preload it from
         hot_p = paths[0].with_suffix(".hot")
         try:
-            os.close(os.open(hot_p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            fd = os.open(hot_p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.utime(fd)  # an existing mark too: O_CREAT leaves its time as it was
+            finally:
+                os.close(fd)
         except OSError as e:
             self._disk_error(f"{hot_p}: {e}")
 
@@ -754,7 +762,7 @@ class TableCache:
 
     # on-disk copies: <dir>/<build id>.npy (rows) + .seg (segments), written by root only
     def _disk_paths(self, bid: str) -> tuple[Path, Path] | None:
-        if self.disk_dir is None or not bid or any(c not in "0123456789abcdef" for c in bid) or len(bid) > 128:
+        if self.disk_dir is None or not bid or bid.strip("0123456789abcdef") or len(bid) > 128:
             return None
         return self.disk_dir / f"{bid}.npy", self.disk_dir / f"{bid}.seg"
 

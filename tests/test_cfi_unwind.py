@@ -164,7 +164,13 @@ def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> No
         assert c.locate(fd, os.fstat(fd)) == found and c.load(compiled.key) is None
     finally:
         os.close(fd)
-    # a table a walk needed (mark_hot) is loaded at once by the host's next collectors
+    # a table a walk needed (mark_hot) is loaded at once by the host's next collectors (its rows
+    # back in the disk cache first: a table that is not there gets no mark)
+    fd = os.open(LIBC, os.O_RDONLY)
+    try:
+        assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).get(fd, os.fstat(fd)).key == compiled.key
+    finally:
+        os.close(fd)
     assert not a.hot(compiled.key)
     a.mark_hot(compiled.key)
     assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot(compiled.key)
@@ -176,6 +182,19 @@ def test_locate_reads_the_segments_only_and_each_file_once(tmp_path: Path) -> No
     fresh = ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20)
     assert fresh.hot_keys() == [compiled.key]
     assert ct.TableCache(1 << 20, None, 0).hot_keys() == []
+    # marked again (a later job used it), a table's mark is the newest: hot_keys lists it first,
+    # so the preload of the next unwinders, bounded, takes the tables used last
+    other = "cd" * 20
+    for suffix in (".npy", ".seg"):
+        shutil.copy(tmp_path / "cfi" / f"{compiled.key}{suffix}", tmp_path / "cfi" / f"{other}{suffix}")
+    a.mark_hot(other)
+    os.utime(tmp_path / "cfi" / f"{other}.hot", ns=(1, 1))  # marked long ago
+    assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot_keys() == [compiled.key, other]
+    a.mark_hot(other)
+    assert ct.TableCache(1 << 20, str(tmp_path / "cfi"), 64 << 20).hot_keys() == [other, compiled.key]
+    # no mark for a table that is not in the disk cache: nothing could preload it
+    a.mark_hot("ef" * 20)
+    assert not (tmp_path / "cfi" / f"{'ef' * 20}.hot").exists()
 
 
 def test_the_index_locates_a_file_without_reading_it(tmp_path: Path) -> None:
@@ -735,6 +754,22 @@ def test_tables_of_libraries_never_walked_are_not_loaded(state_dir: Path) -> Non
     st = run["status"]
     assert st["tables_deferred"] >= len(preload), st
     assert st["tables_loaded_on_demand"] <= st["tables_deferred"] - len(preload), st
+    # at its close the unwinder marked the tables the job used (the program's, loaded at the
+    # registration) hot, for the next jobs' preload; those of the libraries never walked it did not
+    cache = ct.TableCache(1 << 20, str(state_dir / "cfi-tables"), 64 << 20)
+
+    def key_of(path: str) -> str:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = cache.locate(fd, os.fstat(fd))
+        finally:
+            os.close(fd)
+        assert found is not None, path
+        return found[0]
+
+    hot = set(cache.hot_keys())
+    assert key_of(str(nofp_tree())) in hot
+    assert not hot & {key_of(p) for p in preload}
     # the loaded tables' walks went through their page index (gp_cfi_pages): a wrong range in it
     # would have cut the stacks above
     assert st["tables_page_indexed"] >= 2 and st["tables_without_page_index"] == 0, st
