@@ -99,6 +99,42 @@ def test_call_rows_resolve_reused_handles() -> None:
     assert rows["comm_id"][6] == rows["comm_id"][2]  # the same MPI_COMM_WORLD on both processes
 
 
+@pytest.mark.parametrize("n_handles", [3, cc.FEW_HANDLES + 2])
+def test_one_process_batch_resolves_as_a_per_row_lookup(n_handles: int) -> None:
+    """The fast path's batch is one process's: its rows are grouped by handle a pass per handle
+    (up to FEW_HANDLES), by a sort beyond; either way each row gets the communicator a per-row
+    lookup() gives, and each group's rows stay in batch order."""
+    reg = cc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
+                                                     "OMPI_COMM_WORLD_SIZE": "2"},
+                          mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
+    ops = schema.COMMUNICATOR_OPS
+    ev = {"t_ns": 1, "pid": 7, "handle": 0, "parent": 0, "index": 0, "uid_hash": 0, "color": 0, "key": 0,
+          "rank": -1, "size": -1, "ret": 0, "op": ops.index("MPI_Init"), "library": 0, "uid": b""}
+    reg.on_comm(ev)
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 100, "handle": 0x99, "parent": 0x10, "color": 1})
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_free"), "t_ns": 500, "handle": 0x99})
+    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 700, "handle": 0x99, "parent": 0x10, "color": 2,
+                 "index": 1})
+    rng = np.random.default_rng(n_handles)
+    handles = np.array([0x10, 0x99, 0x20, *range(0x1000, 0x1000 + n_handles - 3)], np.uint64)
+    calls = np.zeros(2000, dtype=cc.CALL_DTYPE)
+    calls["pid"] = 7
+    calls["t_enter_ns"] = rng.integers(0, 1000, len(calls))
+    calls["handle"] = handles[rng.integers(0, n_handles, len(calls))]
+    calls["seq"] = np.where(rng.random(len(calls)) < 0.2, pt.GP_SEQ_NONE, 0)
+    calls["handle"][calls["seq"] == pt.GP_SEQ_NONE] = 0  # MPI_Wait and the like: no communicator
+    groups = reg._groups(calls["pid"], calls["handle"], slice(None))
+    assert sorted(int(h) for _, h, _ in groups) == sorted(set(calls["handle"].tolist()))
+    for pid, handle, rows_of in groups:
+        assert pid == 7 and np.all(np.diff(rows_of) > 0) and np.all(calls["handle"][rows_of] == handle)
+    rows = reg.call_rows(calls, "fastpath")
+    real = np.flatnonzero(calls["seq"] != pt.GP_SEQ_NONE)
+    want = [reg.lookup(7, int(calls["handle"][i]), int(calls["t_enter_ns"][i]), 0) for i in real]
+    assert list(rows["comm_id"][real]) == [w.comm_id for w in want]
+    assert list(rows["comm_rank"][real]) == [w.rank for w in want]
+    assert np.all(rows["comm_id"][calls["seq"] == pt.GP_SEQ_NONE] == 0)
+
+
 @pytest.fixture(scope="module")
 def mpi_run() -> tuple[Any, Any, list[str]]:
     reason = bpf_skip_reason() or mpi_skip_reason()

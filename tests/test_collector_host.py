@@ -22,6 +22,7 @@ from harness import own_cgroup_dir
 
 from gpuprof.collector import native, schema
 from gpuprof.collector.proctrack import (
+    CgroupPids,
     ProcessTracker,
     find_job_cgroups,
     in_cgroups,
@@ -500,6 +501,26 @@ def test_cgroup_v1_multiple_slurmd(tmp_path: Path) -> None:
     assert str(a) in dirs and all("slurm_node2" not in d for d in dirs)
     assert pids_in_cgroups(dirs) == {10, 11, 12}
     assert find_job_cgroups("42", "node1", 7, str(tmp_path)) == ()
+
+
+def test_cgroup_pids_walk_again_only_when_a_cgroup_came_or_went(tmp_path: Path) -> None:
+    """CgroupPids lists the job's cgroups once and then reads their pids scan after scan; a step
+    or task cgroup made below one (its parent's link count changes) or removed is walked into at
+    the next scan, and the pids are pids_in_cgroups' every time."""
+    top = make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42", [])
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_batch", [10])
+    cg = CgroupPids((str(top),))
+    assert cg.pids() == {10} and cg.walks == 1
+    (top / "step_batch" / "cgroup.procs").write_text("10\n13\n")
+    assert cg.pids() == {10, 13} and cg.walks == 1  # the same cgroups: read, not listed again
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_0", [])
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_0/task_0", [11, 12])
+    assert cg.pids() == {10, 11, 12, 13} == pids_in_cgroups((str(top),)) and cg.walks == 2
+    make_cgroup(tmp_path, "freezer/slurm_node1/uid_1000/job_42/step_0/task_1", [14])  # below a kept one
+    assert cg.pids() == {10, 11, 12, 13, 14} and cg.walks == 3
+    shutil.rmtree(top / "step_0")
+    assert cg.pids() == {10, 13} == pids_in_cgroups((str(top),)) and cg.walks == 4
+    assert cg.pids() == {10, 13} and cg.walks == 4
 
 
 def test_tracker_keeps_the_found_cgroups_and_finds_them_again(tmp_path: Path,

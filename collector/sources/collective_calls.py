@@ -71,6 +71,11 @@ def mpi_world_identity(env: dict[str, str]) -> tuple[str, int, int]:
     return ns, first_int(_RANK_VARS), first_int(_SIZE_VARS)
 
 
+# A batch of one process's calls is grouped by communicator handle with a pass per handle up to
+# this many handles, by a sort beyond (CommRegistry._groups)
+FEW_HANDLES = 8
+
+
 @dataclass
 class CommInfo:
     comm_id: int
@@ -170,9 +175,23 @@ class CommRegistry:
         when one pair covers it all, else indexes into the batch."""
         if not len(pids):
             return []
-        if pids.min() == pids.max() and handles.min() == handles.max():
+        one_pid = pids.min() == pids.max()
+        if one_pid and handles.min() == handles.max():
             return [(int(pids[0]), int(handles[0]), where)]
         idx = np.arange(len(pids)) if isinstance(where, slice) else where
+        if one_pid:
+            # the fast path's batch: one process (its ring), its calls on a few communicators
+            # (GROMACS: 15 000 calls on one, 23 on another, in 2 s): a pass per communicator, where
+            # the sort below took 0.2-0.4 ms a batch
+            groups: list[tuple[int, int, Any]] = []
+            rest = np.arange(len(handles))
+            while len(rest) and len(groups) < FEW_HANDLES:
+                first = handles[rest[0]]
+                mine = handles[rest] == first
+                groups.append((int(pids[0]), int(first), idx[rest[mine]]))
+                rest = rest[~mine]
+            if not len(rest):
+                return sorted(groups, key=lambda g: g[1])
         order = np.lexsort((handles, pids))  # stable: rows keep their order within a pair
         p, h = pids[order], handles[order]
         cuts = np.flatnonzero((p[1:] != p[:-1]) | (h[1:] != h[:-1])) + 1
