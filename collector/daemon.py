@@ -30,7 +30,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+# numpy.ma loaded now, as the collector starts (before the prolog lets the job run): numpy 2.x's
+# np.unique loads it at its first call (np.ma.is_masked), which was a stacks drain's inside the
+# job, 10-55 ms of CPU on a rank's core
 import numpy as np
+import numpy.ma
 
 from gpuprof.collector import environment as env
 from gpuprof.collector import schema

@@ -172,3 +172,38 @@ def test_a_new_stack_of_frames_seen_before_looks_no_address_up(monkeypatch: pyte
     searches.clear()
     assert store.intern_user(PID, stacks[2]) == ids[2]  # looked up again, same id
     assert len(searches) == 4
+
+
+def test_a_stack_whose_leaf_alone_is_new_looks_up_the_leaf_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next most usual stack: its callers' return addresses came before, its leaf (a sample
+    lands on any instruction of a hot function) did not: one search of the mappings, for the leaf;
+    the frames and id are those a fresh store gives, and the stack is cached whole."""
+    from gpuprof.collector import symbolize
+
+    searches = []
+    real = symbolize.bisect.bisect_right
+
+    class CountingBisect:
+        @staticmethod
+        def bisect_right(a: list[int], x: int) -> int:
+            searches.append(x)
+            return real(a, x)
+
+    monkeypatch.setattr(symbolize, "bisect", CountingBisect)
+    store = StackStore()
+    store.watch([PID])
+    a, b, c = CODE, CODE + 64, CODE + 128
+    first = store.intern_user(PID, (a, b + 1, c + 1))
+    searches.clear()
+    stack = (a + 8, b + 1, c + 1)  # another instruction of the leaf's function, the same callers
+    sid = store.intern_user(PID, stack)
+    assert searches == [a + 8] and sid != first
+    fresh = StackStore()
+    fresh.watch([PID])
+    assert _frames(store, sid) == _frames(fresh, fresh.intern_user(PID, stack))
+    searches.clear()
+    assert store.intern_user(PID, stack) == sid and not searches  # cached whole
+    assert store.intern_user(PID, (a + 8, c + 1)) != sid and not searches  # the leaf cached by address too
+    # a leaf outside every mapping takes the frame by frame path, as before
+    outside = (GARBAGE, b + 1, c + 1)
+    assert _frames(store, store.intern_user(PID, outside)) == _frames(fresh, fresh.intern_user(PID, outside))
