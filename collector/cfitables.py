@@ -486,8 +486,7 @@ class TableCache:
         only on disk (the registration loads a table's rows only once a walk needs them:
         CfiUnwinder; load() then reads them); None and NoTable as get(compile=False)."""
         fkey = file_key(st)
-        if self._index_lines is None:
-            self._read_index()
+        self.read_index()
         with self.lock:
             key = self.by_file.get(fkey)
             if key is not None and key in self.segments:
@@ -518,10 +517,13 @@ class TableCache:
             self._keep_segments(t.key, t.segments)
         return t.key, t.segments
 
-    def _read_index(self) -> None:
-        """The disk cache's index (INDEX_NAME) into by_file and segments, once per cache: a line
+    def read_index(self) -> None:
+        """The disk cache's index (INDEX_NAME) into by_file and segments, once per cache (at the
+        first locate, or before: CfiUnwinder reads it as it starts, while the prolog waits): a line
         that does not parse (cut short by a crash, or not ours) is skipped; a file that is not a
         regular file of ours, or is over INDEX_MAX_BYTES, is not read (and removed when too big)."""
+        if self._index_lines is not None:
+            return
         self._index_lines = 0
         if self.disk_dir is None or not self._disk_ok():
             return
@@ -894,7 +896,7 @@ def parse_index_line(line: bytes) -> tuple[str, str, Segments] | None:
     """(file key, build id, segments) of an index line; None when it is not one (cut short, empty)."""
     try:
         fkey, key, segs = line.decode("ascii").split(" ")
-        if not fkey.startswith("file:") or not key or any(c not in "0123456789abcdef" for c in key):
+        if not fkey.startswith("file:") or not key or key.strip("0123456789abcdef"):
             return None
         segments = [(int(v), int(o), int(n)) for v, o, n in (s.split(",") for s in segs.split(";"))]
     except ValueError:  # a wrong count of fields or numbers, or not ASCII

@@ -326,6 +326,7 @@ class CfiUnwinder:
         # newest marks, so that the host's next job preloads them first (_preload_hot)
         self.used: set[str] = set()
         self.preloaded = self._preload_hot()
+        self.cache.read_index()  # here, not at the job's first registration (333 lines: a few ms)
         self.poller = named_thread(self._poll, "gpuprof-cfi-register")
         self.poller.start()
 
