@@ -229,13 +229,8 @@ def mean_per_process(parts: Sequence[dict[int, Counter[str]]],
 
 def extra_stacks(late: Counter[str], peers: Counter[str]) -> dict[str, float]:
     """What the late processes have more than the peers, stack by stack (the positive part of the
-    difference), of the stacks where they have more."""
-    out: dict[str, float] = {}
-    for key in set(late) | set(peers):
-        extra = late.get(key, 0.0) - peers.get(key, 0.0)
-        if extra > 0:
-            out[key] = extra
-    return out
+    difference), of the stacks where they have more: Counter's subtraction keeps exactly those."""
+    return dict(late - peers)
 
 
 def excess_path(late: Counter[str], peers: Counter[str]) -> tuple[list[str], float, float]:

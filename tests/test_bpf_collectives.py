@@ -70,9 +70,9 @@ def test_ids_rules() -> None:
     assert cc.fnv1a64(b"") == 0xCBF29CE484222325
 
 
-def test_call_rows_resolve_reused_handles() -> None:
-    """A handle freed and reused: each call row gets the communicator live at its entry, as a
-    per-row lookup() gives it; calls without a communicator get id 0."""
+def registry_with_a_reused_handle() -> cc.CommRegistry:
+    """Process 7's registry: MPI_Init (world 0x10), then handle 0x99 split off, freed at 500 ns and
+    reused for another split at 700 ns."""
     reg = cc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
                                                      "OMPI_COMM_WORLD_SIZE": "2"},
                           mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
@@ -84,6 +84,13 @@ def test_call_rows_resolve_reused_handles() -> None:
     reg.on_comm({**ev, "op": ops.index("MPI_Comm_free"), "t_ns": 500, "handle": 0x99})
     reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 700, "handle": 0x99, "parent": 0x10, "color": 2,
                  "index": 1})
+    return reg
+
+
+def test_call_rows_resolve_reused_handles() -> None:
+    """A handle freed and reused: each call row gets the communicator live at its entry, as a
+    per-row lookup() gives it; calls without a communicator get id 0."""
+    reg = registry_with_a_reused_handle()
     calls = np.zeros(7, dtype=cc.CALL_DTYPE)
     calls["pid"] = [7, 7, 7, 7, 7, 7, 8]  # pid 8: MPI_Init before the collector looked (made up from its world)
     calls["t_enter_ns"] = [200, 800, 300, 900, 50, 400, 300]
@@ -104,17 +111,7 @@ def test_one_process_batch_resolves_as_a_per_row_lookup(n_handles: int) -> None:
     """The fast path's batch is one process's: its rows are grouped by handle a pass per handle
     (up to FEW_HANDLES), by a sort beyond; either way each row gets the communicator a per-row
     lookup() gives, and each group's rows stay in batch order."""
-    reg = cc.CommRegistry("n1", environ=lambda pid: {"PMIX_NAMESPACE": "ns", "OMPI_COMM_WORLD_RANK": "0",
-                                                     "OMPI_COMM_WORLD_SIZE": "2"},
-                          mpi_handles=lambda pid: {"world": 0x10, "self": 0x20, "null": 0x30})
-    ops = schema.COMMUNICATOR_OPS
-    ev = {"t_ns": 1, "pid": 7, "handle": 0, "parent": 0, "index": 0, "uid_hash": 0, "color": 0, "key": 0,
-          "rank": -1, "size": -1, "ret": 0, "op": ops.index("MPI_Init"), "library": 0, "uid": b""}
-    reg.on_comm(ev)
-    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 100, "handle": 0x99, "parent": 0x10, "color": 1})
-    reg.on_comm({**ev, "op": ops.index("MPI_Comm_free"), "t_ns": 500, "handle": 0x99})
-    reg.on_comm({**ev, "op": ops.index("MPI_Comm_split"), "t_ns": 700, "handle": 0x99, "parent": 0x10, "color": 2,
-                 "index": 1})
+    reg = registry_with_a_reused_handle()
     rng = np.random.default_rng(n_handles)
     handles = np.array([0x10, 0x99, 0x20, *range(0x1000, 0x1000 + n_handles - 3)], np.uint64)
     calls = np.zeros(2000, dtype=cc.CALL_DTYPE)

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from gpuprof.collector import symbolize
 from gpuprof.collector.symbolize import STACK_NONE, ProcmapQuery, StackStore
 
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
@@ -136,14 +137,9 @@ def test_ids_in_order_of_first_use_as_before() -> None:
     assert seq == [1, 2, 3, 1, 2]
 
 
-def test_a_new_stack_of_frames_seen_before_looks_no_address_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A deep stack nearly always differs from the last as a whole, rarely frame by frame: a stack
-    whose addresses all came in earlier stacks is interned from the frames cached by address,
-    without a search of the mappings; its frames (return addresses stepped back into their call,
-    the leaf exact) and id are those a fresh store gives, and a cache emptied for room is refilled."""
-    from gpuprof.collector import symbolize
-
-    searches = []
+def count_mapping_searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The addresses the stack store searches its mappings for (its bisect_right calls), from now on."""
+    searches: list[int] = []
     real = symbolize.bisect.bisect_right
 
     class CountingBisect:
@@ -153,6 +149,15 @@ def test_a_new_stack_of_frames_seen_before_looks_no_address_up(monkeypatch: pyte
             return real(a, x)
 
     monkeypatch.setattr(symbolize, "bisect", CountingBisect)
+    return searches
+
+
+def test_a_new_stack_of_frames_seen_before_looks_no_address_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep stack nearly always differs from the last as a whole, rarely frame by frame: a stack
+    whose addresses all came in earlier stacks is interned from the frames cached by address,
+    without a search of the mappings; its frames (return addresses stepped back into their call,
+    the leaf exact) and id are those a fresh store gives, and a cache emptied for room is refilled."""
+    searches = count_mapping_searches(monkeypatch)
     store = StackStore()
     store.watch([PID])
     a, b, c = CODE, CODE + 64, CODE + 128
@@ -178,18 +183,7 @@ def test_a_stack_whose_leaf_alone_is_new_looks_up_the_leaf_alone(monkeypatch: py
     """The next most usual stack: its callers' return addresses came before, its leaf (a sample
     lands on any instruction of a hot function) did not: one search of the mappings, for the leaf;
     the frames and id are those a fresh store gives, and the stack is cached whole."""
-    from gpuprof.collector import symbolize
-
-    searches = []
-    real = symbolize.bisect.bisect_right
-
-    class CountingBisect:
-        @staticmethod
-        def bisect_right(a: list[int], x: int) -> int:
-            searches.append(x)
-            return real(a, x)
-
-    monkeypatch.setattr(symbolize, "bisect", CountingBisect)
+    searches = count_mapping_searches(monkeypatch)
     store = StackStore()
     store.watch([PID])
     a, b, c = CODE, CODE + 64, CODE + 128
