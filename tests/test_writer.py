@@ -6,8 +6,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
-from gpuprof.collector import schema
+from gpuprof.collector import schema, writer
 from gpuprof.collector.writer import BUSY_CHUNK_ROWS, CHUNK_ROWS, NodeMeta, NodeTraceWriter
 
 
@@ -128,6 +129,47 @@ def test_busy_tables_are_deflated_here_and_readers_see_only_rows_in_the_file(tmp
     with h5py.File(path, "r") as f:
         assert f[t.path].compression == "gzip" and f[t.path].shuffle
         assert f[t.path][()].tobytes() == np.concatenate([first, second]).tobytes()
+
+
+def test_native_shuffle_is_hdf5s_byte_shuffle() -> None:
+    """collector/native/shuffle.c puts byte k of every row together, as HDF5's shuffle filter
+    does (numpy's transpose of the rows' bytes): rows of 1 to 40 bytes (its byte loop below 16,
+    an overlapping last block above when not a multiple of 16), the tables' own sizes, and row
+    counts on and off its blocks of 16."""
+    shuffle = writer.native_shuffle()
+    assert shuffle is not None, "built by make setup: its absence is a failure here"
+    rng = np.random.default_rng(5)
+    sizes = [*range(1, 41), 64, schema.COLLECTIVE_CALLS.dtype.itemsize, schema.KERNEL_ACTIVITY.dtype.itemsize]
+    for size in sizes:
+        for n in (1, 15, 16, 17, 48, BUSY_CHUNK_ROWS + 3):
+            rows = rng.integers(0, 256, n * size, dtype=np.uint8)
+            out = np.full(n * size, 0xAA, np.uint8)
+            shuffle(rows.ctypes.data, out.ctypes.data, n, size)
+            assert out.tobytes() == rows.reshape(n, size).T.tobytes(), (size, n)
+
+
+def test_busy_table_files_are_the_same_without_the_native_shuffle(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy table's stored chunks are the same bytes whether the writer shuffled them in C or
+    with numpy (where the library is not built)."""
+    rng = np.random.default_rng(8)
+    t = schema.COLLECTIVE_CALLS
+    meta = NodeMeta(job_id="1", node="n1", modes=("collectives",), rates={}, config=None, job_nodelist="")
+    rows = random_rows(t, 3 * BUSY_CHUNK_ROWS + 77, rng)
+    stored = []
+    for name, shuffle in (("native", writer.native_shuffle()), ("numpy", None)):
+        assert name == "numpy" or shuffle is not None
+        monkeypatch.setattr(writer, "native_shuffle", lambda s=shuffle: s)
+        path = tmp_path / f"{name}.h5"
+        w = NodeTraceWriter(path, meta, [t])
+        w.append(t.path, rows[:BUSY_CHUNK_ROWS + 10])
+        w.append(t.path, rows[BUSY_CHUNK_ROWS + 10:])
+        w.seal(drops={})
+        with h5py.File(path, "r") as f:
+            ds = f[t.path]
+            assert ds[()].tobytes() == rows.tobytes()
+            stored.append([ds.id.read_direct_chunk((k,))[1] for k in range(0, len(rows), BUSY_CHUNK_ROWS)])
+    assert stored[0] == stored[1]
 
 
 def test_other_compressions_keep_hdf5s_own_filters(tmp_path: Path) -> None:

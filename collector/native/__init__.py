@@ -158,6 +158,8 @@ def sampler() -> ctypes.CDLL:
     lib.gp_records_to_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_uint8, ctypes.c_uint8,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gp_records_to_rows.restype = ctypes.c_long
+    lib.gp_shuffle.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_size_t]
+    lib.gp_shuffle.restype = None
     return lib
 
 
