@@ -403,8 +403,8 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
 
 def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int] | None:
     """(CPU samples of the ranks whose innermost user frame is in the MPI interposer, all the ranks'
-    CPU samples), from the profiled job's own node files (the stacks mode's 99 Hz samples of the
-    processes whose comm is rank_comm, from /processes/events). The interposer runs in the ranks,
+    CPU samples), from the profiled job's own node files (the stacks mode's samples, at the config's
+    rate, of the processes whose comm is rank_comm, from /processes/events). The interposer runs in the ranks,
     so its share of their samples is what it costs them; its polls' share is in it, though a rank
     that only polls loses nothing to them. None when the modes recorded no stacks."""
     mine = total = 0
@@ -542,8 +542,9 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                              "lost), 'polled' where it went on polling"} if displaced else {}),
             **({"interposer_percent_of_rank_samples": spread_of([100 * a / b for a, b in interposer if b], 3),
                 "interposer_rank_samples_each_run": [list(x) for x in interposer],
-                "interposer": "the share of the ranks' CPU samples (the profiled run's own /stacks/samples, "
-                              "99 Hz) whose innermost frame is in the MPI interposer"} if interposer else {}),
+                "interposer": "the share of the ranks' CPU samples (the profiled run's own /stacks/samples, at "
+                              "sources.stacks.rate_hz) whose innermost frame is in the MPI interposer"}
+               if interposer else {}),
             **cost_bound(prof, bpf_ms, displaced, outcomes, interposer),
             "nodes": nodes, "ranks": n, "ranks_per_core": round(n / (os.cpu_count() or 1), 2),
             "collectors_on_this_host": nodes, "goal_percent": 1.0,
