@@ -528,6 +528,50 @@ def bench_writer(tmp: Path, seconds: float) -> None:
                       "batch_rows": len(batch)}), flush=True)
 
 
+def bench_shuffle(rounds: int) -> None:
+    """The busy tables' shuffle before the deflate (byte k of every row together): numpy's
+    transpose of the rows' bytes against collector/native/shuffle.c, on hpcc's recorded call rows
+    (tests/recordings/hpcc-4nodes) in the writer's 512-row chunks; ns a row, medians of
+    interleaved rounds with min and max. The two give the same bytes (tests/test_writer.py)."""
+    import h5py
+
+    from gpuprof.collector.writer import BUSY_CHUNK_ROWS, native_shuffle
+
+    shuffle = native_shuffle()
+    if shuffle is None:
+        print(json.dumps({"bench": "writer_shuffle", "missing": "collector/native not built"}), flush=True)
+        return
+    with h5py.File(HPCC_CALLS, "r") as f:
+        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+    c, size = BUSY_CHUNK_ROWS, real.dtype.itemsize
+    chunks = [real[k:k + c] for k in range(0, len(real) - c + 1, c)]
+    out = np.empty(c * size, np.uint8)
+
+    def numpy_way(rows: np.ndarray) -> None:
+        np.ascontiguousarray(rows.view(np.uint8).reshape(c, size).T)
+
+    def native_way(rows: np.ndarray) -> None:
+        shuffle(rows.ctypes.data, out.ctypes.data, c, size)
+
+    got: dict[str, list[float]] = {"numpy": [], "native": []}
+    for _ in range(rounds):
+        for name, fn in (("numpy", numpy_way), ("native", native_way)):
+            t0 = time.thread_time_ns()
+            for rows in chunks:
+                fn(rows)
+            got[name].append((time.thread_time_ns() - t0) / (len(chunks) * c))
+
+    def spread(xs: list[float]) -> dict[str, float]:
+        return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
+
+    print(json.dumps({"bench": "writer_shuffle", "table": schema.COLLECTIVE_CALLS.path, "row_bytes": size,
+                      "chunk_rows": c, "rows": len(chunks) * c, "data": f"real rows of {HPCC_CALLS.parent.name}",
+                      "rounds": rounds, "numpy_ns_per_row": spread(got["numpy"]),
+                      "native_ns_per_row": spread(got["native"]),
+                      "ratio": round(statistics.median(got["numpy"]) / statistics.median(got["native"]), 2)}),
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short smoke run")
@@ -538,6 +582,7 @@ def main() -> None:
     ap.add_argument("--prepared", action="store_true",
                     help="run `gpuprof prepare` on the fresh state directory first (a node prepared at boot)")
     a = ap.parse_args()
+    bench_shuffle(3 if a.quick else 9)  # no root, no MPI
     if a.chunks:  # no root, no MPI: the writer's files only
         with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
             bench_chunks(Path(d))
