@@ -105,7 +105,7 @@ class DirectChunks:
         self.ds_id = ds_id
         self.dtype = dtype
         self.rows_per_chunk = rows_per_chunk
-        self._shuffle = native_shuffle()  # None: numpy's transpose, the same bytes 5 times slower
+        self._shuffle = native_shuffle()  # None: numpy's transpose, the same bytes at 1.8 times the CPU
         self._shuffled = np.empty(rows_per_chunk * dtype.itemsize, np.uint8)
         self.whole = 0  # rows in whole chunks written
         self.pending = np.zeros(0, dtype)  # rows after them, fewer than a chunk

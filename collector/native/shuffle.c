@@ -2,12 +2,12 @@
  * (collector/writer.py DirectChunks): the same bytes as H5Z's shuffle filter, which readers undo.
  *
  * Why here: numpy's transpose of the (rows, row bytes) matrix copies one byte at a time with a
- * stride of a row, about 1 ns a byte; for the calls table (79-byte rows, GROMACS's 15 000 calls a
- * second) that was 77 ns a row, more than the deflate after it. Blocks of 16 rows by 16 bytes are
- * transposed in SSE2 registers instead (x86-64's baseline): 16 loads, 64 unpacks, 16 stores. A row
- * size that is not a multiple of 16 takes its last block overlapping the one before (the bytes
- * written twice are the same); the rows after the last whole 16, and any build without SSE2, take
- * the byte loop.
+ * stride of a row: 27 ns of CPU a row of the calls table (79 bytes; GROMACS makes 15 000 calls a
+ * second on 2 ranks), against 15 here (bench_collector.py's writer_shuffle line). Blocks of 16 rows
+ * by 16 bytes are transposed in SSE2 registers (x86-64's baseline): 16 loads, 64 unpacks, 16
+ * stores. A row size that is not a multiple of 16 takes its last block overlapping the one before
+ * (the bytes written twice are the same); the rows after the last whole 16, and any build without
+ * SSE2, take the byte loop.
  */
 #include <stddef.h>
 #include <stdint.h>
