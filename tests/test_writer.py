@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from gpuprof.collector import schema, writer
+from gpuprof.collector import native, schema, writer
 from gpuprof.collector.writer import BUSY_CHUNK_ROWS, CHUNK_ROWS, NodeMeta, NodeTraceWriter
 
 
@@ -170,6 +170,23 @@ def test_busy_table_files_are_the_same_without_the_native_shuffle(tmp_path: Path
             assert ds[()].tobytes() == rows.tobytes()
             stored.append([ds.id.read_direct_chunk((k,))[1] for k in range(0, len(rows), BUSY_CHUNK_ROWS)])
     assert stored[0] == stored[1]
+
+
+def test_a_library_without_the_shuffle_is_unavailable_and_numpy_shuffles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native library built from older sources (a function this Python calls missing) is
+    NativeUnavailable, not an AttributeError in whatever loads it first: the writer then shuffles
+    with numpy."""
+    def older(lib: object) -> None:
+        raise AttributeError("libgpuprof_sampler.so: undefined symbol: gp_shuffle")
+
+    monkeypatch.setattr(native, "_declare", older)
+    native.sampler.cache_clear()
+    try:
+        with pytest.raises(native.NativeUnavailable, match="gp_shuffle.*rebuild"):
+            native.sampler()
+        assert writer.native_shuffle() is None
+    finally:
+        native.sampler.cache_clear()  # loaded again, whole, by the next user
 
 
 def test_other_compressions_keep_hdf5s_own_filters(tmp_path: Path) -> None:

@@ -88,6 +88,15 @@ def sampler() -> ctypes.CDLL:
                NVML_EVENT_ROW_DTYPE.itemsize, NVML_ERROR_ROW_DTYPE.itemsize, NVML_METRIC_COUNT]
     if list(nv) != want_nv:
         raise NativeUnavailable(f"{LIBRARY}: NVML layout {list(nv)} differs from {want_nv}: rebuild it")
+    try:
+        _declare(lib)
+    except AttributeError as e:  # a function this Python calls is not in it
+        raise NativeUnavailable(f"{LIBRARY}: {e}: built from older sources, rebuild it") from None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the library's functions."""
     vp, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
     lib.gp_ticker_start.argtypes = [i64, vp, vp, ctypes.c_char_p]
     lib.gp_ticker_start.restype = vp
@@ -160,7 +169,6 @@ def sampler() -> ctypes.CDLL:
     lib.gp_records_to_rows.restype = ctypes.c_long
     lib.gp_shuffle.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_size_t]
     lib.gp_shuffle.restype = None
-    return lib
 
 
 def check_ring_layout(lib: ctypes.CDLL, record_size: int, row_dtype: np.dtype) -> None:
