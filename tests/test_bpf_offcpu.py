@@ -360,6 +360,10 @@ def test_cpu_samples_and_offcpu_share_the_user_stacks(tmp_path: Path, state_dir:
             now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             batches["stacks"].extend(stacks.final(now))
             batches["offcpu"].extend(offcpu.final(now))
+            assert stacks.hub is not None
+            # samples whose stack the kernel could not store (a collision in its stack map): lost
+            # by design and counted there, unlike a record a drain freed under the other source
+            not_stored = bpf_support.read_ring_drops(stacks.hub.bpf[b"gp_cpu_drops"])[1]
         finally:
             offcpu.stop()
         assert stacks.cfi is not None and stacks.cfi.poller.is_alive(), "closed while the stacks source runs"
@@ -386,4 +390,5 @@ def test_cpu_samples_and_offcpu_share_the_user_stacks(tmp_path: Path, state_dir:
                                                                           "py::middle", "py::leaf_sleep"])
     assert blocked >= 0.5 * 2e9 and share >= 0.9, (share, by.most_common(3))
     assert not np.any(mine["user_stack"] == STACK_LOST), by.most_common(3)
-    assert not np.any(samples["user_stack"] == STACK_LOST)
+    lost = int(samples["count"][samples["user_stack"] == STACK_LOST].sum())
+    assert lost <= not_stored, (lost, not_stored)  # a lost one the kernel did not count: a freed record

@@ -20,6 +20,7 @@ from harness import bpf_skip_reason, make_ctx
 from stackcopy_run import NOFP_TREE, copied_stacks, nofp_tree, unwinder_skip_reason
 
 from gpuprof.collector import bpf_support, schema
+from gpuprof.collector.config import defaults
 from gpuprof.collector.sources.base import SourceUnavailable
 from gpuprof.collector.sources.bpf_stacks import BpfStacksSource
 from gpuprof.collector.symbolize import STACK_LOST, STACK_NONE, demangle, folded_stacks, stack_names
@@ -57,8 +58,8 @@ def test_hot_function_dominates(tmp_path: Path) -> None:
     names = stack_names(f)
     workers = rows[np.isin(rows["tid"], info["tids"])]
     total = int(workers["count"].sum())
-    # 99 Hz of CPU time: the process's CPU time says how many samples to expect
-    expect = 99 * info["cpu_s"]
+    # the config's rate, per second of CPU time: the process's CPU time says how many samples to expect
+    expect = defaults()["sources.stacks"]["rate_hz"] * info["cpu_s"]
     assert 0.7 * expect <= int(rows["count"].sum()) <= 1.3 * expect, (int(rows["count"].sum()), expect)
     by_leaf: Counter[tuple[str, ...]] = Counter()
     for r in workers:
