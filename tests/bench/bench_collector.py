@@ -463,7 +463,6 @@ def bench_chunks(tmp: Path) -> None:
     appended at a steady rate in collector.flush_interval_s flushes for 10 minutes (1 minute at
     the highest rate), with the writer's filter; file growth and writer CPU a minute, median of 3
     interleaved runs with min and max. Only the chunking differs between the two."""
-    import statistics
 
     import h5py
 
@@ -494,9 +493,6 @@ def bench_chunks(tmp: Path) -> None:
         path.unlink()
         return size / 1e3 / minutes, 1e3 * cpu / minutes
 
-    def spread(xs: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
-
     for rate in (1, 10, 100, 1000, 13000):
         minutes = 1.0 if rate > 5000 else 10.0
         got: dict[int, list[tuple[float, float]]] = {CHUNK_ROWS: [], BUSY_CHUNK_ROWS: []}
@@ -506,8 +502,8 @@ def bench_chunks(tmp: Path) -> None:
         print(json.dumps({"bench": "trace_chunks", "table": schema.COLLECTIVE_CALLS.path, "calls_per_s": rate,
                           "filter": f"gzip {GZIP_LEVEL} + shuffle", "flush_interval_s": every, "minutes": minutes,
                           "data": f"real rows of {HPCC_CALLS.parent.name}, repeated",
-                          **{f"kb_per_min_{c}_rows": spread([k for k, _ in r]) for c, r in got.items()},
-                          **{f"writer_ms_per_min_{c}_rows": spread([m for _, m in r]) for c, r in got.items()}}),
+                          **{f"kb_per_min_{c}_rows": spread([k for k, _ in r], 1) for c, r in got.items()},
+                          **{f"writer_ms_per_min_{c}_rows": spread([m for _, m in r], 1) for c, r in got.items()}}),
               flush=True)
 
 
@@ -561,13 +557,10 @@ def bench_shuffle(rounds: int) -> None:
                 fn(rows)
             got[name].append((time.thread_time_ns() - t0) / (len(chunks) * c))
 
-    def spread(xs: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
-
     print(json.dumps({"bench": "writer_shuffle", "table": schema.COLLECTIVE_CALLS.path, "row_bytes": size,
                       "chunk_rows": c, "rows": len(chunks) * c, "data": f"real rows of {HPCC_CALLS.parent.name}",
-                      "rounds": rounds, "numpy_ns_per_row": spread(got["numpy"]),
-                      "native_ns_per_row": spread(got["native"]),
+                      "rounds": rounds, "numpy_ns_per_row": spread(got["numpy"], 1),
+                      "native_ns_per_row": spread(got["native"], 1),
                       "ratio": round(statistics.median(got["numpy"]) / statistics.median(got["native"]), 2)}),
           flush=True)
 
