@@ -463,7 +463,6 @@ def bench_chunks(tmp: Path) -> None:
     appended at a steady rate in collector.flush_interval_s flushes for 10 minutes (1 minute at
     the highest rate), with the writer's filter; file growth and writer CPU a minute, median of 3
     interleaved runs with min and max. Only the chunking differs between the two."""
-
     import h5py
 
     from gpuprof.collector.config import defaults

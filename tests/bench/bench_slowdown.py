@@ -404,9 +404,9 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
 def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int] | None:
     """(CPU samples of the ranks whose innermost user frame is in the MPI interposer, all the ranks'
     CPU samples), from the profiled job's own node files (the stacks mode's samples, at the config's
-    rate, of the processes whose comm is rank_comm, from /processes/events). The interposer runs in the ranks,
-    so its share of their samples is what it costs them; its polls' share is in it, though a rank
-    that only polls loses nothing to them. None when the modes recorded no stacks."""
+    rate, of the processes whose comm is rank_comm, from /processes/events). The interposer runs in
+    the ranks, so its share of their samples is what it costs them; its polls' share is in it,
+    though a rank that only polls loses nothing to them. None when the modes recorded no stacks."""
     mine = total = 0
     interposer = LIBRARIES["mpi"].name.encode()
     tables = (schema.STACK_SAMPLES.path, schema.STACK_FRAMES.path, schema.STACK_SYMBOLS.path,
