@@ -56,6 +56,12 @@ def native_shuffle() -> Callable[[int, int, int, int], None] | None:
         return None
 
 
+def numpy_shuffle(rows: np.ndarray) -> np.ndarray:
+    """HDF5's shuffle of contiguous rows (byte k of every row together) by numpy's transpose: what
+    the writer uses where collector/native is not built."""
+    return np.ascontiguousarray(rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize).T)
+
+
 def chunk_rows(table_path: str) -> int:
     """Rows per chunk of a node file's table."""
     return BUSY_CHUNK_ROWS if table_path in BUSY_TABLES else CHUNK_ROWS
@@ -123,7 +129,7 @@ class DirectChunks:
             rows = padded
         rows = np.ascontiguousarray(rows)  # a batch's slice already is: no copy
         if self._shuffle is None:
-            shuffled = np.ascontiguousarray(rows.view(np.uint8).reshape(self.rows_per_chunk, self.dtype.itemsize).T)
+            shuffled = numpy_shuffle(rows)
         else:
             self._shuffle(rows.ctypes.data, self._shuffled.ctypes.data, self.rows_per_chunk, self.dtype.itemsize)
             shuffled = self._shuffled

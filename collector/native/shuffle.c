@@ -18,27 +18,23 @@
 #define EXPORT __attribute__((visibility("default")))
 
 #ifdef __SSE2__
-/* Four rounds of interleaving: the 16 rows' bytes end up one column a register, column c in
- * r[bit-reversed c] (each round moves one bit of the column index into the register index). */
+/* One round of the transpose: registers 2i and 2i+1 interleaved in units of the round's width,
+ * low halves to i, high halves to i + 8. */
+#define GP_INTERLEAVE(from, to, lo, hi)                       \
+    for (int i = 0; i < 8; i++) {                             \
+        (to)[i] = lo((from)[2 * i], (from)[2 * i + 1]);       \
+        (to)[i + 8] = hi((from)[2 * i], (from)[2 * i + 1]);   \
+    }
+
+/* Four rounds: the 16 rows' bytes end up one column a register, column c in r[bit-reversed c]
+ * (each round moves one bit of the column index into the register index). */
 static inline void transpose16(__m128i r[16])
 {
     __m128i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
-        t[i + 8] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm_unpacklo_epi16(t[2 * i], t[2 * i + 1]);
-        r[i + 8] = _mm_unpackhi_epi16(t[2 * i], t[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        t[i] = _mm_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[i + 8] = _mm_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm_unpacklo_epi64(t[2 * i], t[2 * i + 1]);
-        r[i + 8] = _mm_unpackhi_epi64(t[2 * i], t[2 * i + 1]);
-    }
+    GP_INTERLEAVE(r, t, _mm_unpacklo_epi8, _mm_unpackhi_epi8)
+    GP_INTERLEAVE(t, r, _mm_unpacklo_epi16, _mm_unpackhi_epi16)
+    GP_INTERLEAVE(r, t, _mm_unpacklo_epi32, _mm_unpackhi_epi32)
+    GP_INTERLEAVE(t, r, _mm_unpacklo_epi64, _mm_unpackhi_epi64)
 }
 
 static const uint8_t BIT_REVERSED[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};

@@ -530,7 +530,7 @@ def bench_shuffle(rounds: int) -> None:
     interleaved rounds with min and max. The two give the same bytes (tests/test_writer.py)."""
     import h5py
 
-    from gpuprof.collector.writer import BUSY_CHUNK_ROWS, native_shuffle
+    from gpuprof.collector.writer import BUSY_CHUNK_ROWS, native_shuffle, numpy_shuffle
 
     shuffle = native_shuffle()
     if shuffle is None:
@@ -543,7 +543,7 @@ def bench_shuffle(rounds: int) -> None:
     out = np.empty(c * size, np.uint8)
 
     def numpy_way(rows: np.ndarray) -> None:
-        np.ascontiguousarray(rows.view(np.uint8).reshape(c, size).T)
+        numpy_shuffle(rows)
 
     def native_way(rows: np.ndarray) -> None:
         shuffle(rows.ctypes.data, out.ctypes.data, c, size)
