@@ -98,7 +98,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "rate_hz": Key((int, float), 10.0, "host and per-process metric sampling rate"),
     },
     "sources.stacks": {
-        "rate_hz": Key(int, 49, "CPU stack sampling rate per CPU (Hz; 49: docs/probes.md, \"The sampling rate\")"),
+        "rate_hz": Key(int, 19, "CPU stack sampling rate per CPU (Hz; 19: docs/probes.md, \"The sampling rate\")"),
         "unwinder": Key(str, "cfi", "user stacks: cfi (CFI tables walked in the BPF program: code without "
                                     "frame pointers too) or frame_pointers (the kernel's walk only)",
                         choices=("cfi", "frame_pointers")),

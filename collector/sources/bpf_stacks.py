@@ -535,7 +535,7 @@ def shared_user_stacks(hub: BpfHub, ctx: SourceContext, source: str, python_fram
 
 
 class BpfStacksSource(HubSource):
-    """CPU stack sampling of the job's threads, 49 Hz per CPU by default (sources.stacks.rate_hz)."""
+    """CPU stack sampling of the job's threads, 19 Hz per CPU by default (sources.stacks.rate_hz)."""
 
     name = "stacks"
     attaches = True  # sees only what happens after it started (a late start is recorded)
