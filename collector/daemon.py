@@ -145,8 +145,9 @@ class _SourceState:
     late: dict[str, Any] | None = None  # set when a probe source attached after the job's first process
 
 
-# Sources each mode brings beyond the clock: (module, class). Constructed without arguments; their
-# start() reads the config. Importing a module may fail (no BCC): that source is then reported
+# Sources each mode brings beyond the clock: (module, class). Constructed without arguments, or by
+# the class's from_config(config) where it has one (what must be known before start: the node file's
+# rates_json is written as the collector starts); their start() reads the config. Importing a module may fail (no BCC): that source is then reported
 # unavailable and the others run.
 MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
     "metrics": (),  # built below: they take their rates from the config at construction
@@ -186,7 +187,8 @@ def default_sources(modes: tuple[str, ...], config: dict[str, dict[str, Any]]) -
             except ImportError as e:
                 sources.append(UnavailableSource(f"{module_name}.{class_name}", f"cannot import: {e}"))
                 continue
-            sources.append(getattr(module, class_name)())
+            cls = getattr(module, class_name)
+            sources.append(cls.from_config(config) if hasattr(cls, "from_config") else cls())
     return sources
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from gpuprof.collector import schema
 from gpuprof.collector.symbolize import stack_names
 from gpuprof.mpi_merge.clock import NodeClockModel
-from gpuprof.mpi_merge.loading import ROW_WINDOW_NS, ClockMap, clock_map_of
+from gpuprof.mpi_merge.loading import ClockMap, clock_map_of, row_window_ns
 
 PEER_NODES = 8  # peer nodes read per finding (evenly spread over the communicator's other nodes)
 FLAME_TOP = 2000  # folded stacks kept per finding and table, the largest by late + peer weight
@@ -36,7 +36,6 @@ PATH_SHOWN = 4  # frames of the path named in the evidence (the innermost)
 # rank blocked 3.8 ms/s against its peers' 2106.6 had 0.04 ms/s more than them in one stack, and the
 # line said "82 % in __futex_wait" of that (the demo's report, 2026-12-06).
 EXTRA_MIN_SHARE = 0.05
-WINDOW_NS = ROW_WINDOW_NS  # a row of either table counts a window this long from its t_ns (docs/probes.md)
 TABLES = (("cpu", schema.STACK_SAMPLES, "count"), ("offcpu", schema.OFFCPU_INTERVALS, "blocked_ns"))
 
 
@@ -83,6 +82,9 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
         for name, table, weight in TABLES:
             if table.path not in f:
                 continue
+            window_ns = row_window_ns(f.attrs, table.path)
+            if window_ns is None:
+                continue  # its windows' length unknown: a partial reason of the node (loading.unknown_row_windows)
             rows = f[table.path][()]
             rows = rows[np.isin(rows["pid"], item.pids)]
             if not len(rows):
@@ -97,11 +99,11 @@ def read_folded(item: NodeRead, model: NodeClockModel | None, epoch_rt: int) -> 
                 # inside the windows) had seconds "more" blocked than its peers' helpers, whose one
                 # sleep ended with the job: GROMACS's stopped rank read "87% of the extra in
                 # __clone3 -> start_thread" (its idle progress threads), not its stop.
-                end = t + WINDOW_NS
+                end = t + window_ns
                 weights = item.overlap_ns(end - rows[weight].astype(np.float64), end)
                 inside = weights > 0
             else:
-                inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), WINDOW_NS)
+                inside = item.overlaps(_aligned(rows["t_ns"], cm, model, epoch_rt), window_ns)
                 weights = rows[weight].astype(np.float64)
             if name == "cpu" and "gil" in (rows.dtype.names or ()):
                 out["gil"] = _gil_counts(rows[inside])

@@ -343,6 +343,7 @@ def summarize_node(path: str | os.PathLike[str]) -> NodeSummary:
     s.clock_steps = [(int(cm.to_realtime(np.array([t]))[0]), d) for t, d in cm.steps]
     if cm.source != "pairs":
         s.partial_reasons.append("no /clock/pairs: monotonic->realtime from the start attributes only")
+    s.partial_reasons += unknown_row_windows(trace)
 
     calls = trace.tables.get(schema.COLLECTIVE_CALLS.path)
     if calls is not None and len(calls):
@@ -656,9 +657,29 @@ def _on_cpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_
                                        (u2 % (other + 1)).astype(np.int64), tot2, names)
 
 
-# The window a row of the stack tables (/stacks/samples, /offcpu/intervals) counts from its t_ns: the
-# drains' period (sources.offcpu.flush_interval_s and the stacks source's, 1 s; docs/probes.md)
-ROW_WINDOW_NS = 1_000_000_000
+# A row of the stack tables counts the window from its t_ns to its source's next drain: the stacks
+# source drains once a second, the off-CPU source every sources.offcpu.flush_interval_s (1 s by
+# default, which a site may change). The node file's rates_json says each source's drain rate.
+ROW_WINDOW_SOURCES = {schema.STACK_SAMPLES.path: "stacks", schema.OFFCPU_INTERVALS.path: "offcpu"}
+
+
+def row_window_ns(attrs: Any, table_path: str) -> int | None:
+    """ns a row of /stacks/samples or /offcpu/intervals counts from its t_ns: its source's drain
+    period, from the file's rates_json. None where the file does not say: its rows cannot be placed
+    in time then (the summary says so: unknown_row_windows)."""
+    raw = attrs.get("rates_json")
+    try:
+        rate = json.loads(raw).get(ROW_WINDOW_SOURCES[table_path]) if raw is not None else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return round(1e9 / rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
+def unknown_row_windows(trace: NodeTrace) -> list[str]:
+    """The node's partial reasons for stack tables with rows whose windows' length it does not say."""
+    return [f"{path}: rates_json names no '{source}' drain rate, so the length of its windows is unknown: "
+            f"its rows are not used" for path, source in ROW_WINDOW_SOURCES.items()
+            if len(trace.tables.get(path, ())) and row_window_ns(trace.attrs, path) is None]
 
 
 def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.ndarray, bin_ns: int, nb: int) -> None:
@@ -674,6 +695,9 @@ def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.n
     mine = np.isin(rows["tid"], callers)
     if not mine.any():
         return
+    window_ns = row_window_ns(trace.attrs, schema.OFFCPU_INTERVALS.path)
+    if window_ns is None:
+        return  # unknown_row_windows: a partial reason of the node
     rows = rows[mine]
     t_rt = cm.to_realtime(rows["t_ns"])
     idx = ((t_rt - tb[0]) // bin_ns).astype(np.int64)
@@ -681,7 +705,7 @@ def _rank_thread_offcpu(trace: NodeTrace, s: NodeSummary, cm: ClockMap, tb: np.n
     # a blocked episode is counted whole in the window its thread woke in: spread back from that
     # window's end over its length (flames.read_folded reads it so too); the run-queue time is the
     # kernel's counter read at each drain, the window's own
-    end = (t_rt - tb[0]).astype(np.float64) + ROW_WINDOW_NS
+    end = (t_rt - tb[0]).astype(np.float64) + window_ns
     edges = np.arange(nb + 1, dtype=np.float64) * bin_ns
     per_s = bin_ns / 1e9
     for pid in np.unique(rows["pid"]):

@@ -42,6 +42,21 @@ def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
         BpfOffcpuSource().start(make_ctx(lambda: frozenset(), ("stacks",)))
 
 
+def test_the_window_is_known_before_the_source_starts() -> None:
+    """The node file's rates_json is written as the collector starts, before its sources do, and the
+    merge places the off-CPU rows by the window it says (loading.row_window_ns): the source the
+    collector builds for a config has the config's window (sources.offcpu.flush_interval_s) before
+    it starts. Built without one, it reads it from the config at start, as before."""
+    from gpuprof.collector.config import defaults
+    from gpuprof.collector.daemon import default_sources
+
+    cfg = defaults()
+    cfg["sources.offcpu"]["flush_interval_s"] = 2.5
+    off = [s for s in default_sources(("stacks",), cfg) if s.name == "offcpu"]
+    assert [type(s) for s in off] == [BpfOffcpuSource] and off[0].interval_s == 2.5
+    assert BpfOffcpuSource().interval_s == 1.0
+
+
 def run_offcpu(tmp_path: Path, args: list[str], outsider: list[str] | None = None
                ) -> tuple[Any, dict[str, Any], h5py.File, list[str]]:
     return native_progs.run_cpu_work_under(BpfOffcpuSource(flush_interval_s=0.5), tmp_path, args, outsider,

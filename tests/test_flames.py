@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -127,18 +128,23 @@ def test_cpp_frames_are_named_without_their_parameter_lists() -> None:
     assert line.endswith("100% in main → gmx::LegacySimulator::do_md → gmx_pme_do"), line
 
 
-def test_offcpu_rows_are_read_where_the_caller_threads_slept(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("offcpu_rate_hz", "in_span_s"), [(1.0, 1.0), (0.5, 0.5), (None, None)])
+def test_offcpu_rows_are_read_where_the_caller_threads_slept(tmp_path: Path, offcpu_rate_hz: float | None,
+                                                             in_span_s: float | None) -> None:
     """The off-CPU table counts an episode whole in the window its thread woke in: a span gets the
     part of it that lies inside (spread back from that window's end), and only the threads that
     called collectives or messages are read where a process has such threads (its idle helpers,
-    woken unevenly, are left out). A 3 s sleep of the main thread that woke at 5-6 s gives a span
-    at 3.5-4.5 s 1 s of it; the helper's sleep in that span is not read."""
+    woken unevenly, are left out). A 3 s sleep of the main thread that woke in the window from 5 s
+    gives a span at 3.5-4.5 s 1 s of it with 1 s windows (it slept 3-6 s), 0.5 s with 2 s windows
+    (sources.offcpu.flush_interval_s = 2: it slept 4-7 s); the helper's sleep in that span is not
+    read. A file whose rates_json does not say the windows' length has its rows left out."""
     import h5py
 
     path = tmp_path / "node1.h5"
     s = 1_000_000_000
     with h5py.File(path, "w") as f:
         f.attrs["start_monotonic_ns"], f.attrs["start_realtime_ns"] = 0, 0
+        f.attrs["rates_json"] = json.dumps({"stacks": 1.0} | ({"offcpu": offcpu_rate_hz} if offcpu_rate_hz else {}))
         sym = np.zeros(2, schema.STACK_SYMBOLS.dtype)
         sym["symbol_id"], sym["name"] = [1, 2], [b"MPI_Recv", b"helper_poll"]
         fr = np.zeros(2, schema.STACK_FRAMES.dtype)
@@ -153,7 +159,7 @@ def test_offcpu_rows_are_read_where_the_caller_threads_slept(tmp_path: Path) -> 
             f.create_dataset(t.path, data=rows)
     item = flames.NodeRead(str(path), "node1", [100], np.array([[3.5 * s, 4.5 * s]]))
     got = flames.read_folded(item, None, 0)["offcpu"]
-    assert got == {100: Counter({"MPI_Recv": pytest.approx(1.0 * s)})}, got
+    assert got == ({100: Counter({"MPI_Recv": pytest.approx(in_span_s * s)})} if in_span_s else {}), got
 
 
 def test_offcpu_series_spread_each_sleep_over_the_bins_it_covered() -> None:

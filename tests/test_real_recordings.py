@@ -56,6 +56,37 @@ def test_offcpu_of_the_mpi_threads_per_process() -> None:
             assert 0 <= float(np.mean(blocked.values)) < 1e9
 
 
+def test_offcpu_windows_are_as_long_as_the_file_says(tmp_path: Path) -> None:
+    """A row of /offcpu/intervals counts its source's window (sources.offcpu.flush_interval_s, in
+    the file's rates_json), not a fixed second: with the same rows read as 2 s windows each sleep is
+    spread back over the 2 s before its window's end, so the same total lies later. A file that does
+    not say the length is partial, with the table named, and its off-CPU rows are not used."""
+    from gpuprof.mpi_merge.loading import summarize_node
+
+    src = RECORDINGS / "demo-4nodes" / "node1.h5"
+    series = {}
+    for name, rates in (("as recorded", None), ("2 s", {"offcpu": 0.5}), ("unsaid", {"offcpu": None})):
+        p = tmp_path / f"{name}.h5"
+        shutil.copy(src, p)
+        if rates is not None:
+            with h5py.File(p, "r+") as f:
+                r = json.loads(f.attrs["rates_json"]) | rates
+                f.attrs["rates_json"] = json.dumps({k: v for k, v in r.items() if v is not None})
+        s = summarize_node(p)
+        assert s.error is None
+        series[name] = ({k: v.values for k, v in s.series.items() if k.endswith(":offcpu_blocked_ns")},
+                        s.partial_reasons)
+    (one, one_reasons), (two, two_reasons), (unsaid, unsaid_reasons) = series.values()
+    assert one and one.keys() == two.keys() and not unsaid
+    assert not [r for r in one_reasons + two_reasons if "rates_json" in r]
+    assert [r for r in unsaid_reasons if r.startswith("/offcpu/intervals: rates_json names no 'offcpu'")]
+    moved = False
+    for k in one:
+        assert np.nansum(two[k]) == pytest.approx(np.nansum(one[k]), rel=0.05, abs=1e6)
+        moved |= not np.allclose(one[k], two[k], equal_nan=True)
+    assert moved
+
+
 def test_where_each_mpi_process_was_on_cpu() -> None:
     """CPU samples binned per process that called MPI, by innermost frame: the demo's ranks spend
     their CPU in its busy loop and in MPI's polling, and the shares of a range sum to at most 1."""

@@ -157,11 +157,20 @@ class BpfOffcpuSource(HubSource):
         # flush_interval_s: window length; None = sources.offcpu.flush_interval_s of the config
         # python_frames: False = native stacks only
         self.flush_interval_s = flush_interval_s
+        if flush_interval_s is not None:
+            # before start: the node file's rates_json, written as the collector starts, says the
+            # windows' length, which the merge places the rows by (loading.row_window_ns)
+            self.interval_s = float(flush_interval_s)
         self.python_frames = python_frames
         self.store: StackStore | None = None
         self.users: UserStacks | None = None  # shared with the stacks source
         self.cfi_walk = False  # the CFI walk's continuation is loaded (blocked stacks walked by CFI)
         self.run_queue: RunQueueTime | None = None
+
+    @classmethod
+    def from_config(cls, config: dict[str, dict[str, Any]]) -> BpfOffcpuSource:
+        """The source with the config's window (sources.offcpu.flush_interval_s)."""
+        return cls(flush_interval_s=float(config["sources.offcpu"]["flush_interval_s"]))
 
     def start(self, ctx: SourceContext) -> None:
         self.ctx = ctx
