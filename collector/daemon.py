@@ -146,9 +146,9 @@ class _SourceState:
 
 
 # Sources each mode brings beyond the clock: (module, class). Constructed without arguments, or by
-# the class's from_config(config) where it has one (what must be known before start: the node file's
-# rates_json is written as the collector starts); their start() reads the config. Importing a module may fail (no BCC): that source is then reported
-# unavailable and the others run.
+# the class's from_config(config) where it has one (for what must be known before they start: the
+# node file's rates_json is written as the collector starts); their start() reads the config.
+# Importing a module may fail (no BCC): that source is then reported unavailable and the others run.
 MODE_SOURCES: dict[str, tuple[tuple[str, str], ...]] = {
     "metrics": (),  # built below: they take their rates from the config at construction
     "collectives": (

@@ -678,7 +678,8 @@ def row_window_ns(attrs: Any, table_path: str) -> int | None:
 def unknown_row_windows(trace: NodeTrace) -> list[str]:
     """The node's partial reasons for stack tables with rows whose windows' length it does not say."""
     return [f"{path}: rates_json names no '{source}' drain rate, so the length of its windows is unknown: "
-            f"its rows are not used" for path, source in ROW_WINDOW_SOURCES.items()
+            f"its rows are left out of the findings' stack evidence and the off-CPU series"
+            for path, source in ROW_WINDOW_SOURCES.items()
             if len(trace.tables.get(path, ())) and row_window_ns(trace.attrs, path) is None]
 
 
