@@ -315,6 +315,8 @@ def enrich_node_file(f: h5py.Group, i: int) -> None:
         off["pid"], off["tid"], off["user_stack"], off["kernel_stack"] = pid, pid, rng.integers(1, 4, m), 4
         off["blocked_ns"], off["count"] = rng.integers(0, 10**8, m), 1
         _replace(f, "offcpu/intervals", off)
+        # the drains' rates, as the collector writes them: a row's window (loading.row_window_ns)
+        f.attrs["rates_json"] = json.dumps(json.loads(f.attrs["rates_json"]) | {"stacks": 1.0, "offcpu": 1.0})
 
 
 @pytest.fixture(scope="module")
