@@ -92,6 +92,7 @@ import pwd
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -110,6 +111,7 @@ from displaced import control as displaced_control
 from realapps import apps as apps_mod
 from realapps import faults as faults_mod
 from realapps import runner, slurm
+from slowdown_stats import median_percent_interval
 
 from gpuprof.collector import modes as modes_mod
 from gpuprof.collector import schema
@@ -347,6 +349,7 @@ class Run:
     preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
     outcomes_ms: dict[str, float] | None  # and of it, on a yielded rank's core, by what the rank did on its return
     interposer: tuple[int, int] | None  # profiled: (the ranks' CPU samples in the interposer, all their samples)
+    stacks_rate_hz: float | None  # profiled: the stack sampling rate its node files say (rates_json), None: no stacks
     bench_self_ms: float  # this bench process's CPU inside it (its sampling runs on the ranks' cores)
 
 
@@ -390,15 +393,39 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
     displaced = cpu.displaced_ms(t0, t1) if displacement is not None and profiled else None
     preempting = cpu.preempting_ms_by_thread(t0, t1) if displacement is not None and profiled else None
     outcomes = cpu.yield_outcomes_ms(t0, t1) if displacement is not None and profiled else None
-    interposer = None
+    interposer = stacks_rate_hz = None
     if profiled:
         runner.wait_automerge(job, 300)  # its merge job must not share the cores with the next run
         nodes = sorted((work / f"slurm-{job}.gpuprof.d").glob("*.h5"))
         if not nodes:
             raise RuntimeError(f"{work}: profiled job {job} left no node file in slurm-{job}.gpuprof.d")
         interposer = interposer_samples(nodes, app.comm)
+        stacks_rate_hz = sampled_rate(nodes)
     shutil.rmtree(work, ignore_errors=True)
-    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer, bench_self_ms)
+    return Run(float(m.group(1)), ms, bpf_ms, threads, displaced, preempting, outcomes, interposer, stacks_rate_hz,
+               bench_self_ms)
+
+
+def sampled_rate(node_files: list[Path]) -> float | None:
+    """The stack sampling rate (Hz per CPU) the node files say they sampled at (rates_json's
+    "stacks"): a bench run with the cluster's gpuprof.toml changed must not pass for the default."""
+    rates = {json.loads(open_node_trace(p, tables=()).attrs.get("rates_json", "{}")).get("stacks") for p in node_files}
+    if len(rates) != 1:
+        raise RuntimeError(f"node files {[p.name for p in node_files]} say different stack rates: {sorted(map(str, rates))}")
+    rate = rates.pop()
+    return float(rate) if rate is not None else None
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the bench measured, and whether the tree had changes (a line pooled with others
+    must be of the same code: tests/bench/pool_slowdown.py)."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return {"commit": None, "commit_unknown": str(e)[:200]}
+    return {"commit": head.stdout.strip(), "tree_changed": bool(status.stdout.strip())}
 
 
 def interposer_samples(node_files: list[Path], rank_comm: str) -> tuple[int, int] | None:
@@ -456,6 +483,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
     preempting: list[dict[str, float]] = []
     outcomes: list[dict[str, float]] = []
     interposer: list[tuple[int, int]] = []
+    rates: set[float | None] = set()
     self_ms: dict[bool, list[float]] = {False: [], True: []}  # this bench's CPU in each run, by arm
     retried = 0
     for k in range(pairs):
@@ -472,6 +500,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 collector_ms.append(round(run.collector_ms, 1))
                 if run.interposer is not None:
                     interposer.append(run.interposer)
+                rates.add(run.stacks_rate_hz)
                 by_thread.append(run.by_thread_ms)
                 if run.bpf_ms is not None:
                     bpf_ms.append(round(run.bpf_ms, 1))
@@ -498,6 +527,7 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
                 "cores": os.cpu_count(),
                 "what": "two unprofiled arms: the bench's own spread on this machine"}
     return {"bench": "job_slowdown", "app": app.name, **size, "layout": layout, "modes": modes or DEFAULT_MODES,
+            **code_version(), "stacks_rate_hz": sorted(rates, key=str) if len(rates) > 1 else rates.pop(),
             "median_percent": round((statistics.median(prof) / statistics.median(plain) - 1) * 100, 2),
             "median_percent_ci95": median_percent_interval(plain, prof),
             "pair_percent": {"median": round(statistics.median(per_pair), 2), "min": round(min(per_pair), 2),
@@ -555,20 +585,6 @@ def bench_app(app: apps_mod.App, pairs: int, base: Path, modes: str = "", layout
 def spread_of(values: list[float], digits: int = 2) -> dict[str, float] | None:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits)} if values else None
-
-
-BOOTSTRAP_RESAMPLES = 2000
-
-
-def median_percent_interval(plain: list[float], prof: list[float]) -> list[float]:
-    """The 95 % interval of median_percent, a percentile bootstrap over the pairs (each resample
-    keeps a run's partner, as the alternation made them): how finely this machine's noise lets the
-    median speak; a goal of 1 % inside an interval of ±10 % is neither met nor missed by it."""
-    rng = np.random.default_rng(0)  # fixed: the same runs print the same interval
-    a, b = np.asarray(plain), np.asarray(prof)
-    picks = rng.integers(0, len(a), (BOOTSTRAP_RESAMPLES, len(a)))
-    ratios = (np.median(b[picks], axis=1) / np.median(a[picks], axis=1) - 1) * 100
-    return [round(float(x), 2) for x in np.percentile(ratios, [2.5, 97.5])]
 
 
 def cost_bound(prof: list[float], bpf_ms: list[float], displaced: list[dict[str, float]],
