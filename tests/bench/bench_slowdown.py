@@ -349,7 +349,7 @@ class Run:
     preempting_ms: dict[str, float] | None  # and of it, on a computing rank's core, by thread name
     outcomes_ms: dict[str, float] | None  # and of it, on a yielded rank's core, by what the rank did on its return
     interposer: tuple[int, int] | None  # profiled: (the ranks' CPU samples in the interposer, all their samples)
-    stacks_rate_hz: float | None  # profiled: the stack sampling rate its node files say (rates_json), None: no stacks
+    stacks_rate_hz: float | None  # profiled: the stack sampling rate its node files were recorded with (None: no stacks)
     bench_self_ms: float  # this bench process's CPU inside it (its sampling runs on the ranks' cores)
 
 
@@ -407,13 +407,20 @@ def one_run(app: apps_mod.App, profiled: bool, base: Path, k: int, modes: str = 
 
 
 def sampled_rate(node_files: list[Path]) -> float | None:
-    """The stack sampling rate (Hz per CPU) the node files say they sampled at (rates_json's
-    "stacks"): a bench run with the cluster's gpuprof.toml changed must not pass for the default."""
-    rates = {json.loads(open_node_trace(p, tables=()).attrs.get("rates_json", "{}")).get("stacks") for p in node_files}
+    """The stack sampling rate (Hz per CPU) the node files were recorded with: their config's
+    sources.stacks.rate_hz (config_json; rates_json's "stacks" is the drain's rate), None where
+    the modes took no stacks. A bench run with the cluster's gpuprof.toml changed must not pass for
+    the default."""
+    rates = set()
+    for p in node_files:
+        attrs = open_node_trace(p, tables=()).attrs
+        if "stacks" not in str(attrs.get("modes", "")).split(","):
+            rates.add(None)
+            continue
+        rates.add(float(json.loads(attrs["config_json"])["sources.stacks"]["rate_hz"]))
     if len(rates) != 1:
         raise RuntimeError(f"node files {[p.name for p in node_files]} say different stack rates: {sorted(map(str, rates))}")
-    rate = rates.pop()
-    return float(rate) if rate is not None else None
+    return rates.pop()
 
 
 def code_version() -> dict[str, Any]:
