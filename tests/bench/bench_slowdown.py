@@ -86,6 +86,7 @@ Needs root, the local cluster and the applications (apt packages named in tests/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pwd
@@ -423,9 +424,11 @@ def sampled_rate(node_files: list[Path]) -> float | None:
     return rates.pop()
 
 
+@functools.cache
 def code_version() -> dict[str, Any]:
     """The commit the bench measured, and whether the tree had changes (a line pooled with others
-    must be of the same code: tests/bench/pool_slowdown.py)."""
+    must be of the same code: tests/bench/pool_slowdown.py); read once, as the bench starts (main),
+    so that a commit made while it runs is not taken for what it ran."""
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
         status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
@@ -670,6 +673,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print(json.dumps({"bench": "job_slowdown", "app": None, "median_percent": None, "missing": "needs root"}))
         return 0
+    code_version()  # what the runs below run, before any of them
     base = Path(tempfile.mkdtemp(prefix="gpuprof-slowdown-", dir="/var/tmp"))
     base.chmod(0o755)
     stats_before = BPF_STATS.read_text() if a.bpf_time else None
