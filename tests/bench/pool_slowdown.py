@@ -1,7 +1,7 @@
 """Pool the pairs of several job_slowdown benches of the same code into one figure.
 
-One bench of 10 pairs on this VM reads anything from -3.6 to +4.5 % with the same code (docs/
-collector.md, "What a stack sample costs the job, and 19 Hz"): its interval is wider than the
+One bench of 10 pairs on this VM reads anything from -3.6 to +7.0 % with the same code (docs/
+collector.md, "What a lock-step job pays for the collector's CPU"): its interval is wider than the
 goal. Pairs from benches run at different hours can be pooled, because each pair's two runs were
 interleaved in the same minutes; this takes bench_slowdown.py's output files (JSON lines; progress
 and other benches' lines are skipped) and prints, per (app, layout, modes, stacks rate), one line
