@@ -7,6 +7,9 @@ double (tests/nvml_double), so every line says "emulated": true: they are costs,
                                                                10-minute default-rate file
     .venv/bin/python tests/bench/bench_collector.py --chunks   also the calls table's chunk rows
                                                                at call rates of 1 to 13 000 a second
+    .venv/bin/python tests/bench/bench_collector.py --per-call only collector_per_call: the collector's
+                                                               CPU per MPI call recorded (the busy
+                                                               job at 3 call periods, interleaved)
     .venv/bin/python tests/bench/bench_collector.py --prepared `gpuprof prepare` on the bench's fresh
                                                                state directory first: every run is a
                                                                job of a node prepared at boot
@@ -111,7 +114,8 @@ def build() -> None:
 class BusyJob:
     """16 busy MPI processes in a job cgroup of their own, released on go()."""
 
-    def __init__(self, job: str, node: str, tmp: Path, seconds: float, fastpath_env: dict[str, str]) -> None:
+    def __init__(self, job: str, node: str, tmp: Path, seconds: float, fastpath_env: dict[str, str],
+                 period_us: int = PERIOD_US) -> None:
         if not FREEZER.is_dir():
             raise RuntimeError(f"{FREEZER} missing: this bench needs the cgroup v1 freezer (as the local cluster)")
         self.made: list[Path] = []
@@ -123,10 +127,10 @@ class BusyJob:
                 self.made.append(d)
         self.cgroup = d
         self.gate = tmp / f"go-{job}"
-        calls = int(seconds * 1e6 / PERIOD_US)
+        calls = int(seconds * 1e6 / period_us)
         mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(BUSY), "--mca", "mpi_yield_when_idle",
                   "1", *[a for k in fastpath_env for a in ("-x", k)], str(MPI_BENCH), "selfpaced", str(calls),
-                  str(PERIOD_US)]
+                  str(period_us)]
         script = (f'echo $$ > {d}/cgroup.procs; while [ ! -e {self.gate} ]; do sleep 0.05; done; '
                   f'exec {" ".join(mpirun)}')
         self.proc = subprocess.Popen(["sh", "-c", script], env=dict(os.environ, **fastpath_env),
@@ -182,8 +186,9 @@ def wait_attached(sock: Path, proc: subprocess.Popen[bytes], timeout_s: float) -
     raise RuntimeError(f"collector not attached after {timeout_s} s: {st}")
 
 
-def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, str]) -> dict[str, Any]:
-    """Collector for one busy job; the figures of that run."""
+def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, str],
+            period_us: int = PERIOD_US) -> dict[str, Any]:
+    """Collector for one busy job (each process calling every period_us); the figures of that run."""
     from gpuprof.collector.config import defaults
     from gpuprof.collector.control import request
     from gpuprof.collector.fastpath_env import fastpath_exports, job_ring_dir
@@ -200,7 +205,7 @@ def one_run(modes: str, window_s: float, tmp: Path, k: int, base_env: dict[str, 
                                      node=node):
             key, _, value = line.removeprefix("export ").partition("=")
             fp_env[key] = value
-    busy = BusyJob(job, node, tmp, window_s + WARM_S + 120, fp_env)
+    busy = BusyJob(job, node, tmp, window_s + WARM_S + 120, fp_env, period_us)
     with open(tmp / f"{job}.log", "wb") as log:
         coll = subprocess.Popen(
             [sys.executable, "-m", "gpuprof.slurm_hooks.cli", "collect", "--job", job, "--node", node, "--uid", "0",
@@ -277,13 +282,14 @@ def prepare_node(config: Path, base_env: dict[str, str]) -> dict[str, Any]:
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)}
 
 
-def bench_collector(window_s: float, runs: int, tmp: Path, prepared: bool = False) -> None:
+def collector_env(tmp: Path) -> tuple[dict[str, str], Path]:
+    """(the collectors' environment, their config file): the programs built, 8 emulated GPUs and
+    a state directory of the bench's own: its first default-modes run is a node's first profiled
+    job (the BPF object compiled, the CFI tables built), the others every job after it (both
+    loaded from what the first kept there)."""
     build()
     lib = double.build()
     conf = double.write_config(tmp / "fake.conf", gpus=8, pids=[])
-    # a state directory of the bench's own: its first default-modes run is a node's first profiled
-    # job (the BPF object compiled, the CFI tables built), the others every job after it (both
-    # loaded from what the first kept there)
     state = tmp / "state"
     state.mkdir(mode=0o700)
     config = tmp / "gpuprof.toml"
@@ -291,6 +297,11 @@ def bench_collector(window_s: float, runs: int, tmp: Path, prepared: bool = Fals
     base_env = dict(os.environ)
     base_env.update(PYTHONPATH=str(ROOT), GPUPROF_NVML_LIBRARY=str(lib), GPUPROF_FAKE_NVML_CONFIG=str(conf),
                     GPUPROF_CONFIG=str(config))
+    return base_env, config
+
+
+def bench_collector(window_s: float, runs: int, tmp: Path, prepared: bool = False) -> None:
+    base_env, config = collector_env(tmp)
     from gpuprof.collector.config import defaults
 
     prepare = prepare_node(config, base_env) if prepared else None
@@ -356,6 +367,52 @@ def bench_collector(window_s: float, runs: int, tmp: Path, prepared: bool = Fals
     lines[0]["metrics_only_cpu_percent_median"] = lines[1]["cpu_percent_of_core"]["median"]
     for line in lines:
         print(json.dumps(line), flush=True)
+
+
+# the threads whose work is per call recorded, by the names `status` gives them (thread_cpu_s)
+PER_CALL_THREADS = {"writer": "writer", "fastpath": "source-collectives_fastpath"}
+PER_CALL_PERIODS_US = (10_000, 1_000, 300)
+
+
+def bench_per_call(periods_us: tuple[int, ...], runs: int, window_s: float, tmp: Path) -> None:
+    """collector_per_call: what one MPI call recorded costs the collector. The busy job of
+    collector_cpu (default modes) at several call periods, interleaved (runs rounds, the order
+    reversed every other round); the slope of the writer's and the fast path's CPU (their own
+    threads', from status) against the calls recorded a second, and of the whole collector's, which
+    its other threads' noise blurs. In a job whose ranks fill every CPU, the job pays this per call
+    (docs/collector.md, "What this means on a larger node")."""
+    base_env, _ = collector_env(tmp)
+    one_run(DEFAULT_MODES, 5.0, tmp, 0, base_env, periods_us[0])  # the BPF compile and CFI tables: not measured
+    results: dict[int, list[dict[str, Any]]] = {p: [] for p in periods_us}
+    k = 1
+    for r in range(runs):
+        for period in (periods_us if r % 2 == 0 else periods_us[::-1]):
+            res = one_run(DEFAULT_MODES, window_s, tmp, k, base_env, period)
+            k += 1
+            print(json.dumps({"progress": "collector_per_call run", "period_us": period, "cpu_percent": res["cpu_percent"],
+                              "calls_per_s": res["calls_per_s"]}), file=sys.stderr, flush=True)
+            results[period].append(res)
+    rates = [statistics.median(x["calls_per_s"] for x in results[p]) for p in periods_us]
+
+    def per_call_ns(percent_of: Any) -> tuple[list[float], float]:
+        ys = [statistics.median(percent_of(x) for x in results[p]) for p in periods_us]
+        slope, _ = statistics.linear_regression(rates, ys)
+        return [round(y, 3) for y in ys], round(slope / 100 * 1e9, 1)  # % of a core per call/s -> ns per call
+
+    threads = {name: per_call_ns(lambda x, t=t: x["by_thread"].get(t, 0.0)) for name, t in PER_CALL_THREADS.items()}
+    total = per_call_ns(lambda x: x["cpu_percent"])
+    print(json.dumps({
+        "bench": "collector_per_call", "modes": DEFAULT_MODES, "busy_processes": BUSY,
+        "period_us": list(periods_us), "calls_per_s_recorded": [round(x) for x in rates],
+        **{f"{name}_cpu_percent_of_core": ys for name, (ys, _) in threads.items()},
+        **{f"{name}_ns_per_call": ns for name, (_, ns) in threads.items()},
+        "per_call_ns": round(sum(ns for _, ns in threads.values()), 1),
+        "cpu_percent_of_core": total[0], "collector_ns_per_call": total[1],
+        "drops_total": sum(sum(x["drops"].values()) for rs in results.values() for x in rs),
+        "runs": runs, "interleaved": "the periods' order reversed every other round",
+        "window_s": window_s, "cores": os.cpu_count(), "emulated": True,
+        "what": "least-squares slope of each thread's CPU (medians over the runs) against the calls recorded a second",
+    }), flush=True)
 
 
 def bench_bytes(duration: float, tmp: Path) -> None:
@@ -571,6 +628,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=None, help="runs per mode, interleaved (default 3, quick 1)")
     ap.add_argument("--filters", action="store_true", help="compare HDF5 filters on a 10-minute file")
     ap.add_argument("--chunks", action="store_true", help="only the calls table's chunk rows, by call rate")
+    ap.add_argument("--per-call", action="store_true",
+                    help="only collector_per_call: the collector's CPU per MPI call recorded, at call periods of "
+                         f"{', '.join(map(str, PER_CALL_PERIODS_US))} us")
     ap.add_argument("--prepared", action="store_true",
                     help="run `gpuprof prepare` on the fresh state directory first (a node prepared at boot)")
     a = ap.parse_args()
@@ -584,6 +644,11 @@ def main() -> None:
                           "cpu_percent_of_core": None, "missing": "needs root (BPF, cgroups) and mpirun"}), flush=True)
         return
     window = a.window or (8.0 if a.quick else 40.0)
+    if a.per_call:
+        with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
+            bench_per_call(PER_CALL_PERIODS_US, a.runs or (1 if a.quick else 3), a.window or (8.0 if a.quick else 20.0),
+                           Path(d))
+        return
     with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
         tmp = Path(d)
         bench_collector(window, a.runs or (1 if a.quick else 3), tmp, a.prepared)
