@@ -35,16 +35,19 @@ CHUNK_ROWS = 64
 # of the writer's time (hpcc's 13 000 calls a second: 11 ms of CPU a second in 64-row chunks,
 # 4.9 in 512-row ones, and a file 25 % smaller); the price is ~32 kB a minute of rewritten
 # partial chunks when such a table stays slow (docs/trace-format.md, "Chunks of the busy tables").
+# 1024 rows were tried with ISA-L level 0: no less CPU a row, and 40 to 80 % more file at 1 to
+# 100 calls a second (the writer_busy_chunks bench line).
 BUSY_CHUNK_ROWS = 512
 BUSY_TABLES = frozenset({schema.COLLECTIVE_CALLS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_LAUNCHES.path})
 GZIP_LEVEL = 2
 # With gzip, the busy tables' chunks are deflated here by ISA-L (isal: zlib's format, any HDF5
 # reads it) and written whole (DirectChunks), not by HDF5's filter on the writer thread: at hpcc's
 # 13 000 calls a second zlib's deflate was most of the writer's CPU, and on a node whose every core
-# runs a rank each of its milliseconds is one the job waits. On hpcc's real call rows, 52 000
-# rows (one 4 s flush), shuffle included: zlib level 2 28.1 ms, 0.420 MB; ISA-L level 1 10.9 ms,
-# 0.440 MB (docs/trace-format.md, "The busy tables' chunks deflated by ISA-L").
-ISAL_LEVEL = 1
+# runs a rank each of its milliseconds is one the job waits. Level 0, not 1 (until 2026-12-07): on
+# hpcc's real call rows the writer spends a third less CPU a row (78 ns against 115, deflate and
+# HDF5's write included) for a calls table 20 % larger (bench_collector.py --chunks, the
+# writer_busy_chunks line; docs/trace-format.md, "ISA-L level 0").
+ISAL_LEVEL = 0
 
 
 def native_shuffle() -> Callable[[int, int, int, int], None] | None:

@@ -290,7 +290,7 @@ class PythonStacks:
         self.namers: dict[int, PyFrameNamer] = {}
         self.not_python: dict[int, str] = {}  # pid -> why (last seen), for status and tests
         self.retries: dict[int, int] = {}  # pid -> drains left to look again (its exe unchanged)
-        self.last_counts = [0, 0, 0, 0]  # counts() as of the last drain (the map dies at stop)
+        self.last_counts = [0, 0, 0, 0]  # counts() as of the last source's release (the map dies at stop)
 
     def register(self, pids: Iterable[int]) -> None:
         """Look for an interpreter in pids not checked yet or that exec'd since (one readlink each)."""
@@ -463,7 +463,6 @@ class UserStacks:
                 seen |= pids
             if self.python is not None:
                 self.python.forget(seen)
-                self.python.counts()
             if self.cfi is not None:
                 self.cfi.after_drain(seen)
 
@@ -472,6 +471,10 @@ class UserStacks:
         with self.lock:
             self.users.discard(source)
             self.live.pop(source, None)
+            if self.python is not None:
+                # read at each release, not at each drain: a per-CPU map read through
+                # get_next_key and lookups was most of an idle drain's time (py-spy on GROMACS)
+                self.python.counts()
             if self.users:
                 return
             if self.cfi is not None:

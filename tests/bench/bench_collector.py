@@ -564,6 +564,67 @@ def bench_chunks(tmp: Path) -> None:
               flush=True)
 
 
+BUSY_CHUNK_CHOICES = ((1, 512), (0, 512), (0, 1024))  # (ISA-L level, rows a chunk): the writer's before and now
+
+
+def bench_busy_chunks(tmp: Path, rounds: int) -> None:
+    """The busy tables' chunks as the writer writes them (DirectChunks: shuffled, deflated by
+    ISA-L, written whole), at each (ISA-L level, chunk rows) of BUSY_CHUNK_CHOICES: hpcc's recorded
+    call rows (tests/recordings/hpcc-4nodes, taken in turn) appended and flushed in
+    collector.flush_interval_s batches. Writer CPU a row at 13 000 calls a second (thread time,
+    median of interleaved rounds, with min and max) and the file's growth a minute at 1 to 13 000
+    calls a second (the same bytes every round: computed once). One writer_busy_chunks line."""
+    import h5py
+
+    from gpuprof.collector import writer
+    from gpuprof.collector.config import defaults
+
+    every = float(defaults()["collector"]["flush_interval_s"])
+    with h5py.File(HPCC_CALLS, "r") as f:
+        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+
+    def one(level: int, chunk: int, rate: int, minutes: float) -> tuple[float, float]:
+        """(writer ns a row, file kB a minute)"""
+        path = tmp / f"busy-{level}-{chunk}-{rate}.h5"
+        per, pos = max(1, round(rate * every)), 0
+        saved = writer.ISAL_LEVEL
+        writer.ISAL_LEVEL = level
+        try:
+            with h5py.File(path, "w", libver="latest") as f:
+                ds = f.create_dataset("calls", shape=(0,), maxshape=(None,), dtype=real.dtype, chunks=(chunk,),
+                                      **writer.compression_kwargs("gzip"))
+                f.swmr_mode = True
+                direct = writer.DirectChunks(ds.id, real.dtype, chunk)
+                batches = [np.take(real, np.arange(k * per, (k + 1) * per) % len(real))
+                           for k in range(int(minutes * 60 / every))]
+                t0 = time.thread_time_ns()
+                for rows in batches:
+                    direct.append(rows)
+                    pos += per
+                    direct.flush()
+                    f.flush()
+                ns = (time.thread_time_ns() - t0) / max(pos, 1)
+        finally:
+            writer.ISAL_LEVEL = saved
+        size = path.stat().st_size
+        path.unlink()
+        return ns, size / 1e3 / minutes
+
+    ns_row: dict[tuple[int, int], list[float]] = {c: [] for c in BUSY_CHUNK_CHOICES}
+    for _ in range(rounds):
+        for level, chunk in BUSY_CHUNK_CHOICES:
+            ns_row[(level, chunk)].append(one(level, chunk, 13000, 0.5)[0])
+    kb_min = {rate: {f"level{lv}_{ch}_rows": round(one(lv, ch, rate, 1.0 if rate > 5000 else 10.0)[1], 1)
+                     for lv, ch in BUSY_CHUNK_CHOICES} for rate in (1, 10, 100, 1000, 13000)}
+    print(json.dumps({"bench": "writer_busy_chunks", "table": schema.COLLECTIVE_CALLS.path,
+                      "data": f"real rows of {HPCC_CALLS.parent.name}, repeated", "flush_interval_s": every,
+                      "now": {"isal_level": writer.ISAL_LEVEL, "chunk_rows": writer.BUSY_CHUNK_ROWS},
+                      "rounds": rounds,
+                      "writer_ns_per_row_at_13000_per_s": {f"level{lv}_{ch}_rows": spread(v, 1)
+                                                          for (lv, ch), v in ns_row.items()},
+                      "file_kb_per_min_by_calls_per_s": kb_min}), flush=True)
+
+
 def bench_writer(tmp: Path, seconds: float) -> None:
     """Records per second the writer thread's drain+append+flush path absorbs (host/procs rows)."""
     meta = NodeMeta(job_id="bench", node="n", modes=("metrics",), synthetic=True)
@@ -639,6 +700,7 @@ def main() -> None:
     bench_shuffle(3 if a.quick else 9)  # no root, no MPI
     if a.chunks:  # no root, no MPI: the writer's files only
         with tempfile.TemporaryDirectory(prefix="gpuprof-bench-") as d:
+            bench_busy_chunks(Path(d), 3 if a.quick else 7)
             bench_chunks(Path(d))
         return
     if os.geteuid() != 0 or shutil.which("mpirun") is None:
@@ -657,6 +719,7 @@ def main() -> None:
         bench_per_call(PER_CALL_PERIODS_US, a.runs or (1 if a.quick else 3), 8.0 if a.quick else 20.0, tmp)
         bench_bytes(10.0 if a.quick else 60.0, tmp)
         bench_writer(tmp, 1.0 if a.quick else 5.0)
+        bench_busy_chunks(tmp, 3 if a.quick else 7)
         if a.filters:
             bench_filters(tmp, 1.0 if a.quick else 10.0)
 
