@@ -185,8 +185,9 @@ HOST_NODE = Table(
     "node-wide CPU, memory and network",
     (
         T_NS,
-        C("cpu_busy", "<f4", "fraction", "all CPUs, busy time / elapsed since the previous sample"),
-        C("cpu_iowait", "<f4", "fraction", "iowait share since the previous sample"),
+        C("cpu_busy", "<f4", "fraction", "all CPUs, busy time / elapsed between the last two reads of /proc/stat "
+          "(the native tick reads it once a second, the rows between repeat it)"),
+        C("cpu_iowait", "<f4", "fraction", "iowait share over the same interval"),
         C("mem_used_bytes", "<u8", "bytes", "MemTotal - MemAvailable; this and the columns after it are read once a second, repeated between"),
         C("mem_total_bytes", "<u8", "bytes", "MemTotal"),
         C("net_rx_bytes", "<u8", "bytes", "sum over non-loopback interfaces, cumulative"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 import stat
@@ -191,11 +192,11 @@ def reads_so_far() -> int:
         return int(f.read().split(b"syscr:")[1].split()[0])
 
 
-def test_node_memory_network_and_load_are_read_once_a_second_in_c(reader: str) -> None:
-    """The node row reads /proc/stat's CPU line at every tick; meminfo, net/dev and loadavg, in
-    C, once a second (FULL_READ_INTERVAL_S; the ticks between repeat that read's figures), in
-    Python at every tick. Counted as the read calls of each tick (no process followed: the
-    node's files only), on the caller's thread."""
+def test_node_files_are_read_once_a_second_in_c(reader: str) -> None:
+    """The node row reads /proc/stat's CPU line, meminfo, net/dev and loadavg, in C, once a second
+    (FULL_READ_INTERVAL_S; the ticks between repeat that read's figures, the CPU fractions
+    included), in Python at every tick. Counted as the read calls of each tick (no process
+    followed: the node's files only), on the caller's thread."""
     src = HostSource()
     src.start(ctx_for(frozenset()))
     ticks = []
@@ -203,20 +204,26 @@ def test_node_memory_network_and_load_are_read_once_a_second_in_c(reader: str) -
         for _ in range(13):
             before = reads_so_far()
             node = table(src.sample(time.monotonic_ns()), schema.HOST_NODE)[0]
-            ticks.append((time.monotonic(), reads_so_far() - before - 1, int(node["mem_total_bytes"])))
+            ticks.append((time.monotonic(), reads_so_far() - before - 1, int(node["mem_total_bytes"]),
+                          float(node["cpu_busy"])))
             time.sleep(0.15)
     finally:
         src.stop()
-    assert all(total > 0 for *_, total in ticks), ticks  # a figure in every row, repeated or read
-    fewest = min(n for _, n, _ in ticks)  # the CPU line, and what a sample reads besides the node's files
-    extra = [n - fewest for _, n, _ in ticks]
+    assert all(total > 0 for *_, total, _ in ticks), ticks  # a figure in every row, repeated or read
+    fewest = min(n for _, n, _, _ in ticks)  # what a sample reads besides the node's files
+    extra = [n - fewest for _, n, _, _ in ticks]
     if reader == "python":
         assert extra == [0] * len(ticks), ticks
         return
-    assert set(extra) == {0, 3}, ticks  # meminfo, net/dev and loadavg, or none of them
-    full = [i for i, n in enumerate(extra) if n == 3]
+    assert set(extra) == {0, 4}, ticks  # /proc/stat, meminfo, net/dev and loadavg, or none of them
+    full = [i for i, n in enumerate(extra) if n == 4]
     assert full[0] == 0 and len(full) >= 2, ticks  # the first tick, then once a second (13 ticks: ~2 s)
     assert all(0.99 <= ticks[b][0] - ticks[a][0] <= 1.5 for a, b in itertools.pairwise(full)), ticks
+    # the CPU fraction: none before the second read of /proc/stat, then that read's, repeated until the next
+    busy = [b for *_, b in ticks]
+    assert all(math.isnan(b) for b in busy[:full[1]]), ticks
+    for a, b in itertools.pairwise(full[1:] + [len(ticks)]):
+        assert len({busy[i] for i in range(a, b)}) == 1 and not math.isnan(busy[a]), ticks
 
 
 @contextmanager
