@@ -171,6 +171,20 @@ BPF_HASH(gp_cfi_wanted, u32, u8, 4096);
  * stale too (a fork, an exec, a new rank), so that it is registered within 0.1 s */
 BPF_ARRAY(gp_cfi_on, u32, 1);
 
+/* [0]: how many requests were made (an entry put in gp_cfi_stale or gp_cfi_wanted), each after
+ * its entry. The collector's native watch (collector/native/mapwatch.c) reads it every 100 ms to
+ * know whether to wake the registration thread: one array lookup, where asking a hash for its
+ * first key walks all its buckets (4096 here: an eighth of the 100 ms tick's time, perf). */
+BPF_ARRAY(gp_cfi_asks, u64, 1);
+
+static __always_inline void gp_cfi_asked(void)
+{
+    int zero = 0;
+    u64 *n = gp_cfi_asks.lookup(&zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
 /* An exec replaces every mapping: the process's tables go until the collector registers it again
  * (its next drain), so that no sample is walked with the old image's mappings. */
 TRACEPOINT_PROBE(sched, sched_process_exec)
@@ -180,6 +194,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         u8 one = 1;
         gp_cfi_procs.delete(&tgid);
         gp_cfi_stale.update(&tgid, &one);
+        gp_cfi_asked();
     }
     return 0;
 }
@@ -331,6 +346,7 @@ static __always_inline int gp_cfi_step(struct gp_cfi_walk *w, struct gp_cfi_stac
     if (m->count == 0 && m->first == GP_CFI_LAZY) {
         u8 one = 1;
         gp_cfi_wanted.update(&at, &one); /* this frame by the frame-pointer rule, the next walks by CFI */
+        gp_cfi_asked();
     }
     if (m->count) {
         struct gp_cfi_row r = {}; /* GP_CFA_NONE, GP_RBP_SAME: no row covers the pc */
@@ -413,6 +429,7 @@ static __always_inline struct gp_cfi_proc *gp_cfi_registered(u32 tgid)
         if (on && *on) {
             u8 one = 1;
             gp_cfi_stale.update(&tgid, &one);
+            gp_cfi_asked();
         }
         return 0;
     }
@@ -513,6 +530,7 @@ static __always_inline u64 gp_cfi_store(struct gp_cfi_state *s)
     if (end == GP_CFI_END_NO_MAPPING && !w->guessed) {
         u8 one = 1;
         gp_cfi_stale.update(&tgid, &one);
+        gp_cfi_asked();
     }
     if (!w->leaf_mapped) { /* JIT code without a mapping registered yet, an exec's first moments */
         gp_cfi_count(4);

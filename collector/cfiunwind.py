@@ -313,7 +313,7 @@ class CfiUnwinder:
         self._posted_live: frozenset[int] | None = None  # after_drain's, for the registration thread
         self._last_live: frozenset[int] = frozenset()  # the last set after_drain woke the thread for
         self._wake = threading.Event()  # something for the registration thread (with the native watch)
-        self._watch: _RequestWatch | None = _RequestWatch.start((self.stale_map, self.wanted_map), self._wake.set)
+        self._watch: _RequestWatch | None = _RequestWatch.start((bpf[b"gp_cfi_asks"],), self._wake.set)
         self._watch_wakes: int | None = None  # the watch's count when it stopped (None: never started)
         self.poll_how = (f"native watch every {POLL_S} s, python when asked or every {IDLE_POLL_S} s"
                          if self._watch is not None else f"python every {POLL_S} s ({_RequestWatch.why_not})")
@@ -949,9 +949,10 @@ def start_compiler(ctx: Any, unwinder: str | None) -> Compiler | None:
 
 
 class _RequestWatch:
-    """The native watches over the maps of the BPF program's requests (gp_cfi_stale: register a
-    process; gp_cfi_wanted: load a table), collector/native/mapwatch.c on ticker.c, one a map on
-    the same shared tick: each calls wake() from its thread when its map holds an entry."""
+    """The native watch over the BPF program's requests (gp_cfi_stale: register a process;
+    gp_cfi_wanted: load a table), collector/native/mapwatch.c on ticker.c's shared tick: it reads
+    the program's request counter (gp_cfi_asks, raised after each request's entry) and calls wake()
+    from its thread when the counter moved. One watch a counter map given."""
 
     why_not = ""  # why the last start() returned None
 
@@ -970,7 +971,7 @@ class _RequestWatch:
         wake_fn = native.WAKE_FN(wake)
         watches: list[tuple[int, Any]] = []
         for m in maps:
-            ptr = lib.gp_mapwatch_new(m.map_fd, ctypes.sizeof(m.Key), wake_fn)
+            ptr = lib.gp_mapwatch_new(m.map_fd, wake_fn)
             if not ptr:
                 cls.why_not = f"mapwatch: {os.strerror(ctypes.get_errno())}"
             else:

@@ -920,10 +920,11 @@ def test_processes_exiting_mid_sample(state_dir: Path) -> None:
     assert not kept, f"tables kept without a process using them: {kept}"
 
 
-def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
-    """The native watch over gp_cfi_stale (collector/native/mapwatch.c): no wake-up while the map is
-    empty, one when the BPF program asks (an entry), none more until the registration thread
-    acknowledges before reading, then one again while entries are left."""
+def test_request_watch_wakes_the_registration_thread_once_per_read() -> None:
+    """The native watch over the BPF program's request counter (gp_cfi_asks, collector/native/
+    mapwatch.c): one wake-up at its first look (requests made before it), none while the counter
+    stands, one when it moves (a request), none more until the registration thread acknowledges
+    before reading, then one again if a request came meanwhile; none after that with no request."""
     import threading
 
     from gpuprof.collector import cfiunwind
@@ -933,23 +934,26 @@ def test_stale_watch_wakes_the_registration_thread_once_per_read() -> None:
         pytest.skip(reason)
     from gpuprof.collector.bpf_object import BpfObject
 
-    b = BpfObject.compile("BPF_HASH(stale, u32, u8, 16);", [])
+    b = BpfObject.compile("BPF_ARRAY(asks, u64, 1);", [])
+    asks = b[b"asks"]
+    asks[asks.Key(0)] = asks.Leaf(3)  # requests made before the watch
     woke = threading.Event()
-    watch = cfiunwind._RequestWatch.start([b[b"stale"]], woke.set)
+    watch = cfiunwind._RequestWatch.start([asks], woke.set)
     assert watch is not None, cfiunwind._RequestWatch.why_not
-    stale = b[b"stale"]
     try:
-        assert not woke.wait(5 * cfiunwind.POLL_S)
-        stale[stale.Key(7)] = stale.Leaf(1)
+        assert woke.wait(2.0), "the first look wakes the thread: requests may be waiting"
+        woke.clear()
+        watch.ack()
+        assert not woke.wait(5 * cfiunwind.POLL_S), "the counter stood: no wake-up"
+        asks[asks.Key(0)] = asks.Leaf(4)
         assert woke.wait(2.0)
         woke.clear()
-        stale[stale.Key(8)] = stale.Leaf(1)
+        asks[asks.Key(0)] = asks.Leaf(5)
         assert not woke.wait(3 * cfiunwind.POLL_S), "one wake-up until the thread acknowledges"
         watch.ack()
-        assert woke.wait(2.0), "entries left after the acknowledgement: woken again"
-        assert watch.wakes() == 2
+        assert woke.wait(2.0), "a request after the wake-up, before the acknowledgement: woken again"
+        assert watch.wakes() == 3
         woke.clear()
-        stale.clear()
         watch.ack()
         assert not woke.wait(3 * cfiunwind.POLL_S)
     finally:

@@ -152,7 +152,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gp_ringwatch_counts.restype = None
     lib.gp_ringwatch_free.argtypes = [vp]
     lib.gp_ringwatch_free.restype = None
-    lib.gp_mapwatch_new.argtypes = [ctypes.c_int, ctypes.c_int, WAKE_FN]
+    lib.gp_mapwatch_new.argtypes = [ctypes.c_int, WAKE_FN]
     lib.gp_mapwatch_new.restype = vp
     for name in ("gp_mapwatch_ack", "gp_mapwatch_free"):
         getattr(lib, name).argtypes = [vp]
