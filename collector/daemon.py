@@ -130,6 +130,43 @@ class CollectorOptions:
     cgroup_root: str = "/sys/fs/cgroup"
 
 
+class _Wake(threading.Event):
+    """A source's wake-up. Once the source has joined a drain group, setting it also wakes the
+    group's thread, which samples the members whose own wake-up is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.also: threading.Event | None = None
+
+    def set(self) -> None:
+        super().set()
+        also = self.also
+        if also is not None:
+            also.set()
+
+
+@dataclass
+class _DrainGroup:
+    """Sources sampled one after the other on one thread (`drains-<ms>ms`), every interval_s on
+    the tick grid: those whose class says `shares_drain_thread` and whose interval (known once
+    started) is the group's. Why: on the VMs measured each Python thread's wake-up costs about
+    0.1 ms of CPU beside its work (cold caches on cores the job keeps busy, the GIL handed
+    over), as much as the clock's or the host's whole drain; the four drains of the default modes
+    that run once a second then wake once instead of four times (docs/collector.md, "One thread
+    for the drains of a second"). Members are started in their own threads (attaching goes on
+    in parallel) and join when started; a member's failure is its own (its back-off, its
+    errors), but a member stuck in a call holds the others back, so only sources whose sample
+    cannot wedge share (not NVML's, not the fast path's, which is woken by its rings)."""
+
+    interval_s: float
+    wake: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    members: list[_SourceState] = field(default_factory=list)
+    closed: bool = False  # the thread is finishing: a source started later runs its own loop
+    thread: threading.Thread | None = None
+    cpu_s: dict[str, float] = field(default_factory=dict)  # thread CPU of each member's samples so far
+
+
 @dataclass
 class _SourceState:
     source: Source
@@ -139,7 +176,7 @@ class _SourceState:
     stopped: threading.Event = field(default_factory=threading.Event)
     # set to end the wait before the next sample early: at stop, and at a flush request, so that a
     # source drained once a second (a native sampling thread's rows) hands over what it holds
-    wake: threading.Event = field(default_factory=threading.Event)
+    wake: _Wake = field(default_factory=lambda: _Wake())
     passes: int = 0  # samples completed (under Collector._pass_cond)
     attached_ns: int | None = None  # CLOCK_MONOTONIC when start() returned (the probe is in place)
     late: dict[str, Any] | None = None  # set when a probe source attached after the job's first process
@@ -234,6 +271,8 @@ class Collector:
         shares = {s.name: s.ring_share for s in self.sources} | {TRACKER_RING: 1, DIAG_RING: 1}
         caps = split_capacity(int(self.cfg["memory_limit_mb"]), shares)
         self._states = {s.name: _SourceState(s, Ring(s.name, caps[s.name])) for s in self.sources}
+        self._groups: dict[float, _DrainGroup] = {}  # by interval (_join_group)
+        self._groups_lock = threading.Lock()
         self._tracker_ring = Ring(TRACKER_RING, caps[TRACKER_RING])
         self._diag_ring = Ring(DIAG_RING, caps[DIAG_RING])
         self.tracker = ProcessTracker(
@@ -346,6 +385,7 @@ class Collector:
                 "process_tracking": self.tracker.method,
                 "pid": os.getpid(),
                 "thread_cpu_s": thread_cpu_s(),
+                "drain_cpu_s": self.drain_cpu_s(),
                 "catch_up": self.catch_up.summary(),
                 **({"error": self._fatal} if self.state == "error" else {}),
             }
@@ -498,24 +538,39 @@ class Collector:
         self._mark_attached(st)
         st.status = "running"
         self._note_started()
+        if getattr(src, "shares_drain_thread", False) and self._join_group(st):
+            return  # sampled, finished and stopped by the group's thread from now on
         interval = max(0.001, float(src.interval_s))
         backoff = 0.0
         while not self._sources_stop.is_set():
             st.wake.clear()  # before the sample: a wake during it means one more sample after it
-            try:
-                self._push(st, src.sample(monotonic_ns()))
+            if self._sample_once(st):
                 backoff = 0.0
-            except Exception as e:  # noqa: BLE001 - record, back off, go on
+            else:
                 backoff = min(MAX_BACKOFF_S, max(interval, backoff * 2))
-                self.report_error(src.name, f"sample failed: {type(e).__name__}: {e}")
-            with self._pass_cond:
-                st.passes += 1
-                self._pass_cond.notify_all()
             now = time.monotonic()
             wait_s = next_tick(now + backoff, interval) - now
             if src.retry_s is not None and not backoff:
                 wait_s = min(wait_s, src.retry_s)
             st.wake.wait(wait_s)
+        self._finish_source(st)
+
+    def _sample_once(self, st: _SourceState) -> bool:
+        """One sample of the source into its ring (False: it failed, reported), counted as a pass."""
+        ok = True
+        try:
+            self._push(st, st.source.sample(monotonic_ns()))
+        except Exception as e:  # noqa: BLE001 - record, back off, go on
+            ok = False
+            self.report_error(st.source.name, f"sample failed: {type(e).__name__}: {e}")
+        with self._pass_cond:
+            st.passes += 1
+            self._pass_cond.notify_all()
+        return ok
+
+    def _finish_source(self, st: _SourceState) -> None:
+        """The source's final rows (unless the collector failed), then its stop."""
+        src = st.source
         if self.state != "error":
             try:
                 self._push(st, src.final(monotonic_ns()))
@@ -527,6 +582,65 @@ class Collector:
             self.report_error(src.name, f"stop failed: {type(e).__name__}: {e}")
         st.status = "stopped"
         st.stopped.set()
+
+    def _join_group(self, st: _SourceState) -> bool:
+        """Hand a started source to the drain group of its interval (made, and its thread started,
+        by the first); False when the sources are stopping: the caller finishes it itself."""
+        interval = max(0.001, float(st.source.interval_s))
+        with self._groups_lock:
+            g = self._groups.get(interval)
+            if g is None:
+                g = self._groups[interval] = _DrainGroup(interval)
+            with g.lock:
+                if g.closed or self._sources_stop.is_set():
+                    return False
+                g.members.append(st)
+                st.wake.also = g.wake
+            if g.thread is None:
+                g.thread = self._spawn(self._group_loop, f"drains-{round(interval * 1000)}ms", g)
+        st.wake.set()  # its first sample now, as on a thread of its own
+        return True
+
+    def _group_loop(self, g: _DrainGroup) -> None:
+        """A drain group's thread: at each tick every member not backing off, between ticks the
+        members whose wake-up was set (a flush request, the stop); then each member's final rows
+        and stop, in the order they joined."""
+        backoff: dict[str, float] = {}  # a failing member's back-off, as _source_loop's
+        not_before: dict[str, float] = {}  # and the tick it waits for
+        next_at = next_tick(time.monotonic(), g.interval_s)
+        while not self._sources_stop.is_set():
+            g.wake.clear()
+            timed = time.monotonic() >= next_at
+            with g.lock:
+                members = list(g.members)
+            for st in members:
+                name = st.source.name
+                if not (st.wake.is_set() or (timed and time.monotonic() >= not_before.get(name, 0.0))):
+                    continue
+                st.wake.clear()  # before the sample: a wake during it means one more sample after it
+                t0 = time.thread_time()
+                ok = self._sample_once(st)
+                g.cpu_s[name] = g.cpu_s.get(name, 0.0) + time.thread_time() - t0
+                if ok:
+                    backoff.pop(name, None)
+                    not_before.pop(name, None)
+                else:
+                    b = backoff[name] = min(MAX_BACKOFF_S, max(g.interval_s, backoff.get(name, 0.0) * 2))
+                    not_before[name] = next_tick(time.monotonic() + b, g.interval_s)
+            if timed:
+                next_at = next_tick(time.monotonic(), g.interval_s)
+            g.wake.wait(max(0.0, next_at - time.monotonic()))
+        with g.lock:
+            g.closed = True
+            members = list(g.members)
+        for st in members:
+            self._finish_source(st)
+
+    def drain_cpu_s(self) -> dict[str, float]:
+        """CPU seconds of each grouped source's samples so far (their thread's is the group's)."""
+        with self._groups_lock:
+            groups = list(self._groups.values())
+        return {name: round(v, 4) for g in groups for name, v in sorted(g.cpu_s.items())}
 
     def _tracker_loop(self) -> None:
         interval = float(self.cfg["process_scan_interval_s"])
@@ -687,6 +801,8 @@ class Collector:
             "startup_s": None if self._startup_cpu_s is None else round(self._startup_cpu_s, 3),
             "after_startup_s": None if self._startup_cpu_s is None else round(total - self._startup_cpu_s, 3),
             "by_thread_s": {n: round(v, 4) for n, v in sorted(by_thread.items()) if v > 0},
+            # the sources sampled on a shared drain thread (by_thread_s counts them as that thread)
+            "drain_s": self.drain_cpu_s(),
             "catch_up": self.catch_up.summary(),
         }, sort_keys=True)
         for st in self._states.values():

@@ -76,6 +76,10 @@ class Source(ABC):
     # may have missed: docs/trace-format.md, attach_json). The fast path is not one: the
     # interposers write their rings from a process's first call, whenever the collector reads them.
     attaches: bool = False
+    # True for a source whose sample cannot wedge (no driver call) and that does not use retry_s:
+    # started, it is sampled on one thread with the others of its interval (collector/daemon.py
+    # _DrainGroup: one wake-up a tick for all of them)
+    shares_drain_thread: bool = False
 
     @abstractmethod
     def start(self, ctx: SourceContext) -> None:

@@ -151,6 +151,7 @@ class BpfOffcpuSource(HubSource):
     attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.OFFCPU_INTERVALS, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0
+    shares_drain_thread = True  # its drain reads maps and /proc: nothing that can wedge
     drops_map = b"gp_off_drops"
 
     def __init__(self, flush_interval_s: float | None = None, python_frames: bool = True) -> None:

@@ -544,6 +544,7 @@ class BpfStacksSource(HubSource):
     attaches = True  # sees only what happens after it started (a late start is recorded)
     tables = (schema.STACK_SAMPLES, schema.STACK_FRAMES, schema.STACK_SYMBOLS)
     interval_s = 1.0  # one window per drain
+    shares_drain_thread = True  # its drain reads maps and /proc: nothing that can wedge
     drops_map = b"gp_cpu_drops"  # [0] counts map full; [1] stack not stored, which rows show
     drops_slots = slice(0, 1)
 

@@ -33,6 +33,7 @@ def clock_pair() -> tuple[int, int, int]:
 class ClockSource(Source):
     name = "clock"
     tables = (schema.CLOCK_PAIRS,)
+    shares_drain_thread = True
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s

@@ -138,6 +138,7 @@ class HostSource(Source):
 
     name = "host"
     tables = (schema.HOST_NODE, schema.HOST_PROCS)
+    shares_drain_thread = True  # its sample drains the native tick's buffers (or reads /proc in Python)
 
     def __init__(self, rate_hz: float = 10.0, threaded: bool = False) -> None:
         self.sample_interval_s = 1.0 / rate_hz
