@@ -147,7 +147,7 @@ class _Wake(threading.Event):
 
 @dataclass
 class _DrainGroup:
-    """Sources sampled one after the other on one thread (`drains-<ms>ms`), every interval_s on
+    """Sources sampled one after the other on one thread (`drains-1s`), every interval_s on
     the tick grid: those whose class says `shares_drain_thread` and whose interval (known once
     started) is the group's. Why: on the VMs measured each Python thread's wake-up costs about
     0.1 ms of CPU beside its work (cold caches on cores the job keeps busy, the GIL handed
@@ -597,7 +597,8 @@ class Collector:
                 g.members.append(st)
                 st.wake.also = g.wake
             if g.thread is None:
-                g.thread = self._spawn(self._group_loop, f"drains-{round(interval * 1000)}ms", g)
+                ms = round(interval * 1000)  # the kernel's name keeps 15 characters: gp-drains-1s
+                g.thread = self._spawn(self._group_loop, f"drains-{ms // 1000}s" if ms % 1000 == 0 else f"drains-{ms}ms", g)
         st.wake.set()  # its first sample now, as on a thread of its own
         return True
 
