@@ -152,8 +152,8 @@ class _DrainGroup:
     started) is the group's. Why: on the VMs measured each Python thread's wake-up costs about
     0.1 ms of CPU beside its work (cold caches on cores the job keeps busy, the GIL handed
     over), as much as the clock's or the host's whole drain; the four drains of the default modes
-    that run once a second then wake once instead of four times (docs/collector.md, "One thread
-    for the drains of a second"). Members are started in their own threads (attaching goes on
+    that run once a second then wake once instead of four times (docs/collector.md, "The
+    collector's CPU a second: five cuts"). Members are started in their own threads (attaching goes on
     in parallel) and join when started; a member's failure is its own (its back-off, its
     errors), but a member stuck in a call holds the others back, so only sources whose sample
     cannot wedge share (not NVML's, not the fast path's, which is woken by its rings)."""
@@ -176,7 +176,7 @@ class _SourceState:
     stopped: threading.Event = field(default_factory=threading.Event)
     # set to end the wait before the next sample early: at stop, and at a flush request, so that a
     # source drained once a second (a native sampling thread's rows) hands over what it holds
-    wake: _Wake = field(default_factory=lambda: _Wake())
+    wake: _Wake = field(default_factory=_Wake)
     passes: int = 0  # samples completed (under Collector._pass_cond)
     attached_ns: int | None = None  # CLOCK_MONOTONIC when start() returned (the probe is in place)
     late: dict[str, Any] | None = None  # set when a probe source attached after the job's first process

@@ -4,7 +4,7 @@ Python names its threads for itself only: in `top -H`, `ps -L`, perf and /proc e
 the collector is "python". An operator looking at a node, and the cost bench splitting the
 collector's CPU by thread, need to tell the writer from the stacks drain, so each thread sets its
 kernel name (comm, 15 characters at most) when it starts: "gp-" and its Python name without the
-"source-" / "gpuprof-" prefix (gp-writer, gp-stacks, gp-collectives_, gp-cfi-register). The
+"source-" / "gpuprof-" prefix (gp-writer, gp-drains-1s, gp-collectives_, gp-cfi-register). The
 native sampling threads name themselves the same way (collector/native/ticker.c).
 """
 
