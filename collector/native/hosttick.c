@@ -143,8 +143,8 @@ static int node_slow(struct gp_host *h, struct gp_host_node_row *r, char *buf, s
  * between repeat that read, status included). Why: memory, network and load were two thirds of
  * the node row's kernel time (perf) for figures that move slowly, that the report reads as a
  * maximum (memory) or not at all (network bytes, load); and /proc/stat, read for its first line,
- * makes the kernel format every CPU's line and every interrupt's count at each read: a fifth of
- * the tick's time on GROMACS here (perf), and more on a node of many cores and interrupts. The CPU
+ * makes the kernel format every CPU's line and every interrupt's count at each read: 14 % of the
+ * tick's time on GROMACS here (perf), and more on a node of many cores and interrupts. The CPU
  * fractions are the node's over the last full interval (USER_HZ counts: at 10 Hz on 2 CPUs one
  * tick's fraction moved in steps of 5 %). */
 static int node_row(struct gp_host *h, uint64_t now, struct gp_host_node_row *r)

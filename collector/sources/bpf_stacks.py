@@ -472,8 +472,8 @@ class UserStacks:
             self.users.discard(source)
             self.live.pop(source, None)
             if self.python is not None:
-                # read at each release, not at each drain: a per-CPU map read through
-                # get_next_key and lookups was most of an idle drain's time (py-spy on GROMACS)
+                # read at each release, not at each drain: a per-CPU map read key by key through
+                # Python at every drain of both sources, for figures only the tests read
                 self.python.counts()
             if self.users:
                 return
