@@ -35,8 +35,8 @@ CHUNK_ROWS = 64
 # of the writer's time (hpcc's 13 000 calls a second: 11 ms of CPU a second in 64-row chunks,
 # 4.9 in 512-row ones, and a file 25 % smaller); the price is ~32 kB a minute of rewritten
 # partial chunks when such a table stays slow (docs/trace-format.md, "Chunks of the busy tables").
-# 1024 rows were tried with ISA-L level 0: no less CPU a row, and 35 to 80 % more file at 1 to
-# 100 calls a second (the writer_busy_chunks bench line).
+# 1024 rows were tried with ISA-L level 0: 0 to 10 % less CPU a row (two runs of the
+# writer_busy_chunks bench line), for 35 to 80 % more file at 1 to 100 calls a second.
 BUSY_CHUNK_ROWS = 512
 BUSY_TABLES = frozenset({schema.COLLECTIVE_CALLS.path, schema.KERNEL_ACTIVITY.path, schema.KERNEL_ACTIVITY_LAUNCHES.path})
 GZIP_LEVEL = 2
