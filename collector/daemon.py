@@ -113,6 +113,12 @@ def next_tick(now: float, interval: float) -> float:
     return (math.floor(now / interval) + 1) * interval
 
 
+def next_backoff(backoff: float, interval: float) -> float:
+    """A failing source's wait before its next sample: its interval, then doubled, at most
+    MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, max(interval, backoff * 2))
+
+
 @dataclass
 class CollectorOptions:
     output: Path
@@ -547,7 +553,7 @@ class Collector:
             if self._sample_once(st):
                 backoff = 0.0
             else:
-                backoff = min(MAX_BACKOFF_S, max(interval, backoff * 2))
+                backoff = next_backoff(backoff, interval)
             now = time.monotonic()
             wait_s = next_tick(now + backoff, interval) - now
             if src.retry_s is not None and not backoff:
@@ -626,7 +632,7 @@ class Collector:
                     backoff.pop(name, None)
                     not_before.pop(name, None)
                 else:
-                    b = backoff[name] = min(MAX_BACKOFF_S, max(g.interval_s, backoff.get(name, 0.0) * 2))
+                    b = backoff[name] = next_backoff(backoff.get(name, 0.0), g.interval_s)
                     not_before[name] = next_tick(time.monotonic() + b, g.interval_s)
             if timed:
                 next_at = next_tick(time.monotonic(), g.interval_s)

@@ -515,6 +515,14 @@ def bench_filters(tmp: Path, minutes: float) -> None:
 HPCC_CALLS = Path(__file__).resolve().parents[1] / "recordings" / "hpcc-4nodes" / "node1.h5"
 
 
+def hpcc_call_rows() -> np.ndarray:
+    """hpcc's recorded /collectives/calls rows (HPCC_CALLS), in the schema's dtype."""
+    import h5py
+
+    with h5py.File(HPCC_CALLS, "r") as f:
+        return f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+
+
 def bench_chunks(tmp: Path) -> None:
     """/collectives/calls in 64-row chunks (every other table's) against BUSY_CHUNK_ROWS (the
     busy tables'): hpcc's recorded calls (tests/recordings/hpcc-4nodes, real rows, taken in turn)
@@ -527,8 +535,7 @@ def bench_chunks(tmp: Path) -> None:
     from gpuprof.collector.writer import BUSY_CHUNK_ROWS, CHUNK_ROWS, GZIP_LEVEL, compression_kwargs
 
     every = float(defaults()["collector"]["flush_interval_s"])
-    with h5py.File(HPCC_CALLS, "r") as f:
-        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+    real = hpcc_call_rows()
 
     def one(chunk: int, rate: int, minutes: float) -> tuple[float, float]:
         path = tmp / f"chunks-{chunk}-{rate}.h5"
@@ -580,32 +587,25 @@ def bench_busy_chunks(tmp: Path, rounds: int) -> None:
     from gpuprof.collector.config import defaults
 
     every = float(defaults()["collector"]["flush_interval_s"])
-    with h5py.File(HPCC_CALLS, "r") as f:
-        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+    real = hpcc_call_rows()
 
     def one(level: int, chunk: int, rate: int, minutes: float) -> tuple[float, float]:
         """(writer ns a row, file kB a minute)"""
         path = tmp / f"busy-{level}-{chunk}-{rate}.h5"
-        per, pos = max(1, round(rate * every)), 0
-        saved = writer.ISAL_LEVEL
-        writer.ISAL_LEVEL = level
-        try:
-            with h5py.File(path, "w", libver="latest") as f:
-                ds = f.create_dataset("calls", shape=(0,), maxshape=(None,), dtype=real.dtype, chunks=(chunk,),
-                                      **writer.compression_kwargs("gzip"))
-                f.swmr_mode = True
-                direct = writer.DirectChunks(ds.id, real.dtype, chunk)
-                batches = [np.take(real, np.arange(k * per, (k + 1) * per) % len(real))
-                           for k in range(int(minutes * 60 / every))]
-                t0 = time.thread_time_ns()
-                for rows in batches:
-                    direct.append(rows)
-                    pos += per
-                    direct.flush()
-                    f.flush()
-                ns = (time.thread_time_ns() - t0) / max(pos, 1)
-        finally:
-            writer.ISAL_LEVEL = saved
+        per = max(1, round(rate * every))
+        with h5py.File(path, "w", libver="latest") as f:
+            ds = f.create_dataset("calls", shape=(0,), maxshape=(None,), dtype=real.dtype, chunks=(chunk,),
+                                  **writer.compression_kwargs("gzip"))
+            f.swmr_mode = True
+            direct = writer.DirectChunks(ds.id, real.dtype, chunk, level)
+            batches = [np.take(real, np.arange(k * per, (k + 1) * per) % len(real))
+                       for k in range(int(minutes * 60 / every))]
+            t0 = time.thread_time_ns()
+            for rows in batches:
+                direct.append(rows)
+                direct.flush()
+                f.flush()
+            ns = (time.thread_time_ns() - t0) / (per * len(batches))
         size = path.stat().st_size
         path.unlink()
         return ns, size / 1e3 / minutes
@@ -647,7 +647,6 @@ def bench_shuffle(rounds: int) -> None:
     transpose of the rows' bytes against collector/native/shuffle.c, on hpcc's recorded call rows
     (tests/recordings/hpcc-4nodes) in the writer's 512-row chunks; ns a row, medians of
     interleaved rounds with min and max. The two give the same bytes (tests/test_writer.py)."""
-    import h5py
 
     from gpuprof.collector.writer import BUSY_CHUNK_ROWS, native_shuffle, numpy_shuffle
 
@@ -655,8 +654,7 @@ def bench_shuffle(rounds: int) -> None:
     if shuffle is None:
         print(json.dumps({"bench": "writer_shuffle", "missing": "collector/native not built"}), flush=True)
         return
-    with h5py.File(HPCC_CALLS, "r") as f:
-        real = f[schema.COLLECTIVE_CALLS.path][()].astype(schema.COLLECTIVE_CALLS.dtype)
+    real = hpcc_call_rows()
     c, size = BUSY_CHUNK_ROWS, real.dtype.itemsize
     chunks = [real[k:k + c] for k in range(0, len(real) - c + 1, c)]
     out = np.empty(c * size, np.uint8)
