@@ -366,3 +366,56 @@ def test_native_cfi_stack_reads_are_those_of_single_lookups() -> None:
         assert unwinder._take_refused.startswith("gp_cfi_stacks_take: Invalid argument")
     finally:
         b.cleanup()
+
+
+def test_user_stack_records_are_freed_one_drain_after_their_last_use() -> None:
+    """A CFI record (and a Python one, the same way) that a source's drain read is freed at that
+    source's next drain unless used again, never at once: a sample taken between a drain's read of
+    its window and the free finds its record stored, keeps the id, and would point at a freed
+    record (a CPU sample with a lost user stack). A kept id (the new window's, a sleeping
+    thread's) is never freed; the other source's ids are its own; a source's release frees what it
+    still holds."""
+    import threading
+
+    reason = bpf_skip_reason() or native_progs.cc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpuprof.collector import cfiunwind
+    from gpuprof.collector.bpf_object import BpfObject, libbpf
+    from gpuprof.collector.sources import bpf_stacks
+
+    b = BpfObject.compile(CFI_STACKS_PROG.replace("MAX_FRAMES", "4"), [])
+    try:
+        table = b[b"gp_cfi_stacks"]
+        unwinder = cfiunwind.CfiUnwinder.__new__(cfiunwind.CfiUnwinder)
+        unwinder.stacks_map, unwinder.lib, unwinder._take_refused = table, libbpf(), ""
+        unwinder._take = cfiunwind._native_take()
+        users = bpf_stacks.UserStacks.__new__(bpf_stacks.UserStacks)
+        users.lock, users.cfi, users.python, users.held = threading.RLock(), unwinder, None, {}
+        users.users, users.live = {"stacks", "offcpu"}, {}
+        a, b_, c, d, e = ((1 << 40) + i for i in range(5))
+        for sid in (a, b_, c, d, e):
+            leaf = table.Leaf()
+            leaf.depth, leaf.pc[0] = 1, sid & 0xFFFF
+            table[table.Key(sid)] = leaf
+
+        def stored() -> set[int]:
+            return {int(k.value) for k, _ in table.items()}
+
+        frames, _, _ = users.take("stacks", {a, b_}, set(), {c}, set(), {})
+        assert {frames[a], frames[b_]} == {(a & 0xFFFF,), (b_ & 0xFFFF,)}
+        assert stored() == {a, b_, c, d, e}  # read, none freed
+        users.take("offcpu", {d}, set(), set(), set(), {})
+        frames, _, _ = users.take("stacks", {b_}, set(), set(), set(), {})
+        assert frames[b_] == (b_ & 0xFFFF,)
+        assert stored() == {b_, c, d, e}  # a: unused for a drain; c was only kept; d is offcpu's
+        users.take("stacks", set(), set(), {b_}, set(), {})
+        assert stored() == {b_, c, d, e}  # b kept by the new window
+        users.take("stacks", set(), set(), set(), set(), {})
+        assert stored() == {b_, c, d, e}  # b was kept, not read, in the last drain: held none
+        users.take("stacks", {e}, set(), set(), set(), {})
+        users.release("stacks")
+        assert stored() == {b_, c, d}  # the release frees what the source still held (e)
+        assert users.users == {"offcpu"} and "stacks" not in users.held
+    finally:
+        b.cleanup()

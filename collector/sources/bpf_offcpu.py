@@ -271,7 +271,7 @@ class BpfOffcpuSource(HubSource):
         keep_py = nonzero_ids(live["py_stack"]) | nonzero_ids(sleeping["py_stack"])
         if final:
             keep_cfi, keep_py = set(), set()  # nothing is read after the last drain
-        all_frames, py_entries, _gil = self.users.take(want_cfi, want_py, keep_cfi, keep_py, frames)  # blocked: no GIL
+        all_frames, py_entries, _gil = self.users.take(self.name, want_cfi, want_py, keep_cfi, keep_py, frames)  # blocked: no GIL
         dec = self.users.decoder(self.store, all_frames, py_entries, self.python_frames)
         users = np.empty(n_done, np.uint32)
         kernels = np.empty(n_done, np.uint32)

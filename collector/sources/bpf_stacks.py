@@ -26,7 +26,7 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -393,6 +393,32 @@ class PythonStacks:
         return self.last_counts
 
 
+class HeldIds:
+    """The ids one source's drains read from a kernel map keyed by content (the CFI walks'
+    gp_cfi_stacks, the Python stacks' gp_py_stacks), freed one drain after their last use, for
+    WindowedCounts' reason: a sample taken between the drain's read of its window and the free
+    finds its record stored (the insert's BPF_NOEXIST fails with EEXIST), keeps the id, and its
+    key in the new window pointed at a freed record (a CPU sample with a lost user stack, in 1 of
+    7 runs of test_cpu_samples_and_offcpu_share_the_user_stacks)."""
+
+    def __init__(self) -> None:
+        self.unused: set[int] = set()  # read by the last drain and used by nothing it kept
+
+    def step(self, read: set[int], keep: set[int]) -> set[int]:
+        """The ids to free now, as a drain reads `read` while `keep` are still in use (a new
+        window's, a sleeping thread's)."""
+        used = read | keep
+        free = self.unused - used
+        self.unused = used - keep
+        return free
+
+
+def take_and_free(take: Callable[[set[int], set[int]], Any], read: set[int], free: set[int]) -> Any:
+    """take(ids, keep) of a record map (CfiUnwinder.take, PythonStacks.take), which frees each id
+    read that is not kept: the ids in read kept, those in free (read by an earlier drain) freed."""
+    return take(read | free, read)
+
+
 class UserStacks:
     """The user stacks of the job's threads as both sources of mode `stacks` record them, the CPU
     sampler (bpf/stacks.c) and off-CPU (bpf/offcpu.c): one per BPF object (hub.shared, taken with
@@ -412,6 +438,7 @@ class UserStacks:
         self.cfi: CfiUnwinder | None = start_unwinder(hub, ctx, unwinder, compiler)  # None: frame pointers only
         self.live: dict[str, frozenset[int]] = {}  # source -> the processes its last drain saw
         self.users: set[str] = set()
+        self.held: dict[str, tuple[HeldIds, HeldIds]] = {}  # source -> its (CFI, Python) ids held a drain
 
     def acquire(self, source: str, python_frames: bool, pids: Iterable[int]) -> None:
         """A source starts using the user stacks (python_frames: it asks for Python frames; the
@@ -433,20 +460,29 @@ class UserStacks:
             with self.lock:
                 self.python.register(pids)
 
-    def take(self, cfi_ids: set[int], py_ids: set[int], keep_cfi: set[int], keep_py: set[int],
+    def take(self, source: str, cfi_ids: set[int], py_ids: set[int], keep_cfi: set[int], keep_py: set[int],
              frames: Mapping[int, Sequence[int] | None]
              ) -> tuple[dict[int, Sequence[int] | None], dict[int, list[tuple[int, int]] | None], dict[int, int]]:
         """(frames with the pc lists of the CFI ids added, the Python entries of the Python ids,
-        the GIL state of the Python ids), read from the kernel maps and freed there unless kept
-        (ids a new window or a sleeping thread still uses)."""
+        the GIL state of the Python ids), read from the kernel maps. An id is freed there one
+        drain of the source after its last use (HeldIds), never while kept (ids a new window or a
+        sleeping thread still uses)."""
         out: dict[int, Sequence[int] | None] = dict(frames)
         py_entries: dict[int, list[tuple[int, int]] | None] = {}
         py_gil: dict[int, int] = {}
         with self.lock:
-            if self.cfi is not None and cfi_ids:
-                out.update(self.cfi.take(cfi_ids, keep_cfi))
-            if self.python is not None and py_ids:
-                py_entries, py_gil = self.python.take(py_ids, keep_py)
+            held_cfi, held_py = self.held.setdefault(source, (HeldIds(), HeldIds()))
+            if self.cfi is not None:
+                free = held_cfi.step(cfi_ids, keep_cfi)
+                if cfi_ids or free:
+                    taken = take_and_free(self.cfi.take, cfi_ids, free)
+                    out.update((sid, taken[sid]) for sid in cfi_ids)
+            if self.python is not None:
+                free = held_py.step(py_ids, keep_py)
+                if py_ids or free:
+                    entries, gil = take_and_free(self.python.take, py_ids, free)
+                    py_entries = {sid: entries[sid] for sid in py_ids}
+                    py_gil = {sid: gil[sid] for sid in py_ids if sid in gil}
         return out, py_entries, py_gil
 
     def decoder(self, store: StackStore, frames: Mapping[int, Sequence[int] | None],
@@ -471,7 +507,12 @@ class UserStacks:
         with self.lock:
             self.users.discard(source)
             self.live.pop(source, None)
+            held_cfi, held_py = self.held.pop(source, (HeldIds(), HeldIds()))
+            if self.cfi is not None and held_cfi.unused:
+                self.cfi.take(held_cfi.unused, set())  # the source's last reads, freed
             if self.python is not None:
+                if held_py.unused:
+                    self.python.take(held_py.unused, set())
                 # read at each release, not at each drain: a per-CPU map read key by key through
                 # Python at every drain of both sources, for figures only the tests read
                 self.python.counts()
@@ -627,7 +668,7 @@ class BpfStacksSource(HubSource):
         # registered the process for its own walks (they are then not merged here)
         py_ids = keys["py_stack"].tolist()
         live = self.counts.live_keys  # the new window's CFI and Python ids stay in the kernel maps
-        all_frames, py_entries, py_gil = self.users.take({c for c in cfi_ids if c}, {p for p in py_ids if p},
+        all_frames, py_entries, py_gil = self.users.take(self.name, {c for c in cfi_ids if c}, {p for p in py_ids if p},
                                                  nonzero_ids(live["cfi_stack"]), nonzero_ids(live["py_stack"]), frames)
         dec = self.users.decoder(self.store, all_frames, py_entries, self.python_frames)
         users = np.empty(len(keys), np.uint32)
