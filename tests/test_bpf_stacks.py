@@ -86,7 +86,8 @@ def test_hot_function_dominates(tmp_path: Path) -> None:
 def test_samples_in_the_kernel_keep_their_kernel_stack(tmp_path: Path) -> None:
     """Two threads calling sched_yield on one CPU: the samples taken in the kernel have the kernel
     stack of the system call, those taken in user mode none (STACK_NONE, not asked for: the
-    sampler skips the kernel walk there), and none is lost."""
+    sampler skips the kernel walk there), and a lost one (STACK_LOST) is as rare as
+    test_hot_function_dominates allows."""
     _skip()
     rows, info, f, errors = run_stacks(tmp_path, ["yield", "2"])
     assert not errors, errors
@@ -95,12 +96,16 @@ def test_samples_in_the_kernel_keep_their_kernel_stack(tmp_path: Path) -> None:
     total = int(workers["count"].sum())
     in_kernel = Counter[str]()
     for r in workers:
-        k = names.get(int(r["kernel_stack"]), [])
-        in_kernel["yield" if any("sched_yield" in n for n in k) else "other" if k else "none"] += int(r["count"])
+        sid = int(r["kernel_stack"])
+        k = names.get(sid, [])
+        # lost: the kernel could not store it (two stacks in one bucket of the stack map), by
+        # design; it was read as "none" here before, which failed 1 run in tens (33 against 34)
+        kind = "lost" if sid == STACK_LOST else "yield" if any("sched_yield" in n for n in k) else "other" if k else "none"
+        in_kernel[kind] += int(r["count"])
     assert total > 50 and in_kernel["yield"] >= 0.2 * total, in_kernel
     no_stack = workers["kernel_stack"] == STACK_NONE
     assert int(workers["count"][no_stack].sum()) == in_kernel["none"], in_kernel
-    assert not (workers["kernel_stack"] == STACK_LOST).any()
+    assert in_kernel["lost"] <= 0.02 * total, in_kernel
 
 
 @pytest.mark.bpf
