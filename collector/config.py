@@ -83,6 +83,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
             "keep the compiled BPF object's image in <state_dir>/bpf-objects, per source and kernel, and load "
             "it instead of compiling again (docs/collector.md)",
         ),
+        "sched_batch": Key(
+            bool, True,
+            "run the collector's threads under SCHED_BATCH: one that wakes never preempts a running rank, it runs "
+            "when the rank yields, blocks or ends its slice (docs/collector.md)",
+        ),
         "test_slow_attach_s": Key(
             (int, float), 0.0, "test hook: every source but the clock starts this much later (0 = off)"
         ),

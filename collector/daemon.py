@@ -101,6 +101,25 @@ def lower_priority(nice: int, proc_self: Path = Path("/proc/self")) -> list[str]
     return problems
 
 
+def run_as_batch() -> list[str]:
+    """Put this thread under SCHED_BATCH (its nice kept), before the collector's threads start
+    (they inherit it): what failed, in words.
+
+    Why: the kernel never lets a SCHED_BATCH thread that wakes preempt the task running on its CPU
+    (check_preempt_wakeup_fair); it runs when that task yields, blocks or ends its slice. On a node
+    whose every core runs a rank, about a third of the collector's CPU preempted a computing rank
+    (bench_slowdown --displaced), and the job loses all of that; under SCHED_BATCH the collector
+    runs mostly while a rank polls in sched_yield. Measured on GROMACS, 6 interleaved pairs
+    (docs/collector.md, "SCHED_BATCH"): the time taken from computing ranks halved, from 0.33 to
+    0.16 % of the run, and the upper bound of what the ranks lost (that, and what ran while a rank
+    polled that then had work) fell in every pair."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as e:
+        return [f"cannot run under SCHED_BATCH: {e}"]
+    return []
+
+
 def next_tick(now: float, interval: float) -> float:
     """The next multiple of `interval` on the monotonic clock after `now`.
 
@@ -269,7 +288,7 @@ class Collector:
 
         self.opts = opts
         self.cfg = opts.config["collector"]
-        self.catch_up = CatchUp(0, None)  # lifts the lowered priority while falling behind (_apply_nice)
+        self.catch_up = CatchUp(0, None)  # lifts the lowered priority while falling behind (_lower_priority)
         self.sources = sources if sources is not None else default_sources(opts.modes, opts.config)
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -819,13 +838,16 @@ class Collector:
                 log.error("%s: at_seal failed: %s: %s", st.source.name, type(e).__name__, e)
 
     # --- lifecycle ----------------------------------------------------------------------------------
-    def _apply_nice(self) -> None:
+    def _lower_priority(self) -> None:
+        """The nice, the autogroup's and the scheduling policy, before any thread starts."""
         if self.opts.nice is not None:
             for problem in lower_priority(self.opts.nice):
                 log.warning("%s", problem)
             group = Path("/proc/self/autogroup")
             if os.getsid(0) == os.getpid() and autogroup_nice(group) == self.opts.nice:
                 self.catch_up = CatchUp(self.opts.nice, group)
+        for problem in run_as_batch() if self.cfg["sched_batch"] else []:
+            log.warning("%s", problem)
 
     @staticmethod
     def _raise_fd_limit() -> None:
@@ -863,7 +885,7 @@ class Collector:
 
     def start(self) -> None:
         """Start every thread; returns at once. `run` is start + wait + shutdown."""
-        self._apply_nice()
+        self._lower_priority()
         self._raise_fd_limit()
         if self.opts.control_socket is not None:
             from gpuprof.collector.control import ControlServer

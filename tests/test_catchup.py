@@ -88,7 +88,7 @@ def test_the_collector_lifts_its_priority_when_a_source_falls_behind(tmp_path: P
     c = Collector(CollectorOptions(output=out, modes=("metrics",), config=config_mod.defaults(), pid=sleeper.pid,
                                    control_socket=tmp_path / "c.sock", use_scontrol=False),
                   sources=[ClockSource(1.0), Behind()])
-    c.catch_up = CatchUp(10, group)  # as _apply_nice sets it in a collector that leads its session
+    c.catch_up = CatchUp(10, group)  # as _lower_priority sets it in a collector that leads its session
     c.start()
     try:
         deadline = time.monotonic() + 10

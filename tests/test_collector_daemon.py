@@ -419,6 +419,39 @@ def test_the_lowered_collector_yields_its_core_to_a_job_in_another_session() -> 
     assert collector_share < job_share / 3, (collector_share, job_share)
 
 
+@pytest.mark.parametrize("batch", [True, False])
+def test_every_collector_thread_runs_under_sched_batch(tmp_path: Path, job: subprocess.Popen[bytes],
+                                                       batch: bool) -> None:
+    """collector.sched_batch (on by default): every thread of the collector, the native ticks'
+    included, runs under SCHED_BATCH (a thread that wakes never preempts a running rank), its nice
+    kept; off, under SCHED_OTHER."""
+    env = env_with()
+    if not batch:
+        conf = tmp_path / "gpuprof.toml"
+        conf.write_text("[collector]\nsched_batch = false\n")
+        env["GPUPROF_CONFIG"] = str(conf)
+    p = start(tmp_path / "n1.h5", "--pid", str(job.pid), "--duration", "4", "--nice", "7", env=env)
+    try:
+        policies: dict[str, tuple[int, int]] = {}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not {"gp-writer", "gp-tick-100ms"} <= set(policies):
+            time.sleep(0.2)
+            for task in Path(f"/proc/{p.pid}/task").iterdir():
+                try:
+                    name = (task / "comm").read_text().strip()
+                    policies[name] = (os.sched_getscheduler(int(task.name)),
+                                      os.getpriority(os.PRIO_PROCESS, int(task.name)))
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+        assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert {"gp-writer", "gp-tick-100ms"} <= set(policies), policies
+    want = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    assert set(policies.values()) == {(want, 7)}, policies
+
+
 def test_the_collector_runs_no_thread_it_did_not_start(tmp_path: Path, job: subprocess.Popen[bytes]) -> None:
     """numpy's OpenBLAS starts a thread per core at import, which spins on the job's cores (0.12 s
     of CPU here): the collector asks for one BLAS thread, whatever the environment says, so every
