@@ -839,13 +839,16 @@ class Collector:
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def _lower_priority(self) -> None:
-        """The nice, the autogroup's and the scheduling policy, before any thread starts."""
-        if self.opts.nice is not None:
-            for problem in lower_priority(self.opts.nice):
-                log.warning("%s", problem)
-            group = Path("/proc/self/autogroup")
-            if os.getsid(0) == os.getpid() and autogroup_nice(group) == self.opts.nice:
-                self.catch_up = CatchUp(self.opts.nice, group)
+        """The nice, the autogroup's and the scheduling policy, before any thread starts; only in
+        a collector process (the CLI always gives a nice): a collector run inside another program
+        (tests') leaves that program's priority alone, as its calling thread is the program's."""
+        if self.opts.nice is None:
+            return
+        for problem in lower_priority(self.opts.nice):
+            log.warning("%s", problem)
+        group = Path("/proc/self/autogroup")
+        if os.getsid(0) == os.getpid() and autogroup_nice(group) == self.opts.nice:
+            self.catch_up = CatchUp(self.opts.nice, group)
         for problem in run_as_batch() if self.cfg["sched_batch"] else []:
             log.warning("%s", problem)
 

@@ -424,7 +424,9 @@ def test_every_collector_thread_runs_under_sched_batch(tmp_path: Path, job: subp
                                                        batch: bool) -> None:
     """collector.sched_batch (on by default): every thread of the collector, the native ticks'
     included, runs under SCHED_BATCH (a thread that wakes never preempts a running rank), its nice
-    kept; off, under SCHED_OTHER."""
+    kept; off, under the policy it was started with (SCHED_OTHER here). An in-process collector
+    (the other tests') must not have put this test process under SCHED_BATCH, as it once did."""
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "an earlier test left the test process under another policy"
     env = env_with()
     if not batch:
         conf = tmp_path / "gpuprof.toml"
